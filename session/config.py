@@ -1,0 +1,103 @@
+"""One typed configuration, built once from model-config.yaml and the environment.
+
+Precedence: defaults < the ``handler:`` section of model-config.yaml < environment
+variables named ``RESIDENT_<FIELD>`` (upper case). SageMaker passes settings only as
+environment variables, so every field can be set that way. Unknown keys are an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from session.errors import ConfigError
+
+ENV_PREFIX = "RESIDENT_"
+
+# TorchServe's own keys that may sit in the handler section next to ours.
+_IGNORED_YAML_KEYS = frozenset()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str = "models/llava-tiny"
+    device: str = "auto"  # "auto" -> cuda if available, else cpu; or "cpu", "cuda", "cuda:1"
+    dtype: str = "auto"  # "auto" -> float32 on cpu, bfloat16 on cuda; or float32/bfloat16/float16
+    session_ttl_s: float = 1200.0  # idle sessions expire after this many seconds
+    reaper_interval_s: float = 1.0  # how often the engine looks for expired sessions
+    max_sessions: int = 1024  # live sessions per worker; opening one more answers 503
+    max_context_tokens: int = 0  # 0 -> the model's max_position_embeddings
+    max_new_tokens: int = 1024  # the largest max_tokens a request may ask for
+    default_max_tokens: int = 128  # when a request does not say
+    max_batch_size: int = 16  # sessions decoding together in one forward pass
+    max_queue: int = 256  # waiting requests per worker before 503
+    kv_block_tokens: int = 256  # KV buffers grow in whole blocks of this many tokens
+    static_kv: bool = False  # fixed-capacity KV (max_context_tokens) for static-shape compilers
+    max_image_bytes: int = 6 * 1024 * 1024  # encoded image size (SageMaker's payload limit)
+    max_image_pixels: int = 4096 * 4096  # decoded width*height; guards decompression bombs
+    max_images_per_request: int = 4
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    seed: int = 0  # default sampling seed when a request gives none
+
+    @classmethod
+    def from_sources(
+        cls, yaml_section: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+        base_dir: str | None = None,
+    ) -> "EngineConfig":
+        """Called once at start-up by the handler (and by tests) to build the config."""
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in (yaml_section or {}).items():
+            if key in _IGNORED_YAML_KEYS:
+                continue
+            if key not in known:
+                raise ConfigError(f"unknown setting {key!r} in model-config.yaml; known: {sorted(known)}")
+            values[key] = _coerce(known[key], raw, f"model-config.yaml {key}")
+        env = os.environ if environ is None else environ
+        for name, f in known.items():
+            env_name = ENV_PREFIX + name.upper()
+            if env_name in env:
+                values[name] = _coerce(f, env[env_name], env_name)
+        config = cls(**values)
+        if base_dir and not Path(config.model_path).is_absolute() and not Path(config.model_path).exists():
+            candidate = Path(base_dir) / config.model_path
+            if candidate.exists():
+                config = dataclasses.replace(config, model_path=str(candidate))
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",
+                    "max_batch_size", "max_queue", "kv_block_tokens", "max_image_bytes", "max_image_pixels",
+                    "max_images_per_request"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_new_tokens:
+            raise ConfigError(f"{ENV_PREFIX}DEFAULT_MAX_TOKENS ({self.default_max_tokens}) must not exceed "
+                              f"{ENV_PREFIX}MAX_NEW_TOKENS ({self.max_new_tokens})")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"{ENV_PREFIX}DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (Path(self.model_path) / "config.json").exists():
+            raise ConfigError(f"no Hugging Face checkpoint at {self.model_path!r}: set {ENV_PREFIX}MODEL_PATH "
+                              "(or MODEL for make serve) to a directory with config.json")
+
+
+def _coerce(f: dataclasses.Field, raw: Any, where: str) -> Any:
+    kind = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float, "bool": bool}[f.type]
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where} must be true or false, got {raw!r}")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must be {kind.__name__}, got {raw!r}") from None

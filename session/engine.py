@@ -1,0 +1,362 @@
+"""The session engine: one loop thread that owns every session and batches across them.
+
+Callers (the TorchServe handler, tests, benchmarks) submit requests from any thread; the
+loop thread admits them, prefills one new request per iteration (only the tokens its
+session has not cached), and runs one decode step for every running request together
+(continuous batching: a request that arrives while others decode joins at the next step).
+Requests on one session run one at a time, in arrival order. Idle sessions are reaped by
+the loop itself, so memory is freed without a request arriving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from session.config import EngineConfig
+from session.errors import BadRequest, CapacityExceeded, ContextLengthExceeded, ResidentError, SessionNotFound
+from session.events import Closed, EventStream, Failed, Finished, Started, TextDelta
+from session.model_runner import ModelRunner
+from session.prompt import ChatFormatter
+from session.protocol import Message, SamplingParams, Usage, new_session_id
+from session.sampling import make_generator, sample_rows
+from session.state import SessionState
+from session.store import SessionStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationRequest:
+    """One turn. ``session_id`` names an existing session, or the id to give a new one."""
+
+    messages: tuple[Message, ...]
+    sampling: SamplingParams
+    stream: EventStream
+    session_id: str | None = None
+    open_session: bool = False  # True: create session_id; False with session_id None: stateless
+    pixel_values: torch.Tensor | None = None  # [num_images, 3, H, W], preprocessed by the caller
+    image_digests: tuple[str, ...] = ()
+    request_id: str = ""
+    token_ids: list[int] | None = None  # raw prompt ids instead of messages (tests, benchmarks)
+
+
+@dataclass
+class CloseRequest:
+    session_id: str
+    stream: EventStream
+    request_id: str = ""
+
+
+@dataclass
+class Sequence:
+    """A request the loop is working on (after admission, until finished)."""
+
+    request: GenerationRequest
+    session: SessionState
+    generator: torch.Generator | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    num_text_sent: int = 0  # characters of the answer already streamed
+
+    @property
+    def next_token(self) -> int:
+        return self.generated[-1]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.config = config
+        self.clock = clock
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        self.runner = runner or ModelRunner(config)
+        info = self.runner.info
+        self.max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
+        self.tokenizer, self.image_processor = _load_processing(config.model_path, self.runner.is_multimodal)
+        self.formatter = ChatFormatter(
+            self.tokenizer, image_token=getattr(self.tokenizer, "image_token", None) if info.image_token_id else None,
+            image_token_id=info.image_token_id, num_image_tokens=info.num_image_tokens,
+            eos_token_ids=info.eos_token_ids,
+        )
+        self.store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._num_queued = 0  # submitted, not yet admitted; guarded by _queued_lock
+        self._queued_lock = threading.Lock()
+        self._waiting: deque[Sequence] = deque()  # admitted, waiting for prefill
+        self._running: list[Sequence] = []  # decoding
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._next_reap = 0.0
+        self.num_decode_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prefilled_tokens = 0
+        self.num_cached_tokens = 0
+        self.max_batch_seen = 0
+
+    # ------------------------------------------------------------------ caller side (any thread)
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="resident-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest | CloseRequest) -> None:
+        """Queue a request; its events arrive on ``request.stream``. Raises CapacityExceeded when full."""
+        with self._queued_lock:
+            if self._num_queued + len(self._waiting) >= self.config.max_queue:
+                raise CapacityExceeded(f"{self.config.max_queue} requests are already waiting", retry_after_s=1)
+            self._num_queued += 1
+        self._inbox.put(request)
+
+    def preprocess_images(self, images: list) -> torch.Tensor | None:
+        """PIL images -> pixel_values [N, 3, H, W]. Runs in the caller's thread (CPU work, no model)."""
+        if not images:
+            return None
+        if self.image_processor is None:
+            raise BadRequest("this model is text-only; remove the image_url parts")
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+
+    def new_session_id(self) -> str:
+        return new_session_id()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._iterate()
+            except Exception:  # never let the loop die; the failing requests were already told
+                logger.exception("engine loop iteration failed")
+
+    def _iterate(self) -> None:
+        idle = not self._running and not self._waiting
+        self._drain_inbox(block=idle)
+        if self.clock() >= self._next_reap:
+            self._reap()
+        if self._waiting:
+            self._start(self._waiting.popleft())
+        if self._running:
+            self._decode_step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        timeout = self.config.reaper_interval_s if block else None
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=timeout)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            with self._queued_lock:
+                self._num_queued -= 1
+            self._admit(item)
+
+    def _admit(self, item: GenerationRequest | CloseRequest) -> None:
+        try:
+            if isinstance(item, CloseRequest):
+                self._close(item)
+            else:
+                self._admit_generation(item)
+        except ResidentError as exc:
+            item.stream.put(Failed(exc))
+        except Exception as exc:
+            logger.exception("admitting request %s (session %s) failed", item.request_id, item.session_id)
+            item.stream.put(Failed(exc))
+
+    def _admit_generation(self, request: GenerationRequest) -> None:
+        now = self.clock()
+        if request.open_session or request.session_id is None:
+            kv = self.runner.new_kv_cache(block_tokens=self.config.kv_block_tokens, max_tokens=self.max_context,
+                                          static=self.config.static_kv)
+            session = self.store.open(SessionState(
+                session_id=request.session_id or new_session_id(), kv=kv, created_at=now,
+                expires_at=now + self.config.session_ttl_s, ephemeral=not request.open_session,
+            ))
+        else:
+            session = self.store.get(request.session_id)
+            if session.busy:
+                session.pending.append(request)
+                return
+        session.busy = True
+        self._waiting.append(Sequence(request=request, session=session))
+
+    def _close(self, request: CloseRequest) -> None:
+        session = self.store.get(request.session_id)
+        if session.busy:
+            session.pending.append(request)  # close after the running turn, in order
+            return
+        self.store.close(request.session_id)
+        request.stream.put(Closed(request.session_id))
+        while session.pending:  # requests queued behind the close find the session gone
+            later = session.pending.popleft()
+            later.stream.put(Failed(SessionNotFound(f"session {request.session_id} was closed")))
+
+    def _reap(self) -> None:
+        for session_id in self.store.expired_ids():
+            self.store.close(session_id, reason="expired")
+            logger.info("session %s expired", session_id)
+        self._next_reap = self.clock() + self.config.reaper_interval_s
+
+    # ------------------------------------------------------------------ prefill
+
+    def _start(self, seq: Sequence) -> None:
+        try:
+            self._prefill(seq)
+        except Exception as exc:
+            if not isinstance(exc, ResidentError):
+                logger.exception("prefill of request %s (session %s) failed", seq.request.request_id,
+                                 seq.session.session_id)
+            self._end(seq, Failed(exc))
+
+    def _prefill(self, seq: Sequence) -> None:
+        request, session = seq.request, seq.session
+        if request.token_ids is not None:
+            new_ids, num_images = list(request.token_ids), self._count_images(request.token_ids)
+        elif session.num_turns == 0:
+            piece = self.formatter.opening(request.messages)
+            new_ids, num_images = piece.token_ids, piece.num_images
+        else:
+            piece = self.formatter.followup(request.messages, session.ended_with_eos)
+            new_ids, num_images = piece.token_ids, piece.num_images
+        given = 0 if request.pixel_values is None else request.pixel_values.shape[0]
+        if num_images != given:
+            raise BadRequest(f"the prompt has {num_images} image placeholders but {given} images were given")
+        prompt_tokens = len(session.token_ids) + len(new_ids)
+        max_tokens = request.sampling.max_tokens
+        if prompt_tokens + max_tokens > self.max_context:
+            raise ContextLengthExceeded(
+                f"this turn needs {prompt_tokens} prompt tokens + max_tokens {max_tokens} = "
+                f"{prompt_tokens + max_tokens}, over the context window of {self.max_context}"
+                + (" (the session's history counts)" if session.num_turns else "")
+            )
+        new_embeds = self.runner.encode_images(request.pixel_values) if given else []
+        kv = session.kv
+        cached = kv.length
+        # The transcript's last token (the previous answer's last one) was never fed: feed it now.
+        embeds = self.runner.embed(session.token_ids[cached:] + new_ids, new_embeds)
+        kv.ensure_capacity(prompt_tokens + max_tokens)
+        logits = self.runner.prefill(kv, embeds)
+        # Commit only after the model ran: a failure above leaves the session as it was.
+        session.token_ids.extend(new_ids)
+        session.image_embeds.extend(new_embeds)
+        session.image_digests.extend(request.image_digests)
+        session.num_turns += 1
+        seq.prompt_tokens, seq.cached_tokens = prompt_tokens, cached
+        seq.generator = make_generator(request.sampling, self.config.seed, self.runner.device)
+        self.num_prefilled_tokens += prompt_tokens - cached
+        self.num_cached_tokens += cached
+        request.stream.put(Started(
+            session_id=None if session.ephemeral else session.session_id,
+            expires_at=None if session.ephemeral else session.expires_at,
+            prompt_tokens=prompt_tokens, cached_tokens=cached,
+        ))
+        token = sample_rows(logits[None], [request.sampling], [seq.generator])[0]
+        if not self._on_token(seq, token):
+            self._running.append(seq)
+
+    def _count_images(self, token_ids: list[int]) -> int:
+        image_id, per_image = self.runner.info.image_token_id, self.runner.info.num_image_tokens
+        return 0 if image_id is None else token_ids.count(image_id) // per_image
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode_step(self) -> None:
+        batch = self._running[: self.config.max_batch_size]
+        try:
+            logits = self.runner.decode([s.session.kv for s in batch], [s.next_token for s in batch])
+            tokens = sample_rows(logits, [s.request.sampling for s in batch], [s.generator for s in batch])
+        except Exception as exc:
+            # The caches are unchanged (lengths advance only after a full step): fail these requests,
+            # keep their sessions.
+            logger.exception("decode step failed for %d requests", len(batch))
+            for seq in batch:
+                self._running.remove(seq)
+                self._end(seq, Failed(exc))
+            return
+        self.num_decode_steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        finished = [seq for seq, token in zip(batch, tokens) if self._on_token(seq, token)]
+        for seq in finished:
+            self._running.remove(seq)
+        if len(self._running) > self.config.max_batch_size:
+            # More running than one step takes: rotate so every request advances.
+            self._running = self._running[len(batch):] + [s for s in batch if s not in finished]
+
+    def _on_token(self, seq: Sequence, token: int) -> bool:
+        """Record a sampled token; stream text; return True when the request finished (and end it)."""
+        seq.generated.append(token)
+        seq.session.token_ids.append(token)
+        self.num_generated_tokens += 1
+        sampling = seq.request.sampling
+        is_eos = token in self.runner.info.eos_token_ids
+        text = self.tokenizer.decode(seq.generated[:-1] if is_eos else seq.generated, skip_special_tokens=True)
+        finish_reason = None
+        for stop in sampling.stop:
+            index = text.find(stop)
+            if index >= 0:
+                text, finish_reason = text[:index], "stop"
+        if is_eos:
+            finish_reason = "stop"
+        elif finish_reason is None and len(seq.generated) >= sampling.max_tokens:
+            finish_reason = "length"
+        if finish_reason is None:
+            # Hold back a partial UTF-8 character and anything that could begin a stop string.
+            hold = max((len(s) - 1 for s in sampling.stop), default=0)
+            safe = len(text) - hold
+            while safe > seq.num_text_sent and text[safe - 1] == "\ufffd":
+                safe -= 1
+            if safe > seq.num_text_sent:
+                seq.request.stream.put(TextDelta(text[seq.num_text_sent:safe]))
+                seq.num_text_sent = safe
+            return False
+        if len(text) > seq.num_text_sent:
+            seq.request.stream.put(TextDelta(text[seq.num_text_sent:]))
+        seq.session.ended_with_eos = is_eos
+        usage = Usage(prompt_tokens=seq.prompt_tokens, completion_tokens=len(seq.generated),
+                      cached_tokens=seq.cached_tokens)
+        self._end(seq, Finished(session_id=None if seq.session.ephemeral else seq.session.session_id,
+                                text=text, token_ids=tuple(seq.generated), finish_reason=finish_reason,
+                                usage=usage))
+        return True
+
+    def _end(self, seq: Sequence, event: Finished | Failed) -> None:
+        session = seq.session
+        session.busy = False
+        if session.ephemeral:
+            self.store.close(session.session_id)
+        else:
+            self.store.touch(session)
+        seq.request.stream.put(event)
+        if session.pending:
+            self._admit(session.pending.popleft())
+
+
+def _load_processing(model_path: str, multimodal: bool):
+    """The tokenizer and (for LLaVA) the image processor shipped with the checkpoint."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    if multimodal:
+        processor = AutoProcessor.from_pretrained(model_path)
+        return processor.tokenizer, processor.image_processor
+    return AutoTokenizer.from_pretrained(model_path), None

@@ -1,0 +1,66 @@
+"""The small exception family of the runtime, mapped to HTTP status in one place.
+
+Every error a caller can fix is a ``ResidentError`` with a 4xx status; the
+handler turns it into ``{"error": {"type", "message"}}``. Anything else that
+escapes is our fault and answers 500.
+"""
+
+from __future__ import annotations
+
+
+class ResidentError(Exception):
+    """Base of the errors we answer with a JSON body. ``status`` is the HTTP status."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+    def to_body(self) -> dict:
+        return {"error": {"type": self.type, "message": self.message}}
+
+
+class BadRequest(ResidentError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class InvalidSessionId(BadRequest):
+    type = "invalid_session_id"
+
+
+class ContextLengthExceeded(BadRequest):
+    type = "context_length_exceeded"
+
+
+class InvalidImage(BadRequest):
+    type = "invalid_image"
+
+
+class SessionNotFound(ResidentError):
+    """Unknown, expired or closed session id."""
+
+    status = 404
+    type = "session_not_found"
+
+
+class PayloadTooLarge(ResidentError):
+    status = 413
+    type = "payload_too_large"
+
+
+class CapacityExceeded(ResidentError):
+    """Overload: the caller should retry later. Carries ``Retry-After``."""
+
+    status = 503
+    type = "capacity_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class ConfigError(ValueError):
+    """A setting is wrong at start-up; the message says what to set."""

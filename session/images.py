@@ -1,0 +1,60 @@
+"""Decoding request images safely: size limits, decompression bombs, content hashes."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image
+
+from session.errors import InvalidImage, PayloadTooLarge
+
+_DATA_URL_PREFIX = "data:"
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    image: Image.Image  # RGB
+    digest: str  # sha256 of the encoded bytes: the key for sharing embeddings across sessions
+    num_bytes: int
+
+
+def decode_data_url(url: str, *, max_bytes: int, max_pixels: int) -> DecodedImage:
+    """Decode ``data:image/<fmt>;base64,<payload>``; raise a 4xx error for anything we refuse."""
+    if not url.startswith(_DATA_URL_PREFIX):
+        raise InvalidImage("image_url must be a data URL (data:image/png;base64,...); remote URLs are not fetched")
+    header, sep, payload = url.partition(",")
+    if not sep or ";base64" not in header or not header[len(_DATA_URL_PREFIX):].startswith("image/"):
+        raise InvalidImage("image_url must look like data:image/<format>;base64,<data>")
+    if len(payload) > (max_bytes * 4) // 3 + 4:
+        raise PayloadTooLarge(f"image is larger than {max_bytes} bytes")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidImage("image data is not valid base64") from None
+    if len(raw) > max_bytes:
+        raise PayloadTooLarge(f"image is {len(raw)} bytes; the limit is {max_bytes}")
+    return DecodedImage(image=_open(raw, max_pixels), digest=hashlib.sha256(raw).hexdigest(), num_bytes=len(raw))
+
+
+def _open(raw: bytes, max_pixels: int) -> Image.Image:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(raw))
+            # The header alone gives the size: refuse bombs before decoding a single pixel.
+            width, height = image.size
+            if width * height > max_pixels:
+                raise PayloadTooLarge(f"image is {width}x{height} pixels; the limit is {max_pixels} pixels")
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise PayloadTooLarge(f"image exceeds the pixel limit of {max_pixels}") from None
+    except PayloadTooLarge:
+        raise
+    except Exception as exc:  # PIL raises many types for corrupt data; all mean "does not decode"
+        raise InvalidImage(f"image does not decode: {type(exc).__name__}") from None
+    return image.convert("RGB")

@@ -1,0 +1,206 @@
+"""The one owner of model weights and forward passes.
+
+Loads a Hugging Face checkpoint by path (a LLaVA model, or a plain Llama-family causal LM)
+and runs it with our own attention over our own KV layout (``session.kv_cache``):
+prefill of one sequence's new tokens, and a decode step batched across sessions whose
+contexts have different lengths. Projections, norms, MLPs and rotary embeddings are the
+checkpoint's own modules, so real weights (and LoRA-wrapped linears) work unchanged.
+
+Who calls this: the engine loop thread only. Nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from session.config import EngineConfig
+from session.errors import ConfigError
+from session.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+    image_token_id: int | None  # None for text-only models
+    num_image_tokens: int  # placeholder tokens one image expands to
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoConfig
+
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.is_multimodal = hf_config.model_type == "llava"
+        text_config = hf_config.text_config if self.is_multimodal else hf_config
+        if text_config.model_type not in SUPPORTED_TEXT_MODELS:
+            raise ConfigError(f"language model type {text_config.model_type!r} is not supported; "
+                              f"supported: {SUPPORTED_TEXT_MODELS}")
+        self.model = self._load(config.model_path, hf_config)
+        if self.is_multimodal:
+            self.lm = self.model.model.language_model
+            self.vision_feature_layer = hf_config.vision_feature_layer
+            self.vision_select = hf_config.vision_feature_select_strategy
+        else:
+            self.lm = self.model.model
+        self.lm_head = self.model.lm_head
+        self.layers = list(self.lm.layers)
+        self.info = self._info(hf_config, text_config)
+
+    def _load(self, path: str, hf_config):
+        from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+
+        cls = LlavaForConditionalGeneration if self.is_multimodal else AutoModelForCausalLM
+        model = cls.from_pretrained(path, dtype=self.dtype)
+        return model.to(self.device).eval().requires_grad_(False)
+
+    def _info(self, hf_config, text_config) -> ModelInfo:
+        attn = self.layers[0].self_attn
+        eos = text_config.eos_token_id
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos_ids = {e for e in (eos, gen_eos) for e in (e if isinstance(e, list) else [e]) if e is not None}
+        num_image_tokens = 0
+        if self.is_multimodal:
+            vc = hf_config.vision_config
+            num_image_tokens = (vc.image_size // vc.patch_size) ** 2 + (self.vision_select == "full")
+        return ModelInfo(
+            num_layers=len(self.layers), num_heads=text_config.num_attention_heads,
+            num_kv_heads=text_config.num_key_value_heads, head_dim=attn.head_dim,
+            hidden_size=text_config.hidden_size, vocab_size=text_config.vocab_size,
+            max_positions=text_config.max_position_embeddings, eos_token_ids=tuple(sorted(eos_ids)),
+            image_token_id=hf_config.image_token_id if self.is_multimodal else None,
+            num_image_tokens=num_image_tokens,
+        )
+
+    def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool) -> KVCache:
+        i = self.info
+        return KVCache(num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim,
+                       dtype=self.dtype, device=self.device, block_tokens=block_tokens,
+                       max_tokens=max_tokens, static=static)
+
+    # ------------------------------------------------------------------ vision
+
+    @torch.inference_mode()
+    def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        """pixel_values: [N, 3, H, W] -> N tensors of [num_image_tokens, hidden]."""
+        out = self.model.model.get_image_features(
+            pixel_values=pixel_values.to(self.device, self.dtype),
+            vision_feature_layer=self.vision_feature_layer,
+            vision_feature_select_strategy=self.vision_select,
+        )
+        return [f.contiguous() for f in out.pooler_output]
+
+    # ------------------------------------------------------------------ text
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[int], image_embeds: list[torch.Tensor]) -> torch.Tensor:
+        """[T] ids -> [T, hidden]; image placeholder positions take ``image_embeds`` in order."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        embeds = self.lm.embed_tokens(ids)
+        if image_embeds:
+            mask = ids == self.info.image_token_id
+            embeds[mask] = torch.cat(image_embeds).to(embeds.dtype)
+        return embeds
+
+    @torch.inference_mode()
+    def prefill(self, kv: KVCache, embeds: torch.Tensor) -> torch.Tensor:
+        """Run ``embeds`` [T, hidden] after the ``kv.length`` cached tokens; returns last logits [V]."""
+        start, num_new = kv.length, embeds.shape[0]
+        end = start + num_new
+        kv.ensure_capacity(end)
+        h = embeds[None]  # [1, T, D]
+        positions = torch.arange(start, end, device=self.device)[None]  # [1, T]
+        cos, sin = self.lm.rotary_emb(h, positions)
+        # query i (absolute position start+i) sees keys 0 .. start+i
+        causal = torch.ones(num_new, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
+            kv.write(index, start, k[0], v[0])
+            o = F.scaled_dot_product_attention(
+                q, kv.keys(index, end)[None], kv.values(index, end)[None], attn_mask=causal,
+                scale=attn.scaling, enable_gqa=self.info.num_heads != self.info.num_kv_heads,
+            )
+            h = self._finish_layer(layer, h, o)
+        kv.length = end
+        return self._logits(h[:, -1:])[0, 0]
+
+    @torch.inference_mode()
+    def decode(self, kvs: list[KVCache], token_ids: list[int]) -> torch.Tensor:
+        """One step for B sessions: feed token_ids[b] at position kvs[b].length; returns logits [B, V].
+
+        Projections and MLPs run batched; attention runs per row over that session's own cache
+        view (no gather of KV into a padded batch: on CPU the copy costs more than the loop).
+        """
+        lengths = [kv.length for kv in kvs]
+        for kv, length in zip(kvs, lengths):
+            kv.ensure_capacity(length + 1)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        h = self.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
+        positions = torch.tensor(lengths, device=self.device)[:, None]  # [B, 1]
+        cos, sin = self.lm.rotary_emb(h, positions)
+        gqa = self.info.num_heads != self.info.num_kv_heads
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(layer, h, cos, sin)  # q: [B, H, 1, hd]
+            rows = []
+            for b, (kv, length) in enumerate(zip(kvs, lengths)):
+                kv.write(index, length, k[b], v[b])
+                rows.append(F.scaled_dot_product_attention(
+                    q[b : b + 1], kv.keys(index, length + 1)[None], kv.values(index, length + 1)[None],
+                    scale=attn.scaling, enable_gqa=gqa,
+                ))
+            h = self._finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
+        for kv, length in zip(kvs, lengths):
+            kv.length = length + 1
+        return self._logits(h)[:, 0]
+
+    def _qkv(self, layer, h, cos, sin):
+        attn = layer.self_attn
+        batch, num_new, _ = h.shape
+        x = layer.input_layernorm(h)
+        hd = self.info.head_dim
+        q = attn.q_proj(x).view(batch, num_new, -1, hd).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, num_new, -1, hd).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, num_new, -1, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def _finish_layer(self, layer, h, attn_out):
+        # attn_out: [B, H, T, hd] -> [B, T, H*hd]
+        batch, _, num_new, _ = attn_out.shape
+        o = attn_out.transpose(1, 2).reshape(batch, num_new, -1)
+        h = h + layer.self_attn.o_proj(o)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _logits(self, h):
+        return self.lm_head(self.lm.norm(h)).float()

@@ -1,0 +1,294 @@
+"""The wire protocol: SageMaker stateful-session headers and OpenAI chat shapes.
+
+Pure functions and dataclasses; no I/O. Used by the TorchServe handler and the front.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from session.errors import BadRequest, InvalidSessionId
+
+SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
+NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
+CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
+INFERENCE_COMPONENT_HEADER = "X-Amzn-SageMaker-Inference-Component"
+NEW_SESSION = "NEW_SESSION"
+CLOSE = "CLOSE"
+
+SESSION_ID_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
+MAX_SESSION_ID_LEN = 256
+
+
+def new_session_id() -> str:
+    """A uuid4: matches SageMaker's id pattern (token_urlsafe would not: it has underscores)."""
+    return str(uuid.uuid4())
+
+
+def validate_session_id(session_id: str) -> str:
+    if len(session_id) > MAX_SESSION_ID_LEN or not SESSION_ID_RE.match(session_id):
+        raise InvalidSessionId(
+            f"invalid session id {session_id[:64]!r}: must match {SESSION_ID_RE.pattern} "
+            f"and be at most {MAX_SESSION_ID_LEN} characters"
+        )
+    return session_id
+
+
+def format_expiry(epoch_s: float) -> str:
+    """UTC, whole seconds, trailing Z: 2026-11-30T09:19:49Z."""
+    return datetime.fromtimestamp(int(epoch_s), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def new_session_header_value(session_id: str, expires_at: float) -> str:
+    return f"{session_id}; Expires={format_expiry(expires_at)}"
+
+
+def header(headers: Mapping[str, str], name: str) -> str | None:
+    """Case-insensitive header lookup (TorchServe matches names case-sensitively; we do not)."""
+    lowered = name.lower()
+    for key, value in headers.items():
+        if key.lower() == lowered:
+            return value
+    return None
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    url: str  # a data: URL (data:image/png;base64,...)
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # system | user | assistant
+    parts: tuple[TextPart | ImagePart, ...]
+
+    def template_content(self) -> list[dict]:
+        """The content list a Hugging Face chat template expects (images as placeholders)."""
+        return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in self.parts]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0 -> greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One parsed invocation. ``session_id`` is None for stateless, NEW_SESSION to open."""
+
+    messages: tuple[Message, ...]
+    sampling: SamplingParams
+    stream: bool = False
+    session_id: str | None = None
+    request_type: str | None = None  # NEW_SESSION | CLOSE | None
+    model: str | None = None
+
+    @property
+    def opens_session(self) -> bool:
+        return self.session_id == NEW_SESSION or self.request_type == NEW_SESSION
+
+    @property
+    def closes_session(self) -> bool:
+        return self.request_type == CLOSE
+
+
+_ALLOWED_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "stream",
+                   "seed", "requestType", "model", "n", "stream_options", "user"}
+_ROLES = ("system", "user", "assistant")
+
+
+def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping[str, str], *,
+                  default_max_tokens: int, max_new_tokens: int) -> ChatRequest:
+    """Parse and validate an invocation; raises BadRequest with a message that says what to fix."""
+    data = _load_json(body)
+    unknown = sorted(set(data) - _ALLOWED_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(_ALLOWED_FIELDS)}")
+    request_type = data.get("requestType")
+    if request_type is not None and request_type not in (NEW_SESSION, CLOSE):
+        raise BadRequest(f"requestType must be {NEW_SESSION!r} or {CLOSE!r}, got {request_type!r}")
+    session_id = header(headers, SESSION_HEADER)
+    if session_id is not None:
+        session_id = session_id.strip()
+        if session_id != NEW_SESSION:
+            validate_session_id(session_id)
+    if request_type == CLOSE:
+        if session_id is None or session_id == NEW_SESSION:
+            raise BadRequest(f"a CLOSE request needs the session id in the {SESSION_HEADER} header")
+        return ChatRequest(messages=(), sampling=SamplingParams(max_tokens=0), session_id=session_id,
+                           request_type=CLOSE)
+    messages = _parse_messages(data.get("messages"))
+    if data.get("n", 1) != 1:
+        raise BadRequest("only n=1 is supported")
+    max_tokens = data.get("max_completion_tokens", data.get("max_tokens", default_max_tokens))
+    max_tokens = _typed(max_tokens, int, "max_tokens")
+    if not 1 <= max_tokens <= max_new_tokens:
+        raise BadRequest(f"max_tokens must be between 1 and {max_new_tokens}, got {max_tokens}")
+    temperature = float(_typed(data.get("temperature", 0.0) if data.get("temperature") is not None else 0.0,
+                               (int, float), "temperature"))
+    if not 0.0 <= temperature <= 2.0:
+        raise BadRequest(f"temperature must be between 0 and 2, got {temperature}")
+    top_p = float(_typed(data.get("top_p", 1.0) if data.get("top_p") is not None else 1.0, (int, float), "top_p"))
+    if not 0.0 < top_p <= 1.0:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
+    stop = data.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+        stop = tuple(stop)
+    else:
+        raise BadRequest("stop must be a string or a list of at most 4 strings")
+    if any(s == "" for s in stop):
+        raise BadRequest("stop strings must not be empty")
+    seed = data.get("seed")
+    if seed is not None:
+        seed = _typed(seed, int, "seed")
+    stream = _typed(data.get("stream", False), bool, "stream")
+    model = data.get("model")
+    if model is not None:
+        model = _typed(model, str, "model")
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+    return ChatRequest(messages=messages, sampling=sampling, stream=stream, session_id=session_id,
+                       request_type=request_type, model=model)
+
+
+def _load_json(body: bytes | str | Mapping[str, Any] | None) -> dict:
+    if isinstance(body, Mapping):  # TorchServe already decoded an application/json body
+        return dict(body)
+    if body is None or len(body) == 0:
+        raise BadRequest("empty request body; send a JSON object with 'messages'")
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def _typed(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
+    # bool is an int in Python; refuse it where a number is wanted.
+    if isinstance(value, bool) and kind is not bool:
+        raise BadRequest(f"{name} must be {_kind_name(kind)}, got a boolean")
+    if not isinstance(value, kind):
+        raise BadRequest(f"{name} must be {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+
+
+def _parse_messages(raw: Any) -> tuple[Message, ...]:
+    if raw is None:
+        raise BadRequest("missing 'messages': a list of {role, content}")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' must be a non-empty list")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {list(_ROLES)}, got {role!r}")
+        messages.append(Message(role=role, parts=_parse_content(m.get("content"), i)))
+    return tuple(messages)
+
+
+def _parse_content(content: Any, i: int) -> tuple[TextPart | ImagePart, ...]:
+    if isinstance(content, str):
+        return (TextPart(content),)
+    if not isinstance(content, list) or not content:
+        raise BadRequest(f"messages[{i}].content must be a string or a non-empty list of parts")
+    parts: list[TextPart | ImagePart] = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict):
+            raise BadRequest(f"{where} must be an object")
+        kind = part.get("type")
+        if kind == "text":
+            parts.append(TextPart(_typed(part.get("text"), str, f"{where}.text")))
+        elif kind == "image_url":
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            parts.append(ImagePart(_typed(url, str, f"{where}.image_url.url")))
+        else:
+            raise BadRequest(f"{where}.type must be 'text' or 'image_url', got {kind!r}")
+    return tuple(parts)
+
+
+# ---------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the session's KV instead of recomputed
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class CompletionIds:
+    """Identifiers shared by a completion and all of its stream chunks."""
+
+    model: str
+    id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def completion_body(ids: CompletionIds, text: str, finish_reason: str, usage: Usage,
+                    session_id: str | None) -> dict:
+    body = {
+        "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "finish_reason": finish_reason}],
+        "usage": usage.to_dict(),
+    }
+    if session_id is not None:
+        body["session_id"] = session_id
+    return body
+
+
+def chunk_body(ids: CompletionIds, delta: dict, finish_reason: str | None = None,
+               usage: Usage | None = None) -> dict:
+    body = {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+    if usage is not None:
+        body["usage"] = usage.to_dict()
+    return body
+
+
+def sse(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"
