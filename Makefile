@@ -1,0 +1,37 @@
+# Resident: `make serve`, `make test`, `make bench`. Everything installs into .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch (on these machines' disk). On a CUDA machine: make TORCH=torch serve
+TORCH ?= torch==2.13.0
+PORT ?= 8080
+export PORT
+
+.PHONY: install models serve test bench lint clean java
+
+$(VENV)/.installed: pyproject.toml
+	@command -v java >/dev/null || { echo "TorchServe needs Java 17: sudo apt-get install -y openjdk-17-jre-headless"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q '$(TORCH)'
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+install: $(VENV)/.installed
+
+models: install
+	$(PY) -m model_store.build_models --only tiny
+
+serve: install
+	$(PY) -m launch serve
+
+test: install models
+	$(PY) -m pytest
+
+bench: install
+	$(PY) -m model_store.build_models --only bench
+	$(PY) -m benchmarks.first_vs_followup --start-server
+
+clean:
+	rm -rf build models benchmarks/results

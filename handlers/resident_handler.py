@@ -1,0 +1,112 @@
+"""TorchServe handler: a thin adapter from TorchServe's contract to ``session.api.ChatService``.
+
+Runs with ``asyncCommunication: true`` and ``batchSize: 1``: TorchServe hands every request to
+``handle`` as soon as it arrives, while the engine thread batches the requests of all sessions
+in one forward pass. Mitigations for that mode's known faults (DESIGN §5):
+- a successful answer is sent as one streamed chunk (a plain one leaks a frontend job entry);
+- errors are sent plain, with their 4xx/5xx status;
+- nothing escapes ``handle`` (an escaping exception answers 503 to every request in flight);
+- writes to the frontend socket are serialised (chunks and final responses go out from two threads).
+"""
+
+import json
+import logging
+import os
+import threading
+
+from ts.handler_utils.utils import send_intermediate_predict_response
+
+from session.api import ApiResponse, ChatService, error_response
+from session.config import EngineConfig
+from session.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class ResidentHandler:
+    def __init__(self):
+        self.service = None
+        self.initialized = False
+        self._locked_socket = None
+
+    def initialize(self, context):
+        props = context.system_properties
+        section = (context.model_yaml_config or {}).get("handler", {})
+        config = EngineConfig.from_sources(section, os.environ, base_dir=props.get("model_dir"))
+        engine = Engine(config).start()
+        self.service = ChatService(engine, model_name=context.model_name)
+        logger.info("resident engine ready: model %s on %s", config.model_path, engine.runner.device)
+        self.initialized = True
+
+    async def handle(self, data, context):
+        if self._locked_socket is None:
+            self._locked_socket = _serialise_socket_writes()
+        if self._locked_socket is not None:
+            context.cl_socket = self._locked_socket
+        try:
+            row = data[0]
+            body = row.get("body") if row.get("body") is not None else row.get("data")
+            response = await self.service.invoke(context.get_all_request_header(0), body)
+            return await self._send(response, context)
+        except Exception as exc:  # our fault; answer this request only
+            response = error_response(exc, context.get_request_id(0) or "")
+            return self._plain(response, context)
+
+    async def _send(self, response: ApiResponse, context):
+        if response.status != 200:
+            return self._plain(response, context)
+        self._set_headers(response, context)
+        if response.chunks is None:
+            self._chunk(json.dumps(response.body), context)
+        else:
+            async for chunk in response.chunks:
+                self._chunk(chunk, context)
+        return [""]
+
+    def _plain(self, response: ApiResponse, context):
+        self._set_headers(response, context)
+        return [json.dumps(response.body)]
+
+    @staticmethod
+    def _set_headers(response: ApiResponse, context):
+        context.set_response_status(response.status)
+        context.set_response_content_type(0, response.content_type)
+        for name, value in response.headers.items():
+            context.set_response_header(0, name, value)
+
+    @staticmethod
+    def _chunk(text: str, context):
+        send_intermediate_predict_response([text], context.request_ids, "Intermediate Prediction success", 200,
+                                           context)
+
+
+def _serialise_socket_writes():
+    """Make the frontend socket's ``sendall`` hold a lock. Called on the first request.
+
+    TorchServe's AsyncService writes final responses from its own thread via ``service.cl_socket``
+    while intermediate chunks are written from the handler's event loop; unlocked, large frames
+    interleave. The AsyncService exists only after ``initialize`` and is reachable only through
+    the garbage collector.
+    """
+    import gc
+
+    from ts.async_service import AsyncService
+
+    class LockedSocket:  # local: TorchServe wants exactly one class defined in a handler module
+        def __init__(self, sock):
+            self._sock = sock
+            self._lock = threading.Lock()
+
+        def sendall(self, data):
+            with self._lock:
+                return self._sock.sendall(data)
+
+        def __getattr__(self, name):
+            return getattr(self._sock, name)
+
+    for obj in gc.get_objects():
+        if isinstance(obj, AsyncService):
+            if type(obj.service.cl_socket).__name__ != "LockedSocket":
+                obj.service.cl_socket = LockedSocket(obj.service.cl_socket)
+            return obj.service.cl_socket
+    return None

@@ -1,0 +1,1 @@
+"""Starting and stopping the serving stack: TorchServe instances (and later the front)."""

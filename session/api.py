@@ -1,0 +1,132 @@
+"""The invocation service: one HTTP-level request in, status + headers + body (or chunks) out.
+
+Shared by every front door (the TorchServe handler, tests): parse, decode images off the
+event loop, hand the turn to the engine, wait for its events, shape the OpenAI-style
+answer and the SageMaker session headers. Errors become JSON bodies here, in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Mapping
+
+from session.engine import CloseRequest, Engine, GenerationRequest
+from session.errors import BadRequest, ResidentError
+from session.events import Closed, EventStream, Failed, Finished, Started, TextDelta
+from session.images import decode_data_url
+from session.protocol import (
+    CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, ChatRequest, CompletionIds, ImagePart,
+    chunk_body, completion_body, new_session_header_value, parse_request, sse,
+)
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
+
+
+@dataclass
+class ApiResponse:
+    status: int
+    body: dict | None = None  # a JSON body, or None when ``chunks`` streams the answer
+    headers: dict[str, str] = field(default_factory=dict)
+    chunks: AsyncIterator[str] | None = None  # server-sent events, for "stream": true
+
+    @property
+    def content_type(self) -> str:
+        return EVENT_STREAM if self.chunks is not None else JSON
+
+
+def error_response(exc: Exception, request_id: str = "", session_id: str | None = None) -> ApiResponse:
+    if isinstance(exc, ResidentError):
+        return ApiResponse(status=exc.status, body=exc.to_body(), headers=dict(exc.headers))
+    logger.error("request %s (session %s) failed", request_id, session_id, exc_info=exc)
+    return ApiResponse(status=500, body={"error": {"type": "internal_error",
+                                                   "message": f"internal error; request id {request_id}"}})
+
+
+class ChatService:
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    async def invoke(self, headers: Mapping[str, str], body) -> ApiResponse:
+        """Called once per HTTP request by a front door, on its event loop."""
+        request_id = uuid.uuid4().hex
+        session_id = None
+        try:
+            config = self.engine.config
+            request = parse_request(body, headers, default_max_tokens=config.default_max_tokens,
+                                    max_new_tokens=config.max_new_tokens)
+            session_id = request.session_id
+            if request.closes_session:
+                return await self._close(request, request_id)
+            return await self._generate(request, request_id)
+        except Exception as exc:
+            return error_response(exc, request_id, session_id)
+
+    async def _close(self, request: ChatRequest, request_id: str) -> ApiResponse:
+        stream = EventStream(asyncio.get_running_loop())
+        self.engine.submit(CloseRequest(session_id=request.session_id, stream=stream, request_id=request_id))
+        event = await stream.aget()
+        if isinstance(event, Failed):
+            raise event.error
+        assert isinstance(event, Closed)
+        return ApiResponse(status=200, body={"session_id": event.session_id, "closed": True},
+                           headers={CLOSED_SESSION_HEADER: event.session_id})
+
+    async def _generate(self, request: ChatRequest, request_id: str) -> ApiResponse:
+        loop = asyncio.get_running_loop()
+        images = [p for m in request.messages for p in m.parts if isinstance(p, ImagePart)]
+        if len(images) > self.engine.config.max_images_per_request:
+            raise BadRequest(f"at most {self.engine.config.max_images_per_request} images per request")
+        decoded, pixel_values = await loop.run_in_executor(None, self._prepare_images, images)
+        opens = request.opens_session
+        stream = EventStream(loop)
+        self.engine.submit(GenerationRequest(
+            messages=request.messages, sampling=request.sampling, stream=stream,
+            session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
+            pixel_values=pixel_values, image_digests=tuple(d.digest for d in decoded), request_id=request_id,
+        ))
+        started = await stream.aget()
+        if isinstance(started, Failed):
+            raise started.error
+        assert isinstance(started, Started)
+        headers = {}
+        if opens:
+            headers[NEW_SESSION_HEADER] = new_session_header_value(started.session_id, started.expires_at)
+        elif started.session_id is not None:
+            headers[SESSION_HEADER] = started.session_id
+        ids = CompletionIds(model=request.model or self.model_name)
+        if request.stream:
+            return ApiResponse(status=200, headers=headers, chunks=self._chunks(stream, ids, started))
+        while True:
+            event = await stream.aget()
+            if isinstance(event, Finished):
+                body = completion_body(ids, event.text, event.finish_reason, event.usage, event.session_id)
+                return ApiResponse(status=200, body=body, headers=headers)
+            if isinstance(event, Failed):
+                raise event.error
+
+    def _prepare_images(self, images: list[ImagePart]):
+        config = self.engine.config
+        decoded = [decode_data_url(p.url, max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels)
+                   for p in images]
+        return decoded, self.engine.preprocess_images([d.image for d in decoded])
+
+    async def _chunks(self, stream: EventStream, ids: CompletionIds, started: Started) -> AsyncIterator[str]:
+        yield sse(chunk_body(ids, {"role": "assistant", "content": ""}))
+        while True:
+            event = await stream.aget()
+            if isinstance(event, TextDelta):
+                yield sse(chunk_body(ids, {"content": event.text}))
+            elif isinstance(event, Finished):
+                yield sse(chunk_body(ids, {}, finish_reason=event.finish_reason, usage=event.usage))
+                yield sse("[DONE]")
+                return
+            elif isinstance(event, Failed):
+                yield sse(error_response(event.error).body)
+                return
