@@ -34,6 +34,7 @@ class ResidentHandler:
         section = (context.model_yaml_config or {}).get("handler", {})
         config = EngineConfig.from_sources(section, os.environ, base_dir=props.get("model_dir"))
         engine = Engine(config).start()
+        engine.warmup()
         self.service = ChatService(engine, model_name=context.model_name)
         logger.info("resident engine ready: model %s on %s", config.model_path, engine.runner.device)
         self.initialized = True

@@ -9,6 +9,7 @@ can outlive ``torchserve --stop``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -53,7 +54,7 @@ def build_archive(store: Path, config_file: Path = REPO / "model_store" / "model
 
 @dataclass
 class TorchServe:
-    """A running instance. ``port`` serves inference; management and metrics use port+1, port+2."""
+    """A running instance. ``port`` serves inference; management, metrics and gRPC use port+1 .. port+4."""
 
     process: subprocess.Popen
     port: int
@@ -74,19 +75,24 @@ class TorchServe:
         return f"http://{self.host}:{self.port + 2}"
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
-        """Block until /ping answers 200 (the worker has loaded the model)."""
+        """Block until the model's worker is READY (TorchServe's /ping says Healthy before that)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"TorchServe exited with {self.process.returncode}; see {self.run_dir}/logs")
-            try:
-                with urllib.request.urlopen(self.url + "/ping", timeout=2) as response:
-                    if response.status == 200 and b"Healthy" in response.read():
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if self.worker_statuses() == ["READY"]:
+                return
             time.sleep(0.5)
         raise TimeoutError(f"TorchServe on port {self.port} not ready after {timeout_s}s; see {self.run_dir}/logs")
+
+    def worker_statuses(self) -> list[str]:
+        """Status of each worker of the model, from the management API ([] while unreachable)."""
+        try:
+            with urllib.request.urlopen(f"{self.management_url}/models/{MODEL_NAME}", timeout=2) as response:
+                described = json.loads(response.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+            return []
+        return [w.get("status", "") for w in described[0].get("workers", [])]
 
     def worker_pids(self) -> list[int]:
         """PIDs of the Python workers (children of the Java frontend)."""
@@ -111,7 +117,7 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
     store = run_dir / "model_store"
     build_archive(store, **({"config_file": config_file} if config_file else {}))
     props = run_dir / "config.properties"
-    props.write_text(_properties(host, port, store))
+    props.write_text(_properties(host, port, store, run_dir / "tmp"))
     env = {**os.environ, **(extra_env or {})}
     env.update({
         "TMPDIR": str(run_dir / "tmp"),  # TorchServe's pid file lives here: one per instance
@@ -127,13 +133,19 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
     return TorchServe(process=process, port=port, run_dir=run_dir, host=host, env=env)
 
 
-def _properties(host: str, port: int, store: Path) -> str:
+def _properties(host: str, port: int, store: Path, tmp_dir: Path) -> str:
     base = (REPO / "config.properties").read_text().splitlines()
     overrides = {
         "inference_address": f"http://{host}:{port}",
         "management_address": f"http://{host}:{port + 1}",
         "metrics_address": f"http://{host}:{port + 2}",
+        "grpc_inference_address": host,
+        "grpc_inference_port": str(port + 3),
+        "grpc_management_address": host,
+        "grpc_management_port": str(port + 4),
         "model_store": str(store),
+        # Java's temp dir holds the worker sockets (/.ts.sock.<n>): one per instance, or two clash.
+        "vmargs": f"-Djava.io.tmpdir={tmp_dir}",
     }
     lines = [line for line in base if line.split("=", 1)[0].strip() not in overrides]
     return "\n".join(lines + [f"{k}={v}" for k, v in overrides.items()]) + "\n"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Mapping
@@ -18,7 +20,7 @@ from session.errors import BadRequest, ResidentError
 from session.events import Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.images import decode_data_url
 from session.protocol import (
-    CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, ChatRequest, CompletionIds, ImagePart,
+    CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, WORKER_HEADER, ChatRequest, CompletionIds, ImagePart,
     chunk_body, completion_body, new_session_header_value, parse_request, sse,
 )
 
@@ -52,9 +54,15 @@ class ChatService:
     def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
         self.model_name = model_name
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
 
     async def invoke(self, headers: Mapping[str, str], body) -> ApiResponse:
         """Called once per HTTP request by a front door, on its event loop."""
+        response = await self._invoke(headers, body)
+        response.headers[WORKER_HEADER] = self.worker_id
+        return response
+
+    async def _invoke(self, headers: Mapping[str, str], body) -> ApiResponse:
         request_id = uuid.uuid4().hex
         session_id = None
         try:

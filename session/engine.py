@@ -124,6 +124,26 @@ class Engine:
             self._num_queued += 1
         self._inbox.put(request)
 
+    def warmup(self, timeout_s: float = 600.0) -> None:
+        """Run one small stateless request through the loop (first-call costs: kernels, allocator).
+
+        Called by the handler in ``initialize``, so the worker reports ready only when it is fast.
+        """
+        from PIL import Image
+
+        pixel_values = None
+        token_ids = [self.tokenizer.bos_token_id or 0] * 4
+        if self.image_processor is not None:
+            pixel_values = self.preprocess_images([Image.new("RGB", (32, 32))])
+            token_ids += [self.runner.info.image_token_id] * self.runner.info.num_image_tokens
+        stream = EventStream()
+        self.submit(GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=2), stream=stream,
+                                      token_ids=token_ids, pixel_values=pixel_values, request_id="warmup"))
+        while not isinstance(event := stream.get(timeout=timeout_s), (Finished, Failed)):
+            pass
+        if isinstance(event, Failed):
+            raise event.error
+
     def preprocess_images(self, images: list) -> torch.Tensor | None:
         """PIL images -> pixel_values [N, 3, H, W]. Runs in the caller's thread (CPU work, no model)."""
         if not images:

@@ -31,7 +31,7 @@ def decode_data_url(url: str, *, max_bytes: int, max_pixels: int) -> DecodedImag
     if not sep or ";base64" not in header or not header[len(_DATA_URL_PREFIX):].startswith("image/"):
         raise InvalidImage("image_url must look like data:image/<format>;base64,<data>")
     if len(payload) > (max_bytes * 4) // 3 + 4:
-        raise PayloadTooLarge(f"image is larger than {max_bytes} bytes")
+        raise PayloadTooLarge(f"image is larger than the limit of {max_bytes} bytes")
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):

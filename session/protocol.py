@@ -20,6 +20,8 @@ NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
 ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
 INFERENCE_COMPONENT_HEADER = "X-Amzn-SageMaker-Inference-Component"
+# Ours: which worker process answered ("<hostname>:<pid>"); lets clients and tests see stickiness.
+WORKER_HEADER = "X-Resident-Worker"
 NEW_SESSION = "NEW_SESSION"
 CLOSE = "CLOSE"
 

@@ -1,0 +1,65 @@
+"""Shared test fixtures: the tiny demo LLaVA, images, free ports."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = REPO / "models" / "llava-tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    from launch.torchserve import ensure_demo_models
+
+    ensure_demo_models(only=["tiny"])
+    return TINY_MODEL
+
+
+def make_image(seed: int, size: tuple[int, int] = (64, 48)) -> Image.Image:
+    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(raw: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(raw).decode()
+
+
+def image_url(seed: int, size: tuple[int, int] = (64, 48)) -> str:
+    return data_url(png_bytes(make_image(seed, size)))
+
+
+def free_port(count: int = 1) -> int:
+    """A base port such that base .. base+count-1 were free a moment ago (TorchServe uses 3)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        try:
+            socks = []
+            for offset in range(count):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", base + offset))
+                socks.append(sock)
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range found")

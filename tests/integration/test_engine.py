@@ -1,0 +1,248 @@
+"""The session engine on the tiny demo LLaVA, float32 on CPU: equivalence, isolation, lifecycle."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from session.config import EngineConfig
+from session.engine import CloseRequest, Engine, GenerationRequest
+from session.errors import ContextLengthExceeded, SessionNotFound
+from session.events import Closed, EventStream, Failed, Finished, Started, TextDelta
+from session.protocol import ImagePart, Message, SamplingParams, TextPart
+from tests.conftest import make_image
+
+QUESTIONS = ["What is in the picture?", "What colour is it?", "Why is it there?", "Describe it in one line."]
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    eng = Engine(EngineConfig(model_path=str(tiny_model_path), reaper_interval_s=0.05)).start()
+    yield eng
+    eng.stop()
+
+
+def run(engine: Engine, request) -> list:
+    """Submit and collect events until the terminal one."""
+    engine.submit(request)
+    events = []
+    while True:
+        event = request.stream.get(timeout=60)
+        events.append(event)
+        if isinstance(event, (Finished, Failed, Closed)):
+            return events
+
+
+def user(text: str, image: bool = False) -> tuple[Message, ...]:
+    parts = ((ImagePart("data:,"),) if image else ()) + (TextPart(text),)
+    return (Message("user", parts),)
+
+
+def turn(engine, session_id, text, *, open_session=False, pixel_values=None, max_tokens=12, **sampling):
+    request = GenerationRequest(
+        messages=user(text, image=pixel_values is not None), stream=EventStream(),
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling), session_id=session_id,
+        open_session=open_session, pixel_values=pixel_values,
+    )
+    return run(engine, request)
+
+
+def finished(events) -> Finished:
+    assert isinstance(events[-1], Finished), events[-1]
+    return events[-1]
+
+
+def test_first_turn_matches_transformers_generate(engine, tiny_model_path):
+    """Our attention and KV layout give exactly what Hugging Face's own generate gives."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_model_path)
+    image = make_image(1)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}],
+        add_generation_prompt=True)
+    inputs = processor(text=text, images=image, return_tensors="pt")
+    prompt_len = inputs.input_ids.shape[1]
+    expected = engine.runner.model.generate(**inputs, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                            eos_token_id=None)[0, prompt_len:].tolist()
+    events = turn(engine, None, QUESTIONS[0], pixel_values=engine.preprocess_images([image]))
+    assert isinstance(events[0], Started) and events[0].prompt_tokens == prompt_len
+    assert list(finished(events).token_ids) == expected
+
+
+def test_followups_equal_stateless_runs_over_same_transcript(engine):
+    """DESIGN §4.1: every follow-up from the resident session equals a from-scratch run."""
+    pixel_values = engine.preprocess_images([make_image(2)])
+    sid = "equivalence-1"
+    answers = []
+    for index, question in enumerate(QUESTIONS):
+        events = turn(engine, sid, question, open_session=index == 0,
+                      pixel_values=pixel_values if index == 0 else None)
+        started, done = events[0], finished(events)
+        if index > 0:
+            assert started.cached_tokens > 0
+        prompt = engine.store.get(sid).token_ids[: started.prompt_tokens]
+        answers.append((prompt, done.token_ids))
+    assert len(answers) == 4
+    for prompt, session_tokens in answers:
+        reference = finished(run(engine, GenerationRequest(
+            messages=(), sampling=SamplingParams(max_tokens=12), stream=EventStream(),
+            token_ids=prompt, pixel_values=pixel_values)))
+        assert reference.token_ids == session_tokens
+    # cached tokens: each follow-up reuses everything but the previous answer's last token
+    run(engine, CloseRequest(sid, EventStream()))
+
+
+def test_cached_tokens_count_everything_but_last_answer_token(engine):
+    pixel_values = engine.preprocess_images([make_image(3)])
+    first = turn(engine, "cached-1", QUESTIONS[0], open_session=True, pixel_values=pixel_values)
+    first_done = finished(first)
+    second = turn(engine, "cached-1", QUESTIONS[1])
+    expected_cached = first[0].prompt_tokens + first_done.usage.completion_tokens - 1
+    assert second[0].cached_tokens == expected_cached
+    assert first[0].cached_tokens == 0
+    assert finished(second).usage.cached_tokens == expected_cached
+    run(engine, CloseRequest("cached-1", EventStream()))
+
+
+def test_identical_sessions_interleaved_concurrently_answer_identically(engine):
+    pixel_values = engine.preprocess_images([make_image(4)])
+    results: dict[str, list] = {"twin-a": [], "twin-b": []}
+    engine.max_batch_seen = 0
+
+    def converse(sid):
+        for index, question in enumerate(QUESTIONS[:3]):
+            events = turn(engine, sid, question, open_session=index == 0,
+                          pixel_values=pixel_values if index == 0 else None, max_tokens=16)
+            results[sid].append(finished(events).token_ids)
+
+    threads = [threading.Thread(target=converse, args=(sid,)) for sid in results]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results["twin-a"]) == 3
+    assert results["twin-a"] == results["twin-b"]
+    assert engine.max_batch_seen >= 2  # they really shared forward passes
+    for sid in results:
+        run(engine, CloseRequest(sid, EventStream()))
+
+
+def test_close_frees_exactly_the_session_bytes(engine):
+    baseline = engine.store.resident_bytes
+    turn(engine, "bytes-1", QUESTIONS[0], open_session=True, pixel_values=engine.preprocess_images([make_image(5)]))
+    session = engine.store.get("bytes-1")
+    held = engine.store.resident_bytes - baseline
+    info = engine.runner.info
+    kv_bytes = 2 * info.num_layers * info.num_kv_heads * session.kv.capacity * info.head_dim * 4
+    image_bytes = info.num_image_tokens * info.hidden_size * 4
+    assert held == kv_bytes + image_bytes
+    events = run(engine, CloseRequest("bytes-1", EventStream()))
+    assert events == [Closed("bytes-1")]
+    assert engine.store.resident_bytes == baseline
+    gone = turn(engine, "bytes-1", QUESTIONS[1])
+    assert isinstance(gone[-1], Failed) and isinstance(gone[-1].error, SessionNotFound)
+    assert "was closed" in gone[-1].error.message
+
+
+def test_stop_string_truncates_and_reports_stop(engine):
+    free = finished(turn(engine, None, QUESTIONS[0], max_tokens=12))
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 2]
+    stopped = finished(turn(engine, None, QUESTIONS[0], max_tokens=12, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.find(stop)]
+
+
+def test_streamed_deltas_join_to_the_answer(engine):
+    events = turn(engine, None, QUESTIONS[2], max_tokens=10)
+    deltas = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert deltas == finished(events).text
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    params = dict(max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+    alone = finished(turn(engine, None, QUESTIONS[1], **params)).token_ids
+    outputs = []
+
+    def go():
+        outputs.append(finished(turn(engine, None, QUESTIONS[1], **params)).token_ids)
+
+    threads = [threading.Thread(target=go) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outputs == [alone] * 3
+    other_seed = finished(turn(engine, None, QUESTIONS[1], **{**params, "seed": 8})).token_ids
+    assert other_seed != alone
+
+
+def test_context_overflow_is_refused_and_leaves_the_session_usable(engine):
+    turn(engine, "ctx-1", QUESTIONS[0], open_session=True)
+    before = list(engine.store.get("ctx-1").token_ids)
+    too_long = turn(engine, "ctx-1", "word " * 900, max_tokens=200)
+    assert isinstance(too_long[-1], Failed) and isinstance(too_long[-1].error, ContextLengthExceeded)
+    assert engine.store.get("ctx-1").token_ids == before
+    ok = turn(engine, "ctx-1", QUESTIONS[1])
+    assert ok[0].cached_tokens == len(before) - 1
+    run(engine, CloseRequest("ctx-1", EventStream()))
+
+
+def test_requests_on_one_session_run_in_arrival_order(engine):
+    turn(engine, "order-1", QUESTIONS[0], open_session=True)
+    requests = [GenerationRequest(messages=user(q), sampling=SamplingParams(max_tokens=6), stream=EventStream(),
+                                  session_id="order-1") for q in QUESTIONS[1:]]
+    for r in requests:
+        engine.submit(r)
+    prompts = []
+    for r in requests:
+        events = []
+        while not events or not isinstance(events[-1], (Finished, Failed)):
+            events.append(r.stream.get(timeout=60))
+        prompts.append(events[0].prompt_tokens)
+    assert prompts == sorted(prompts) and len(set(prompts)) == 3
+    closing = CloseRequest("order-1", EventStream())
+    late = GenerationRequest(messages=user("late"), sampling=SamplingParams(max_tokens=4), stream=EventStream(),
+                             session_id="order-1")
+    engine.submit(GenerationRequest(messages=user("busy"), sampling=SamplingParams(max_tokens=30),
+                                    stream=EventStream(), session_id="order-1"))
+    engine.submit(closing)
+    engine.submit(late)
+    assert closing.stream.get(timeout=60) == Closed("order-1")
+    failed = late.stream.get(timeout=60)
+    assert isinstance(failed, Failed) and isinstance(failed.error, SessionNotFound)
+
+
+def test_idle_session_expires_without_a_request(tiny_model_path):
+    clock = FakeClock()
+    config = EngineConfig(model_path=str(tiny_model_path), session_ttl_s=30, reaper_interval_s=0.02)
+    eng = Engine(config, clock=clock).start()
+    try:
+        started = turn(eng, "ttl-1", QUESTIONS[0], open_session=True)[0]
+        assert started.expires_at == clock.now + 30
+        assert len(eng.store) == 1 and eng.store.resident_bytes > 0
+        clock.now += 29
+        time.sleep(0.2)
+        assert len(eng.store) == 1
+        clock.now += 2
+        deadline = time.monotonic() + 5
+        while len(eng.store) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(eng.store) == 0 and eng.store.resident_bytes == 0
+        assert eng.store.num_expired == 1
+        gone = turn(eng, "ttl-1", QUESTIONS[1])
+        assert isinstance(gone[-1], Failed) and "was expired" in gone[-1].error.message
+    finally:
+        eng.stop()
