@@ -79,7 +79,7 @@ class Engine:
         self.clock = clock
         if config.threads > 0:
             torch.set_num_threads(config.threads)
-        self.runner = runner or ModelRunner(config)
+        self.runner = runner or ModelRunner.from_config(config)
         info = self.runner.info
         self.max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
         self.tokenizer, self.image_processor = _load_processing(config.model_path, self.runner.is_multimodal)

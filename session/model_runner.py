@@ -54,18 +54,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto"):
         from transformers import AutoConfig
 
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.model_path = model_path
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        hf_config = AutoConfig.from_pretrained(model_path)
         self.is_multimodal = hf_config.model_type == "llava"
         text_config = hf_config.text_config if self.is_multimodal else hf_config
         if text_config.model_type not in SUPPORTED_TEXT_MODELS:
             raise ConfigError(f"language model type {text_config.model_type!r} is not supported; "
                               f"supported: {SUPPORTED_TEXT_MODELS}")
-        self.model = self._load(config.model_path, hf_config)
+        self.model = self._load(model_path, hf_config)
         if self.is_multimodal:
             self.lm = self.model.model.language_model
             self.vision_feature_layer = hf_config.vision_feature_layer
@@ -75,6 +76,10 @@ class ModelRunner:
         self.lm_head = self.model.lm_head
         self.layers = list(self.lm.layers)
         self.info = self._info(hf_config, text_config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "ModelRunner":
+        return cls(config.model_path, device=config.device, dtype=config.dtype)
 
     def _load(self, path: str, hf_config):
         from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
@@ -132,8 +137,12 @@ class ModelRunner:
         return embeds
 
     @torch.inference_mode()
-    def prefill(self, kv: KVCache, embeds: torch.Tensor) -> torch.Tensor:
-        """Run ``embeds`` [T, hidden] after the ``kv.length`` cached tokens; returns last logits [V]."""
+    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Run ``embeds`` [T, hidden] after the ``kv.length`` cached tokens.
+
+        Returns the last position's logits [V], or with ``all_logits`` every position's [T, V]
+        (speculative verification scores all proposed tokens in this one pass).
+        """
         start, num_new = kv.length, embeds.shape[0]
         end = start + num_new
         kv.ensure_capacity(end)
@@ -152,7 +161,7 @@ class ModelRunner:
             )
             h = self._finish_layer(layer, h, o)
         kv.length = end
-        return self._logits(h[:, -1:])[0, 0]
+        return self._logits(h)[0] if all_logits else self._logits(h[:, -1:])[0, 0]
 
     @torch.inference_mode()
     def decode(self, kvs: list[KVCache], token_ids: list[int]) -> torch.Tensor:
