@@ -8,6 +8,7 @@ environment variables, so every field can be set that way. Unknown keys are an e
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -70,6 +71,12 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
+        for name in ("session_ttl_s", "reaper_interval_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
+        for name in ("max_context_tokens", "threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",
                     "max_batch_size", "max_queue", "kv_block_tokens", "max_image_bytes", "max_image_pixels",
                     "max_images_per_request"]
@@ -97,6 +104,8 @@ def _coerce(f: dataclasses.Field, raw: Any, where: str) -> Any:
         if text in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{where} must be true or false, got {raw!r}")
+    if kind is int and (isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer())):
+        raise ConfigError(f"{where} must be int, got {raw!r}")
     try:
         return kind(raw)
     except (TypeError, ValueError):

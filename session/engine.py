@@ -270,6 +270,7 @@ class Engine:
                 f"{prompt_tokens + max_tokens}, over the context window of {self.max_context}"
                 + (" (the session's history counts)" if session.num_turns else "")
             )
+        generator = make_generator(request.sampling, self.config.seed, self.runner.device)
         new_embeds = self.runner.encode_images(request.pixel_values) if given else []
         kv = session.kv
         cached = kv.length
@@ -282,8 +283,7 @@ class Engine:
         session.image_embeds.extend(new_embeds)
         session.image_digests.extend(request.image_digests)
         session.num_turns += 1
-        seq.prompt_tokens, seq.cached_tokens = prompt_tokens, cached
-        seq.generator = make_generator(request.sampling, self.config.seed, self.runner.device)
+        seq.prompt_tokens, seq.cached_tokens, seq.generator = prompt_tokens, cached, generator
         self.num_prefilled_tokens += prompt_tokens - cached
         self.num_cached_tokens += cached
         request.stream.put(Started(

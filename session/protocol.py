@@ -35,7 +35,7 @@ def new_session_id() -> str:
 
 
 def validate_session_id(session_id: str) -> str:
-    if len(session_id) > MAX_SESSION_ID_LEN or not SESSION_ID_RE.match(session_id):
+    if len(session_id) > MAX_SESSION_ID_LEN or not SESSION_ID_RE.fullmatch(session_id):
         raise InvalidSessionId(
             f"invalid session id {session_id[:64]!r}: must match {SESSION_ID_RE.pattern} "
             f"and be at most {MAX_SESSION_ID_LEN} characters"
@@ -85,6 +85,10 @@ class Message:
                 for p in self.parts]
 
 
+MIN_SAMPLING_TEMPERATURE = 1e-4
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -95,7 +99,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this the sampled distribution is the argmax anyway, and logits / T would overflow.
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -144,17 +149,16 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
         return ChatRequest(messages=(), sampling=SamplingParams(max_tokens=0), session_id=session_id,
                            request_type=CLOSE)
     messages = _parse_messages(data.get("messages"))
-    if data.get("n", 1) != 1:
+    if _get(data, "n", 1) != 1:
         raise BadRequest("only n=1 is supported")
-    max_tokens = data.get("max_completion_tokens", data.get("max_tokens", default_max_tokens))
+    max_tokens = _get(data, "max_completion_tokens", _get(data, "max_tokens", default_max_tokens))
     max_tokens = _typed(max_tokens, int, "max_tokens")
     if not 1 <= max_tokens <= max_new_tokens:
         raise BadRequest(f"max_tokens must be between 1 and {max_new_tokens}, got {max_tokens}")
-    temperature = float(_typed(data.get("temperature", 0.0) if data.get("temperature") is not None else 0.0,
-                               (int, float), "temperature"))
+    temperature = float(_typed(_get(data, "temperature", 0.0), (int, float), "temperature"))
     if not 0.0 <= temperature <= 2.0:
         raise BadRequest(f"temperature must be between 0 and 2, got {temperature}")
-    top_p = float(_typed(data.get("top_p", 1.0) if data.get("top_p") is not None else 1.0, (int, float), "top_p"))
+    top_p = float(_typed(_get(data, "top_p", 1.0), (int, float), "top_p"))
     if not 0.0 < top_p <= 1.0:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
     stop = data.get("stop")
@@ -171,7 +175,9 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
     seed = data.get("seed")
     if seed is not None:
         seed = _typed(seed, int, "seed")
-    stream = _typed(data.get("stream", False), bool, "stream")
+        if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise BadRequest(f"seed must be in [-2**63, 2**64), got {seed}")
+    stream = _typed(_get(data, "stream", False), bool, "stream")
     model = data.get("model")
     if model is not None:
         model = _typed(model, str, "model")
@@ -192,6 +198,12 @@ def _load_json(body: bytes | str | Mapping[str, Any] | None) -> dict:
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     return data
+
+
+def _get(data: dict, key: str, default: Any) -> Any:
+    """A field's value; an explicit null means the default, as in the OpenAI API."""
+    value = data.get(key)
+    return default if value is None else value
 
 
 def _typed(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
