@@ -36,7 +36,8 @@ class EngineConfig:
     max_batch_size: int = 16  # sessions decoding together in one forward pass
     max_queue: int = 256  # waiting requests per worker before 503
     kv_block_tokens: int = 256  # KV buffers grow in whole blocks of this many tokens
-    static_kv: bool = False  # fixed-capacity KV (max_context_tokens) for static-shape compilers
+    static_kv: bool = False  # fixed-capacity KV + bucketed shapes (session/static_shapes.py), as NeuronCores need
+    compile: bool = False  # torch.compile the static-shape step functions (needs static_kv)
     max_image_bytes: int = 6 * 1024 * 1024  # encoded image size (SageMaker's payload limit)
     max_image_pixels: int = 4096 * 4096  # decoded width*height; guards decompression bombs
     max_images_per_request: int = 4
@@ -86,6 +87,8 @@ class EngineConfig:
         if self.default_max_tokens > self.max_new_tokens:
             raise ConfigError(f"{ENV_PREFIX}DEFAULT_MAX_TOKENS ({self.default_max_tokens}) must not exceed "
                               f"{ENV_PREFIX}MAX_NEW_TOKENS ({self.max_new_tokens})")
+        if self.compile and not self.static_kv:
+            raise ConfigError(f"{ENV_PREFIX}COMPILE needs {ENV_PREFIX}STATIC_KV=true (compiled steps have static shapes)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"{ENV_PREFIX}DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (Path(self.model_path) / "config.json").exists():

@@ -82,6 +82,14 @@ class Engine:
         self.runner = runner or ModelRunner.from_config(config)
         info = self.runner.info
         self.max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
+        # The object that runs prefill/decode: the dynamic runner, or its fixed-shape twin.
+        self.stepper = self.runner
+        if config.static_kv:
+            from session.static_shapes import DEFAULT_BATCH_BUCKETS, StaticShapeRunner
+
+            buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < config.max_batch_size) + (config.max_batch_size,)
+            self.stepper = StaticShapeRunner(self.runner, self.max_context, batch_buckets=buckets,
+                                             compile=config.compile)
         self.tokenizer, self.image_processor = _load_processing(config.model_path, self.runner.is_multimodal)
         self.formatter = ChatFormatter(
             self.tokenizer, image_token=getattr(self.tokenizer, "image_token", None) if info.image_token_id else None,
@@ -277,7 +285,7 @@ class Engine:
         # The transcript's last token (the previous answer's last one) was never fed: feed it now.
         embeds = self.runner.embed(session.token_ids[cached:] + new_ids, new_embeds)
         kv.ensure_capacity(prompt_tokens + max_tokens)
-        logits = self.runner.prefill(kv, embeds)
+        logits = self.stepper.prefill(kv, embeds)
         # Commit only after the model ran: a failure above leaves the session as it was.
         session.token_ids.extend(new_ids)
         session.image_embeds.extend(new_embeds)
@@ -304,7 +312,7 @@ class Engine:
     def _decode_step(self) -> None:
         batch = self._running[: self.config.max_batch_size]
         try:
-            logits = self.runner.decode([s.session.kv for s in batch], [s.next_token for s in batch])
+            logits = self.stepper.decode([s.session.kv for s in batch], [s.next_token for s in batch])
             tokens = sample_rows(logits, [s.request.sampling for s in batch], [s.generator for s in batch])
         except Exception as exc:
             # The caches are unchanged (lengths advance only after a full step): fail these requests,

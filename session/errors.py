@@ -64,3 +64,39 @@ class CapacityExceeded(ResidentError):
 
 class ConfigError(ValueError):
     """A setting is wrong at start-up; the message says what to set."""
+
+
+# ---------------------------------------------------------------- the front (session/front.py)
+
+
+class SessionBackendUnavailable(ResidentError):
+    """The backend holding this session is down. Its state lived in that backend's memory, so the
+    session cannot continue elsewhere: the caller opens a new session (the pin stays until the
+    session's expiry, in case the backend comes back with its sessions intact)."""
+
+    status = 410
+    type = "session_backend_unavailable"
+
+
+class BackendUnavailable(ResidentError):
+    """No healthy backend can take a new session or a stateless request; retry later."""
+
+    status = 503
+    type = "backend_unavailable"
+
+    def __init__(self, message: str, retry_after_s: int = 2):
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class BackendError(ResidentError):
+    """The backend dropped the connection before answering in full."""
+
+    status = 502
+    type = "backend_error"
+
+
+class BackendTimeout(ResidentError):
+    """The backend did not answer within the front's timeout (RESIDENT_FRONT_TIMEOUT_S)."""
+
+    status = 504
+    type = "backend_timeout"

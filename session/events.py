@@ -70,5 +70,9 @@ class EventStream:
     def get(self, timeout: float | None = None) -> Event:
         return self._queue.get(timeout=timeout)
 
+    def get_nowait(self) -> Event:
+        """Raises queue.Empty when nothing has arrived."""
+        return self._queue.get_nowait()
+
     async def aget(self) -> Event:
         return await self._async_queue.get()

@@ -29,8 +29,10 @@ class KVCache:
         self.v = self._empty(capacity)
 
     def _empty(self, capacity: int) -> torch.Tensor:
-        return torch.empty(self.num_layers, self.num_kv_heads, capacity, self.head_dim,
-                           dtype=self.dtype, device=self.device)
+        # Static caches are read whole under a mask: masked positions get weight 0, and 0 * NaN from
+        # uninitialised memory would still be NaN, so they start zeroed. Dynamic ones never read past length.
+        alloc = torch.zeros if self.static else torch.empty
+        return alloc(self.num_layers, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:

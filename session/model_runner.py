@@ -106,7 +106,7 @@ class ModelRunner:
             num_image_tokens=num_image_tokens,
         )
 
-    def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool) -> KVCache:
+    def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
         i = self.info
         return KVCache(num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim,
                        dtype=self.dtype, device=self.device, block_tokens=block_tokens,
@@ -153,13 +153,13 @@ class ModelRunner:
         causal = torch.ones(num_new, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = self._qkv(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
+            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
             kv.write(index, start, k[0], v[0])
             o = F.scaled_dot_product_attention(
                 q, kv.keys(index, end)[None], kv.values(index, end)[None], attn_mask=causal,
                 scale=attn.scaling, enable_gqa=self.info.num_heads != self.info.num_kv_heads,
             )
-            h = self._finish_layer(layer, h, o)
+            h = self.finish_layer(layer, h, o)
         kv.length = end
         return self._logits(h)[0] if all_logits else self._logits(h[:, -1:])[0, 0]
 
@@ -180,7 +180,7 @@ class ModelRunner:
         gqa = self.info.num_heads != self.info.num_kv_heads
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = self._qkv(layer, h, cos, sin)  # q: [B, H, 1, hd]
+            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]
             rows = []
             for b, (kv, length) in enumerate(zip(kvs, lengths)):
                 kv.write(index, length, k[b], v[b])
@@ -188,12 +188,13 @@ class ModelRunner:
                     q[b : b + 1], kv.keys(index, length + 1)[None], kv.values(index, length + 1)[None],
                     scale=attn.scaling, enable_gqa=gqa,
                 ))
-            h = self._finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
+            h = self.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
         for kv, length in zip(kvs, lengths):
             kv.length = length + 1
         return self._logits(h)[:, 0]
 
-    def _qkv(self, layer, h, cos, sin):
+    def attention_inputs(self, layer, h, cos, sin):
+        """h: [B, T, D] -> rotated q [B, H, T, hd], k and v [B, KVH, T, hd]."""
         attn = layer.self_attn
         batch, num_new, _ = h.shape
         x = layer.input_layernorm(h)
@@ -204,7 +205,7 @@ class ModelRunner:
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
-    def _finish_layer(self, layer, h, attn_out):
+    def finish_layer(self, layer, h, attn_out):
         # attn_out: [B, H, T, hd] -> [B, T, H*hd]
         batch, _, num_new, _ = attn_out.shape
         o = attn_out.transpose(1, 2).reshape(batch, num_new, -1)

@@ -1,0 +1,435 @@
+"""Speculative decoding: a cheap proposer guesses k tokens, the target checks them in one pass.
+
+Plain decoding costs one target forward pass per token. Here a proposer (a small draft model,
+or prompt lookup in the session's own transcript) guesses the next k tokens; the target scores
+``[last] + proposals`` in ONE pass and keeps the longest prefix it agrees with, plus one token of
+its own. Every step therefore yields between 1 and k+1 tokens for one target pass.
+
+Exactness. Greedy: a proposal is kept only where it equals the target's argmax, and the token
+after the kept prefix is the target's argmax, so the output is token for token what the target
+alone produces. Sampling: the rejection rule of Leviathan et al. / Chen et al. (2023) makes each
+emitted token distributed exactly as the target's (after the same temperature / top-p warping).
+
+Who calls this: the engine's loop thread (one ``SpeculativeDecoder`` per engine, shared by all
+sessions). The caller owns every cache: the session holds the target's KV cache and the draft's
+KV cache (counted in its bytes), so a follow-up turn prefills only its new tokens in both models.
+Between steps each cache holds every transcript token but the last (the last one is fed next).
+
+Pure functions (``greedy_accept``, ``sampling_accept``, ``propose_ngram``, ``warp_probs``) hold the
+maths; ``SpeculationController`` decides k and when speculation does not pay; the decoder glues
+them to the model runners.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from session.errors import ConfigError
+from session.kv_cache import KVCache
+from session.model_runner import ModelRunner
+from session.protocol import SamplingParams
+
+# ---------------------------------------------------------------- accept / reject
+
+
+def greedy_accept(draft_tokens: list[int], target_logits: torch.Tensor) -> list[int]:
+    """The tokens a greedy step emits: the agreed prefix of the proposals, then the target's own token.
+
+    target_logits: [k+1, V]; row i scores the position after ``draft_tokens[:i]`` (row 0 follows the
+    last transcript token, row k is the bonus position after all k proposals).
+    Returns 1 .. k+1 tokens: draft_tokens[:m] + [argmax row m], m = the first disagreement (or k).
+    """
+    target_tokens = target_logits.argmax(dim=-1).tolist()  # [k+1], one host sync
+    num_accepted = 0
+    while num_accepted < len(draft_tokens) and draft_tokens[num_accepted] == target_tokens[num_accepted]:
+        num_accepted += 1
+    return draft_tokens[:num_accepted] + [target_tokens[num_accepted]]
+
+
+def sampling_accept(draft_tokens: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                    generator: torch.Generator | None) -> list[int]:
+    """Speculative sampling: emitted tokens are distributed exactly as the target's (p), not the draft's (q).
+
+    draft_probs: [k, V], q_i — the distribution draft_tokens[i] was drawn from (one-hot for prompt lookup).
+    target_probs: [k+1, V], p_i — the target's distribution at the same positions, plus the bonus one.
+
+    For proposal x_i ~ q_i:
+        accept with probability min(1, p_i(x) / q_i(x))            (test: u * q_i(x) < p_i(x), u ~ U[0,1))
+        on rejection emit y ~ norm(max(0, p_i - q_i)) and stop.
+    Why it is exact: P(emit x) = q(x) min(1, p(x)/q(x)) + P(reject) r(x)
+                               = min(q(x), p(x)) + (1 - sum_z min(q(z), p(z))) * max(0, p(x)-q(x)) / Z
+    and Z = sum_z max(0, p(z)-q(z)) = 1 - sum_z min(q(z), p(z)), so P(emit x) = min(q,p) + max(0, p-q) = p(x).
+    If all k are accepted, the bonus token is drawn from p_k. Returns 1 .. k+1 tokens.
+    """
+    k = len(draft_tokens)
+    if k:
+        proposed = torch.tensor(draft_tokens, device=target_probs.device)  # [k]
+        rows = torch.arange(k, device=target_probs.device)
+        p = target_probs[rows, proposed]  # [k], p_i(x_i)
+        q = draft_probs[rows, proposed]  # [k], q_i(x_i)
+        u = torch.rand(k, generator=generator, device=target_probs.device)  # [k]
+        accepted = (u * q < p).tolist()
+        for i, ok in enumerate(accepted):
+            if not ok:
+                residual = (target_probs[i] - draft_probs[i]).clamp_min(0.0)  # [V]
+                return draft_tokens[:i] + [_draw(residual, target_probs[i], generator)]
+    return draft_tokens + [_draw(target_probs[k], target_probs[k], generator)]
+
+
+def _draw(weights: torch.Tensor, fallback: torch.Tensor, generator: torch.Generator | None) -> int:
+    # weights: [V], unnormalised. A residual can round to all zeros when p and q are equal up to float
+    # error (a rejection then has probability ~0); the target's own distribution is the right answer there.
+    if float(weights.sum()) <= 0.0:
+        weights = fallback
+    return int(torch.multinomial(weights, 1, generator=generator)[0])
+
+
+def warp_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """logits [..., V] -> the distribution plain sampling draws from (``session.sampling.sample_one``):
+    softmax at ``temperature``, then nucleus filtering (keep a token if the mass before it is < top_p),
+    renormalised: the acceptance test compares p(x) with q(x), so both must sum to one.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+# ---------------------------------------------------------------- proposers
+
+
+def propose_ngram(context_ids: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Prompt lookup: the up-to-k tokens that followed the latest earlier occurrence of the context's tail.
+
+    Tries the longest tail first (max_ngram tokens, down to min_ngram): a longer match predicts better.
+    The occurrence must end before the last token, so at least one token follows it. Returns [] when
+    nothing matches (the step then degenerates to a plain one: the target scores the last token alone).
+    """
+    num_ids = len(context_ids)
+    if k <= 0:
+        return []
+    for n in range(min(max_ngram, num_ids - 1), min_ngram - 1, -1):
+        tail = context_ids[num_ids - n:]
+        last = tail[-1]
+        # candidate occurrences end at position `end` (exclusive), latest first; end <= num_ids - 1
+        for end in range(num_ids - 1, n - 1, -1):
+            if context_ids[end - 1] == last and context_ids[end - n:end] == tail:
+                return context_ids[end:end + k]
+    return []
+
+
+# ---------------------------------------------------------------- adaptive k
+
+
+@dataclass
+class SpeculationController:
+    """Chooses k (proposals per step) from measured acceptance and costs; says when to decode plainly.
+
+    Model (i.i.d. acceptance with rate a; draft step costs r and the verify pass 1 + k*rho plain target
+    steps): a step with k proposals yields E(k) = 1 + a + ... + a^k tokens for 1 + k*(r + rho) plain-step
+    costs, so the expected speedup is S(k) = E(k) / (1 + k*(r + rho)). k = argmax S over [1, k_max];
+    speculate only while S(k) >= min_speedup, and after ``probe_interval`` plain steps try once more
+    (acceptance depends on the text: a follow-up that quotes the conversation may suddenly pay).
+
+    Acceptance is estimated from geometric trials: a step that accepted m of k proposals saw m
+    successes and (m < k) failures; the proposals after the first rejection were never tested.
+    One controller per sequence (or per session): acceptance depends on the text being written.
+    """
+
+    k_max: int = 8
+    k: int = 4  # proposals for the next speculative step
+    smoothing: float = 0.25  # EMA weight of the newest observation
+    min_speedup: float = 1.05  # expected gain below which plain decoding is used
+    probe_interval: int = 16  # plain steps between two tries of speculation
+    prior_acceptance: float = 0.6
+    num_successes: float = field(init=False)  # EMA of accepted proposals per step
+    num_trials: float = field(init=False)  # EMA of tested proposals per step
+    plain_step_s: float | None = None  # EMA of one plain target decode step
+    draft_step_s: float | None = None  # EMA of one proposal (draft forward, or n-gram lookup)
+    verify_extra_s: float = 0.0  # EMA of the verify pass's extra cost per proposed token
+    num_plain_since_probe: int = 0
+
+    def __post_init__(self):
+        if not 1 <= self.k <= self.k_max:
+            raise ConfigError(f"speculative k must be in [1, k_max={self.k_max}], got {self.k}")
+        self.num_successes, self.num_trials = self.prior_acceptance, 1.0
+
+    @property
+    def acceptance(self) -> float:
+        """Estimated probability that one proposal is accepted."""
+        return self.num_successes / self.num_trials if self.num_trials > 0 else 0.0
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k) = sum_{i=0..k} a^i: tokens per target pass with k proposals (the +1 is the target's own)."""
+        return sum(self.acceptance ** i for i in range(k + 1))
+
+    def expected_speedup(self, k: int) -> float:
+        if not self.plain_step_s or self.draft_step_s is None:
+            return float("inf")  # nothing measured yet: be optimistic, measurements will correct it
+        marginal = (self.draft_step_s + self.verify_extra_s) / self.plain_step_s  # r + rho
+        return self.expected_tokens(k) / (1.0 + k * marginal)
+
+    def best_k(self) -> int:
+        return max(range(1, self.k_max + 1), key=lambda k: (self.expected_speedup(k), -k))
+
+    def should_speculate(self) -> bool:
+        """Called before each step. False: decode plainly this step (and report it with observe_plain)."""
+        if self.plain_step_s is None:
+            return False  # calibrate: one plain step measures the cost speculation must beat
+        if self.expected_speedup(self.k) >= self.min_speedup:
+            return True
+        return self.num_plain_since_probe >= self.probe_interval
+
+    def observe(self, num_proposed: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+        """Called after a speculative step with what it proposed, accepted and cost."""
+        self.num_plain_since_probe = 0
+        if num_proposed == 0:  # prompt lookup found nothing: it was a plain step in disguise
+            self.observe_plain(verify_s)
+            return
+        w = self.smoothing
+        tested = num_accepted + (num_accepted < num_proposed)
+        self.num_successes += w * (num_accepted - self.num_successes)
+        self.num_trials += w * (tested - self.num_trials)
+        self.draft_step_s = _ema(self.draft_step_s, draft_s / num_proposed, w)
+        if self.plain_step_s is not None:
+            extra = max(0.0, verify_s - self.plain_step_s) / num_proposed
+            self.verify_extra_s = _ema(self.verify_extra_s, extra, w)
+        self.k = self.best_k()
+
+    def observe_plain(self, step_s: float) -> None:
+        """Called after a plain decode step with its duration."""
+        self.plain_step_s = _ema(self.plain_step_s, step_s, self.smoothing)
+        self.num_plain_since_probe += 1
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+# ---------------------------------------------------------------- compatibility
+
+
+def check_compatible(target_tokenizer, draft_tokenizer) -> None:
+    """Refuse (at start-up) a draft whose token ids mean something else than the target's.
+
+    Proposals are token ids: a draft with another vocabulary proposes ids the target reads as other
+    text, so acceptance collapses (and sampling's p/q comparison is meaningless).
+    """
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(t for t in target_vocab.keys() | draft_vocab.keys()
+                           if target_vocab.get(t) != draft_vocab.get(t))
+        example = differing[0]
+        raise ConfigError(
+            f"the draft model's vocabulary differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} "
+            f"tokens, {len(differing)} differ; e.g. {example!r} is id {target_vocab.get(example)} in the target "
+            f"and {draft_vocab.get(example)} in the draft). Speculative decoding needs a draft trained with the "
+            "target's tokenizer: point the draft model path at such a checkpoint, or unset it to use prompt lookup"
+        )
+    for name in ("bos_token_id", "eos_token_id"):
+        if getattr(target_tokenizer, name) != getattr(draft_tokenizer, name):
+            raise ConfigError(f"the draft tokenizer's {name} ({getattr(draft_tokenizer, name)}) differs from the "
+                              f"target's ({getattr(target_tokenizer, name)}); use a draft with the target's tokenizer")
+
+
+def check_runners_compatible(target: ModelRunner, draft: ModelRunner) -> None:
+    """The draft must be a text-only causal LM whose logits index the target's vocabulary."""
+    if draft.is_multimodal:
+        raise ConfigError(f"the draft model at {draft.model_path!r} is multimodal; use a text-only causal LM "
+                          "(it conditions on the transcript's text, see SpeculativeDecoder)")
+    if draft.info.vocab_size != target.info.vocab_size:
+        raise ConfigError(f"the draft model's vocab_size ({draft.info.vocab_size}) differs from the target's "
+                          f"({target.info.vocab_size}); use a draft trained with the target's tokenizer")
+
+
+# ---------------------------------------------------------------- the decoder
+
+
+@dataclass(frozen=True)
+class StepResult:
+    token_ids: list[int]  # tokens for the transcript, in order: 1 .. k+1 (fewer if cut at EOS / max_new)
+    num_proposed: int  # proposals the target scored (k)
+    num_accepted: int  # proposals it accepted (before any cut)
+    draft_s: float  # seconds spent proposing
+    verify_s: float  # seconds of the target pass and acceptance
+
+
+class SpeculativeDecoder:
+    """Draft-and-verify steps for one sequence at a time, over caches the caller owns.
+
+    Text-only draft for LLaVA sessions: the draft conditions on the transcript WITHOUT the image
+    placeholder tokens. A text draft cannot read image embeddings, and a multimodal draft would need
+    its own vision tower pass per image (the costliest part of a first turn) for a model meant to be
+    cheap; the target still sees the image and rejects whatever the text alone mispredicts. So the
+    draft's context is shorter than the target's and its KV length is tracked on its own cache.
+
+    With ``draft=None`` proposals come from prompt lookup (``propose_ngram``) in the transcript's text.
+
+    Per session the caller keeps: ``token_ids`` (the target's transcript, image placeholders included),
+    ``target_kv`` and (with a draft) ``draft_kv`` from ``new_draft_kv``. Invariant between steps, for
+    both caches: it holds every (text, for the draft) transcript token but the last.
+    """
+
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None = None, *,
+                 max_ngram: int = 3, min_ngram: int = 1, clock: Callable[[], float] = time.perf_counter):
+        if draft is not None:
+            check_runners_compatible(target, draft)
+        self.target = target
+        self.draft = draft
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.clock = clock
+        self.image_token_id = target.info.image_token_id
+        self.num_steps = 0
+        self.num_proposed = 0
+        self.num_accepted = 0
+        self.num_draft_synced_tokens = 0  # draft prefill of tokens it had not seen (new turns, after plain steps)
+
+    def new_draft_kv(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache | None:
+        """The draft's cache for a new session (None for prompt lookup). The session owns it."""
+        if self.draft is None:
+            return None
+        return self.draft.new_kv_cache(block_tokens=block_tokens, max_tokens=max_tokens, static=static)
+
+    def text_ids(self, token_ids: list[int]) -> list[int]:
+        """The draft's view of a transcript: image placeholders removed."""
+        if self.image_token_id is None:
+            return token_ids
+        return [t for t in token_ids if t != self.image_token_id]
+
+    # ------------------------------------------------------------ steps
+
+    def sync_draft(self, token_ids: list[int], draft_kv: KVCache | None) -> int:
+        """Prefill the draft with the text tokens it has not seen, all but the last. Returns how many.
+
+        Who calls this: the engine after a turn's prefill, so the new turn's text is prefilled in the draft
+        with the target's (and timed as prefill). Optional: ``step`` feeds whatever the draft lacks anyway.
+        """
+        if draft_kv is None:
+            return 0
+        text = self.text_ids(token_ids)
+        draft_kv.crop(len(text) - 1)
+        missing = text[draft_kv.length:-1]
+        if missing:
+            self.draft.prefill(draft_kv, self.draft.embed(missing, []))
+            self.num_draft_synced_tokens += len(missing)
+        return len(missing)
+
+    def step(self, token_ids: list[int], target_kv: KVCache, draft_kv: KVCache | None, k: int, *,
+             max_new: int | None = None, eos_token_ids: tuple[int, ...] = (),
+             sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> StepResult:
+        """One speculative step after ``token_ids`` (the transcript; its last token not yet in target_kv).
+
+        Proposes up to k tokens, verifies them in one target pass, accepts, and crops both caches so each
+        holds the new transcript (token_ids + result.token_ids) but its last token. The caller appends
+        ``result.token_ids`` to its transcript. Output is cut after an EOS and at ``max_new`` tokens.
+        """
+        greedy = sampling is None or sampling.greedy
+        if max_new is not None:
+            k = min(k, max_new - 1)  # more proposals could not be emitted anyway
+        started = self.clock()
+        if self.draft is not None:
+            proposals, draft_probs = self._propose_draft(token_ids, draft_kv, k, eos_token_ids, sampling, generator)
+        else:
+            proposals = propose_ngram(self.text_ids(token_ids), k, self.max_ngram, self.min_ngram)
+            draft_probs = None
+        proposed_at = self.clock()
+        target_kv.crop(len(token_ids) - 1)
+        fed = token_ids[target_kv.length:] + proposals  # usually [last] + proposals
+        logits = self.target.prefill(target_kv, self.target.embed(fed, []), all_logits=True)
+        logits = logits[-(len(proposals) + 1):]  # [k+1, V]: after the last transcript token, then each proposal
+        if greedy:
+            emitted = greedy_accept(proposals, logits)
+        else:
+            target_probs = warp_probs(logits, sampling.temperature, sampling.top_p)  # [k+1, V]
+            if draft_probs is None:  # prompt lookup proposes deterministically: q is one-hot
+                draft_probs = torch.zeros_like(target_probs[:-1])
+                draft_probs[torch.arange(len(proposals)), torch.tensor(proposals, dtype=torch.long)] = 1.0
+            emitted = sampling_accept(proposals, draft_probs, target_probs, generator)
+        num_accepted = len(emitted) - 1
+        emitted = _cut(emitted, max_new, eos_token_ids)
+        self.rewind(token_ids + emitted, target_kv, draft_kv)
+        self.num_steps += 1
+        self.num_proposed += len(proposals)
+        self.num_accepted += num_accepted
+        return StepResult(emitted, len(proposals), num_accepted, proposed_at - started, self.clock() - proposed_at)
+
+    def rewind(self, token_ids: list[int], target_kv: KVCache, draft_kv: KVCache | None) -> None:
+        """Crop both caches to the transcript ``token_ids`` minus its last token.
+
+        Who calls this: ``step``, and the engine when it drops emitted tokens (a stop string matched).
+        """
+        target_kv.crop(len(token_ids) - 1)
+        if draft_kv is not None:
+            draft_kv.crop(len(self.text_ids(token_ids)) - 1)
+
+    def plain_step(self, token_ids: list[int], target_kv: KVCache) -> torch.Tensor:
+        """One ordinary decode step (the fallback): feeds the last token, returns its logits [V]."""
+        target_kv.crop(len(token_ids) - 1)
+        return self.target.decode([target_kv], [token_ids[-1]])[0]
+
+    def decode_greedy(self, token_ids: list[int], target_kv: KVCache, draft_kv: KVCache | None, max_new: int,
+                      controller: SpeculationController, eos_token_ids: tuple[int, ...] = ()) -> list[int]:
+        """Greedy-decode one sequence to EOS or ``max_new`` tokens, speculating while it pays.
+
+        ``token_ids`` ends with the token sampled from the prompt's prefill (not yet in target_kv); it is
+        extended in place, and the new tokens after it are returned. Who calls this: benchmarks and tests
+        (the engine interleaves ``step`` / its batched plain decode with other sessions instead).
+        """
+        start = len(token_ids)
+        while len(token_ids) - start < max_new and token_ids[-1] not in eos_token_ids:
+            remaining = max_new - (len(token_ids) - start)
+            if controller.should_speculate():
+                result = self.step(token_ids, target_kv, draft_kv, controller.k, max_new=remaining,
+                                   eos_token_ids=eos_token_ids)
+                controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
+                token_ids.extend(result.token_ids)
+            else:
+                began = self.clock()
+                token_ids.append(int(self.plain_step(token_ids, target_kv).argmax()))
+                controller.observe_plain(self.clock() - began)
+        return token_ids[start:]
+
+    def _propose_draft(self, token_ids, draft_kv, k, eos_token_ids, sampling, generator):
+        """k draft forward passes: greedy argmax, or draws from the warped draft distribution q.
+
+        Returns (proposals [<= k], q [<= k, V] or None when greedy). The first pass feeds every text
+        token the draft has not seen: usually just the last one; two after a step that accepted all
+        proposals (the draft never fed its own k-th proposal); more after plain steps. Stops early after
+        an EOS proposal: nothing after it could be emitted.
+        """
+        if k <= 0:
+            return [], None
+        text = self.text_ids(token_ids)
+        draft_kv.crop(len(text) - 1)
+        logits = self.draft.prefill(draft_kv, self.draft.embed(text[draft_kv.length:], []))  # [V]
+        greedy = sampling is None or sampling.greedy
+        proposals: list[int] = []
+        probs: list[torch.Tensor] = []
+        while True:
+            if greedy:
+                token = int(logits.argmax())
+            else:
+                q = warp_probs(logits, sampling.temperature, sampling.top_p)  # [V]
+                token = int(torch.multinomial(q, 1, generator=generator)[0])
+                probs.append(q)
+            proposals.append(token)
+            if len(proposals) == k or token in eos_token_ids:
+                return proposals, (torch.stack(probs) if probs else None)
+            logits = self.draft.decode([draft_kv], [token])[0]
+
+
+def _cut(token_ids: list[int], max_new: int | None, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """Keep tokens up to and including the first EOS, and at most max_new of them."""
+    for i, token in enumerate(token_ids):
+        if token in eos_token_ids:
+            token_ids = token_ids[: i + 1]
+            break
+    return token_ids if max_new is None else token_ids[:max_new]

@@ -1,0 +1,109 @@
+"""Decode paths agree (plain, batched with sessions joining mid-flight, static shapes, compiled),
+and continuous batching lets a new request start while others are decoding."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from session.config import EngineConfig
+from session.engine import Engine, GenerationRequest
+from session.events import EventStream, Failed, Finished, Started, TextDelta
+from session.protocol import SamplingParams
+from tests.conftest import make_image
+from tests.integration.test_engine import QUESTIONS, finished, run, turn
+
+NUM_SESSIONS = 5
+
+
+def converse(engine: Engine, index: int, pixel_values, delay_s: float, out: dict) -> None:
+    time.sleep(delay_s)  # staggered: later sessions join while earlier ones decode
+    sid = f"path-{index}"
+    tokens = []
+    for step, question in enumerate(QUESTIONS[:3]):
+        events = turn(engine, sid, question, open_session=step == 0,
+                      pixel_values=pixel_values if step == 0 else None, max_tokens=10 + 3 * index)
+        tokens.append(finished(events).token_ids)
+    out[index] = tokens
+
+
+def all_conversations(engine: Engine, concurrent: bool) -> dict:
+    images = [engine.preprocess_images([make_image(100 + i)]) for i in range(NUM_SESSIONS)]
+    out: dict = {}
+    if not concurrent:
+        for i in range(NUM_SESSIONS):
+            converse(engine, i, images[i], 0.0, out)
+        return out
+    threads = [threading.Thread(target=converse, args=(engine, i, images[i], 0.01 * i, out))
+               for i in range(NUM_SESSIONS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+def make_engine(model_path, **overrides) -> Engine:
+    config = EngineConfig(model_path=str(model_path), max_context_tokens=512, max_batch_size=4, **overrides)
+    return Engine(config).start()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    engine = make_engine(tiny_model_path)
+    try:
+        yield all_conversations(engine, concurrent=False)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"static_kv": True}, {"static_kv": True, "compile": True}],
+                         ids=["batched", "static", "static-compiled"])
+def test_paths_give_the_plain_greedy_tokens(tiny_model_path, reference, overrides):
+    engine = make_engine(tiny_model_path, **overrides)
+    try:
+        engine.max_batch_seen = 0
+        got = all_conversations(engine, concurrent=True)
+        assert engine.max_batch_seen >= 2  # sessions really shared decode steps
+        if overrides.get("static_kv"):
+            shapes = engine.stepper.graph_shapes
+            assert {bucket for kind, bucket in shapes if kind == "decode"} <= {1, 2, 4}
+            assert all(bucket in engine.stepper.prompt_buckets for kind, bucket in shapes if kind == "prefill")
+    finally:
+        engine.stop()
+    assert sorted(got) == list(range(NUM_SESSIONS))
+    assert got == reference
+
+
+def test_new_request_starts_while_eight_are_decoding(tiny_model_path):
+    engine = Engine(EngineConfig(model_path=str(tiny_model_path), max_batch_size=16)).start()
+    try:
+        long_requests = [GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=400), stream=EventStream(),
+                                           token_ids=[1, 57 + i, 55, 859]) for i in range(8)]
+        for request in long_requests:
+            engine.submit(request)
+        for request in long_requests:  # all eight are decoding
+            assert isinstance(request.stream.get(timeout=60), Started)
+            assert isinstance(request.stream.get(timeout=60), TextDelta)
+        newcomer = GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=5), stream=EventStream(),
+                                     token_ids=[1, 60, 61])
+        engine.submit(newcomer)
+        events = [newcomer.stream.get(timeout=60)]
+        while not isinstance(events[-1], (Finished, Failed)):
+            events.append(newcomer.stream.get(timeout=60))
+        assert isinstance(events[-1], Finished) and len(events[-1].token_ids) == 5
+        # None of the eight has finished: the newcomer did not wait for them.
+        for request in long_requests:
+            drained = []
+            while True:
+                try:
+                    drained.append(request.stream.get_nowait())
+                except queue.Empty:
+                    break
+            assert not any(isinstance(e, Finished) for e in drained)
+        assert engine.max_batch_seen == 9
+    finally:
+        engine.stop()
