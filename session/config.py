@@ -41,6 +41,11 @@ class EngineConfig:
     max_image_bytes: int = 6 * 1024 * 1024  # encoded image size (SageMaker's payload limit)
     max_image_pixels: int = 4096 * 4096  # decoded width*height; guards decompression bombs
     max_images_per_request: int = 4
+    device_budget_bytes: int = 0  # device bytes for session KV caches; 0 = unlimited
+    device_budget_fraction: float = 0.0  # CUDA: this fraction of the memory free after loading (wins if > 0)
+    host_budget_bytes: int = 2 << 30  # host-memory tier for demoted KV caches; 0 = none (demotion drops)
+    max_session_tokens: int = 0  # per-session transcript cap; 0 = the context window
+    journal_dir: str = ""  # crash-recovery journal (e.g. /dev/shm/resident-journal); "" = off
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     seed: int = 0  # default sampling seed when a request gives none
 
@@ -72,10 +77,13 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
+        if not 0.0 <= self.device_budget_fraction <= 1.0:
+            raise ConfigError(f"{ENV_PREFIX}DEVICE_BUDGET_FRACTION must be in [0, 1], got {self.device_budget_fraction}")
         for name in ("session_ttl_s", "reaper_interval_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
-        for name in ("max_context_tokens", "threads"):
+        for name in ("max_context_tokens", "threads", "device_budget_bytes", "host_budget_bytes",
+                     "max_session_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",

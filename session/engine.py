@@ -21,8 +21,11 @@ from typing import Callable
 import torch
 
 from session.config import EngineConfig
+from session.embeddings import EmbeddingCache
 from session.errors import BadRequest, CapacityExceeded, ContextLengthExceeded, ResidentError, SessionNotFound
 from session.events import Closed, EventStream, Failed, Finished, Started, TextDelta
+from session.journal import Journal, JournalEntry
+from session.memory import MemoryManager, SessionsView, Tier, kv_bytes
 from session.model_runner import ModelRunner
 from session.prompt import ChatFormatter
 from session.protocol import Message, SamplingParams, Usage, new_session_id
@@ -43,7 +46,8 @@ class GenerationRequest:
     session_id: str | None = None
     open_session: bool = False  # True: create session_id; False with session_id None: stateless
     pixel_values: torch.Tensor | None = None  # [num_images, 3, H, W], preprocessed by the caller
-    image_digests: tuple[str, ...] = ()
+    image_digests: tuple[str, ...] = ()  # sha256 of each image's encoded bytes (computed from pixels if absent)
+    image_bytes: tuple[bytes, ...] = ()  # the encoded images, for the journal (crash recovery)
     request_id: str = ""
     token_ids: list[int] | None = None  # raw prompt ids instead of messages (tests, benchmarks)
 
@@ -97,6 +101,10 @@ class Engine:
             eos_token_ids=info.eos_token_ids,
         )
         self.store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock)
+        self.embeddings = EmbeddingCache()
+        self.memory = MemoryManager(device_budget_bytes=self._device_budget(), host_budget_bytes=config.host_budget_bytes,
+                                    sessions=SessionsView(self.store))
+        self.journal = Journal(config.journal_dir) if config.journal_dir else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._num_queued = 0  # submitted, not yet admitted; guarded by _queued_lock
         self._queued_lock = threading.Lock()
@@ -110,6 +118,21 @@ class Engine:
         self.num_prefilled_tokens = 0
         self.num_cached_tokens = 0
         self.max_batch_seen = 0
+        self.num_journal_restored = 0
+        if self.journal is not None:
+            self._restore_journal()
+
+    def _device_budget(self) -> int:
+        config = self.config
+        if config.device_budget_fraction <= 0:
+            return config.device_budget_bytes
+        if self.runner.device.type != "cuda":
+            from session.errors import ConfigError
+
+            raise ConfigError("RESIDENT_DEVICE_BUDGET_FRACTION needs a CUDA device; on CPU set "
+                              "RESIDENT_DEVICE_BUDGET_BYTES")
+        free, _ = torch.cuda.mem_get_info(self.runner.device)
+        return int(free * config.device_budget_fraction)
 
     # ------------------------------------------------------------------ caller side (any thread)
 
@@ -218,8 +241,8 @@ class Engine:
             kv = self.runner.new_kv_cache(block_tokens=self.config.kv_block_tokens, max_tokens=self.max_context,
                                           static=self.config.static_kv)
             session = self.store.open(SessionState(
-                session_id=request.session_id or new_session_id(), kv=kv, created_at=now,
-                expires_at=now + self.config.session_ttl_s, ephemeral=not request.open_session,
+                session_id=request.session_id or new_session_id(), kv=kv, created_at=now, last_used_at=now,
+                expires_at=now + self.config.session_ttl_s, ephemeral=not request.open_session, tier=Tier.DEVICE,
             ))
         else:
             session = self.store.get(request.session_id)
@@ -234,7 +257,7 @@ class Engine:
         if session.busy:
             session.pending.append(request)  # close after the running turn, in order
             return
-        self.store.close(request.session_id)
+        self._forget(session, "closed")
         request.stream.put(Closed(request.session_id))
         while session.pending:  # requests queued behind the close find the session gone
             later = session.pending.popleft()
@@ -242,9 +265,55 @@ class Engine:
 
     def _reap(self) -> None:
         for session_id in self.store.expired_ids():
-            self.store.close(session_id, reason="expired")
+            self._forget(self.store.get(session_id), "expired")
             logger.info("session %s expired", session_id)
         self._next_reap = self.clock() + self.config.reaper_interval_s
+
+    def _forget(self, session: SessionState, reason: str) -> None:
+        """Close a session: free its KV, release its images, remove it from the journal."""
+        self.store.close(session.session_id, reason=reason)
+        for digest in session.image_digests:
+            if self.embeddings.release(digest) and self.journal is not None:
+                self.journal.remove_image(digest)
+        if self.journal is not None and not session.ephemeral:
+            self.journal.remove(session.session_id)
+
+    # ------------------------------------------------------------------ journal
+
+    def _restore_journal(self) -> None:
+        """At start-up: every live journaled session comes back, without KV (DROPPED tier)."""
+        now = self.clock()
+        for entry in self.journal.entries():
+            if entry.expires_at <= now or entry.session_id in self.store:
+                self.journal.remove(entry.session_id)
+                continue
+            kv = self.runner.new_kv_cache(block_tokens=self.config.kv_block_tokens, max_tokens=self.max_context,
+                                          static=self.config.static_kv)
+            kv.release()
+            session = self.store.open(SessionState(
+                session_id=entry.session_id, kv=kv, created_at=entry.created_at, expires_at=entry.expires_at,
+                last_used_at=now, tier=Tier.DROPPED, token_ids=list(entry.token_ids),
+                image_digests=list(entry.image_digests), ended_with_eos=entry.ended_with_eos,
+                num_turns=entry.num_turns,
+            ))
+            for digest in session.image_digests:
+                self.embeddings.acquire(digest)
+            self.num_journal_restored += 1
+        for path in self.journal.images_dir.iterdir():
+            if path.name not in self.embeddings:
+                path.unlink(missing_ok=True)
+        if self.num_journal_restored:
+            logger.info("restored %d sessions from the journal at %s", self.num_journal_restored,
+                        self.journal.directory)
+
+    def _journal_turn(self, session: SessionState) -> None:
+        if self.journal is None or session.ephemeral:
+            return
+        self.journal.write(JournalEntry(
+            session_id=session.session_id, token_ids=session.token_ids, image_digests=session.image_digests,
+            ended_with_eos=session.ended_with_eos, num_turns=session.num_turns, created_at=session.created_at,
+            expires_at=session.expires_at,
+        ))
 
     # ------------------------------------------------------------------ prefill
 
@@ -278,19 +347,31 @@ class Engine:
                 f"{prompt_tokens + max_tokens}, over the context window of {self.max_context}"
                 + (" (the session's history counts)" if session.num_turns else "")
             )
+        cap = self.config.max_session_tokens
+        if cap and not session.ephemeral and prompt_tokens + max_tokens > cap:
+            raise ContextLengthExceeded(
+                f"this session would hold {prompt_tokens + max_tokens} tokens (prompt {prompt_tokens} + max_tokens "
+                f"{max_tokens}), over the per-session cap of {cap}; close it and open a new one"
+            )
         generator = make_generator(request.sampling, self.config.seed, self.runner.device)
-        new_embeds = self.runner.encode_images(request.pixel_values) if given else []
-        kv = session.kv
-        cached = kv.length
-        # The transcript's last token (the previous answer's last one) was never fed: feed it now.
-        embeds = self.runner.embed(session.token_ids[cached:] + new_ids, new_embeds)
-        kv.ensure_capacity(prompt_tokens + max_tokens)
-        logits = self.stepper.prefill(kv, embeds)
-        # Commit only after the model ran: a failure above leaves the session as it was.
+        digests = list(request.image_digests) or _pixel_digests(request.pixel_values)
+        for digest in digests:
+            self.embeddings.acquire(digest)
+        try:
+            cached, embeds = self._prepare(session, new_ids, digests, request, prompt_tokens + max_tokens)
+            logits = self.stepper.prefill(session.kv, embeds)
+        except BaseException:
+            for digest in digests:  # this turn never happened: its images are not the session's
+                self.embeddings.release(digest)
+            raise
+        self.memory.note_usage()
+        # Commit only after the model ran: a failure above leaves the transcript as it was.
         session.token_ids.extend(new_ids)
-        session.image_embeds.extend(new_embeds)
-        session.image_digests.extend(request.image_digests)
+        session.image_digests.extend(digests)
         session.num_turns += 1
+        if self.journal is not None and not session.ephemeral:
+            for digest, raw in zip(digests, request.image_bytes):
+                self.journal.write_image(digest, raw)
         seq.prompt_tokens, seq.cached_tokens, seq.generator = prompt_tokens, cached, generator
         self.num_prefilled_tokens += prompt_tokens - cached
         self.num_cached_tokens += cached
@@ -302,6 +383,52 @@ class Engine:
         token = sample_rows(logits[None], [request.sampling], [seq.generator])[0]
         if not self._on_token(seq, token):
             self._running.append(seq)
+
+    def _prepare(self, session: SessionState, new_ids: list[int], new_digests: list[str],
+                 request: GenerationRequest, total_tokens: int) -> tuple[int, torch.Tensor]:
+        """Bring the session's KV to the device sized for ``total_tokens`` (restoring or recomputing it),
+        and embed what it has not cached. Returns (cached token count, embeddings to prefill [T, D])."""
+        kv = session.kv
+        held = kv.nbytes if session.tier is Tier.DEVICE else 0
+        self.memory.reserve(session, kv_bytes(kv, total_tokens) - held)
+        kv.ensure_capacity(total_tokens)
+        if session.tier is Tier.HOST:
+            self.memory.restore_from_host(session)
+        elif session.tier is Tier.DROPPED:
+            session.tier = Tier.DEVICE  # kv.length is 0: the whole transcript is recomputed below
+            self.memory.num_recomputed += 1
+        cached = kv.length
+        # The transcript's unfed tail: normally the previous answer's last token; all of it after a drop.
+        old_digests = session.image_digests if cached == 0 else []
+        images = self._image_embeddings(old_digests, new_digests, request.pixel_values)
+        return cached, self.runner.embed(session.token_ids[cached:] + new_ids, images)
+
+    def _image_embeddings(self, old_digests: list[str], new_digests: list[str],
+                          pixel_values: torch.Tensor | None) -> list[torch.Tensor]:
+        """Embeddings for each image occurrence, encoding only those no session has encoded yet."""
+        to_encode: dict[str, torch.Tensor] = {}  # digest -> pixels [3, H, W]
+        for index, digest in enumerate(new_digests):
+            if self.embeddings.get(digest).tensor is None:
+                to_encode.setdefault(digest, pixel_values[index])
+                self.embeddings.num_misses += 1
+            else:
+                self.embeddings.num_hits += 1
+        for digest in old_digests:
+            if self.embeddings.get(digest).tensor is None and digest not in to_encode:
+                to_encode[digest] = self._pixels_from_journal(digest)
+        if to_encode:
+            encoded = self.runner.encode_images(torch.stack(list(to_encode.values())))
+            for digest, tensor in zip(to_encode, encoded):
+                self.embeddings.get(digest).tensor = tensor.to("cpu", copy=True)
+        return [self.embeddings.get(d).tensor.to(self.runner.device) for d in old_digests + new_digests]
+
+    def _pixels_from_journal(self, digest: str) -> torch.Tensor:
+        if self.journal is None:
+            raise RuntimeError(f"image {digest[:12]} has no embedding and no journal to recompute it from")
+        from session.images import decode_bytes
+
+        image = decode_bytes(self.journal.read_image(digest), max_pixels=self.config.max_image_pixels)
+        return self.preprocess_images([image])[0]
 
     def _count_images(self, token_ids: list[int]) -> int:
         image_id, per_image = self.runner.info.image_token_id, self.runner.info.num_image_tokens
@@ -372,12 +499,23 @@ class Engine:
         session = seq.session
         session.busy = False
         if session.ephemeral:
-            self.store.close(session.session_id)
+            self._forget(session, "closed")
         else:
             self.store.touch(session)
+            if isinstance(event, Finished):
+                self._journal_turn(session)
         seq.request.stream.put(event)
         if session.pending:
             self._admit(session.pending.popleft())
+
+
+def _pixel_digests(pixel_values: torch.Tensor | None) -> list[str]:
+    """Content keys for images given only as pixels (tests, benchmarks): hash the pixel bytes."""
+    import hashlib
+
+    if pixel_values is None:
+        return []
+    return ["px-" + hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in pixel_values.cpu()]
 
 
 def _load_processing(model_path: str, multimodal: bool):

@@ -78,14 +78,10 @@ class SessionBackendUnavailable(ResidentError):
     type = "session_backend_unavailable"
 
 
-class BackendUnavailable(ResidentError):
-    """No healthy backend can take a new session or a stateless request; retry later."""
+class BackendUnavailable(CapacityExceeded):
+    """No healthy backend can take a new session or a stateless request; retry later (503)."""
 
-    status = 503
     type = "backend_unavailable"
-
-    def __init__(self, message: str, retry_after_s: int = 2):
-        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
 class BackendError(ResidentError):

@@ -43,7 +43,7 @@ from session.errors import (
 )
 from session.event_stream import CONTENT_TYPE as EVENT_STREAM, model_stream_error, payload_part
 from session.protocol import (
-    NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, header, sse, validate_session_id,
+    NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, header, load_json_object, sse, validate_session_id,
 )
 from session.router import Backend, Router
 
@@ -157,6 +157,11 @@ class Front:
         self._health_task = asyncio.create_task(self._health_loop())
         logger.info("front listening on %s:%d for %d backend(s)", host, port, len(self.router.backends))
 
+    @property
+    def port(self) -> int:
+        """The bound port (useful after ``start(host, 0)``)."""
+        return self._runner.addresses[0][1]
+
     async def stop(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
@@ -186,13 +191,7 @@ class Front:
         return await self._forward(request, body, path, events=False)
 
     async def invoke_stream(self, request: web.Request) -> web.StreamResponse:
-        body = await self._read_body(request)
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise BadRequest("request body must be a JSON object")
+        data = load_json_object(await self._read_body(request))
         if _session_id(request) == NEW_SESSION or data.get("requestType") == NEW_SESSION:
             raise BadRequest("invocations-response-stream cannot open a session: open it with InvokeEndpoint "
                              f"({SESSION_HEADER}: {NEW_SESSION}), then stream within it")
@@ -233,11 +232,30 @@ class Front:
 
     async def _exchange(self, request: web.Request, backend: Backend, path: str, body: bytes,
                         headers: dict[str, str], session_id: str | None, events: bool) -> web.StreamResponse:
+        """One request to one backend, its answer relayed to the client; raises _Unreachable."""
+        deadline = asyncio.get_running_loop().time() + self.config.timeout_s
+        async with await self._send(backend, path, body, headers) as upstream:
+            if upstream.status == 200 and upstream.content_type == SSE_CONTENT_TYPE:
+                self.router.record_answer(backend, session_id, upstream.status, upstream.headers)
+                return await self._relay_stream(request, upstream, backend, events)
+            payload = await self._read_answer(upstream, backend, deadline)
+            error = _error_of(payload) if upstream.status >= 400 else None
+            self.router.record_answer(backend, session_id, upstream.status, upstream.headers,
+                                      error["type"] if error else None)
+            out_headers = self._answer_headers(request, upstream, backend)
+            if error is not None:
+                return self._error_response(request, upstream.status, {"error": error}, out_headers)
+            if events and upstream.status == 200:  # a JSON answer on the stream path (a CLOSE): one part
+                return await self._single_part(request, payload, out_headers, upstream.content_type)
+            return web.Response(status=upstream.status, body=payload, headers=out_headers)
+
+    async def _send(self, backend: Backend, path: str, body: bytes,
+                    headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """POST to the backend; returns once its status and headers are in."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.health_timeout_s,
                                         sock_read=self.config.timeout_s)
-        deadline = asyncio.get_running_loop().time() + self.config.timeout_s
         try:
-            upstream = await self._http.post(backend.url + path, data=body, headers=headers, timeout=timeout)
+            return await self._http.post(backend.url + path, data=body, headers=headers, timeout=timeout)
         except asyncio.TimeoutError:
             raise BackendTimeout(f"backend {backend.index} did not answer within {self.config.timeout_s:g} s") \
                 from None
@@ -248,27 +266,17 @@ class Front:
                     logger.warning("backend %d (%s) is down: %s", backend.index, backend.url, exc)
                 raise _Unreachable() from exc
             raise BackendError(f"backend {backend.index} dropped the connection: {exc}") from None
-        async with upstream:
-            if upstream.status == 200 and upstream.content_type == SSE_CONTENT_TYPE:
-                self.router.record_answer(backend, session_id, upstream.status, upstream.headers)
-                return await self._relay_stream(request, upstream, backend, events)
-            try:
-                remaining = deadline - asyncio.get_running_loop().time()
-                payload = await asyncio.wait_for(upstream.read(), timeout=max(remaining, 0.001))
-            except asyncio.TimeoutError:
-                raise BackendTimeout(f"backend {backend.index} did not answer within "
-                                     f"{self.config.timeout_s:g} s") from None
-            except aiohttp.ClientError as exc:
-                raise BackendError(f"backend {backend.index} broke off its answer: {exc}") from None
-            error = _error_of(payload) if upstream.status >= 400 else None
-            self.router.record_answer(backend, session_id, upstream.status, upstream.headers,
-                                      error["type"] if error else None)
-            out_headers = self._answer_headers(request, upstream, backend)
-            if error is not None:
-                return self._error_response(request, upstream.status, {"error": error}, out_headers)
-            if events and upstream.status == 200:  # a JSON answer on the stream path (a CLOSE): one part
-                return await self._single_part(request, payload, out_headers, upstream.content_type)
-            return web.Response(status=upstream.status, body=payload, headers=out_headers)
+
+    async def _read_answer(self, upstream: aiohttp.ClientResponse, backend: Backend, deadline: float) -> bytes:
+        """The whole body of a non-streamed answer, by the request's deadline."""
+        try:
+            remaining = deadline - asyncio.get_running_loop().time()
+            return await asyncio.wait_for(upstream.read(), timeout=max(remaining, 0.001))
+        except asyncio.TimeoutError:
+            raise BackendTimeout(f"backend {backend.index} did not answer within {self.config.timeout_s:g} s") \
+                from None
+        except aiohttp.ClientError as exc:
+            raise BackendError(f"backend {backend.index} broke off its answer: {exc}") from None
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Backend,
                             events: bool) -> web.StreamResponse:
@@ -313,8 +321,7 @@ class Front:
 
     def _answer_headers(self, request: web.Request, upstream: aiohttp.ClientResponse,
                         backend: Backend) -> CIMultiDict:
-        headers = CIMultiDict((k, v) for k, v in upstream.headers.items()
-                              if k.lower().startswith(("x-amzn-sagemaker-", "x-resident-")) or k.lower() == "retry-after")
+        headers = CIMultiDict((k, v) for k, v in upstream.headers.items() if _passes_back(k))
         headers["Content-Type"] = upstream.headers.get("Content-Type", JSON_CONTENT_TYPE)
         headers[BACKEND_HEADER] = str(backend.index)  # replaces an inner front's, in a front of fronts
         if _is_sagemaker_path(request):
@@ -414,6 +421,12 @@ def _session_id(request: web.Request) -> str | None:
         return None
     value = value.strip()
     return value if value == NEW_SESSION else validate_session_id(value)
+
+
+def _passes_back(name: str) -> bool:
+    """Backend answer headers the client sees (not TorchServe's own, such as ts_stream_next)."""
+    lowered = name.lower()
+    return lowered.startswith(("x-amzn-sagemaker-", "x-resident-")) or lowered == "retry-after"
 
 
 def _is_sagemaker_path(request: web.Request) -> bool:

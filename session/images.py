@@ -20,7 +20,11 @@ _DATA_URL_PREFIX = "data:"
 class DecodedImage:
     image: Image.Image  # RGB
     digest: str  # sha256 of the encoded bytes: the key for sharing embeddings across sessions
-    num_bytes: int
+    raw: bytes  # the encoded bytes (journaled for crash recovery)
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.raw)
 
 
 def decode_data_url(url: str, *, max_bytes: int, max_pixels: int) -> DecodedImage:
@@ -38,10 +42,11 @@ def decode_data_url(url: str, *, max_bytes: int, max_pixels: int) -> DecodedImag
         raise InvalidImage("image data is not valid base64") from None
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"image is {len(raw)} bytes; the limit is {max_bytes}")
-    return DecodedImage(image=_open(raw, max_pixels), digest=hashlib.sha256(raw).hexdigest(), num_bytes=len(raw))
+    return DecodedImage(image=decode_bytes(raw, max_pixels), digest=hashlib.sha256(raw).hexdigest(), raw=raw)
 
 
-def _open(raw: bytes, max_pixels: int) -> Image.Image:
+def decode_bytes(raw: bytes, max_pixels: int) -> Image.Image:
+    """Encoded image bytes -> RGB image; refuses more than ``max_pixels`` before decoding any pixel."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -43,14 +43,20 @@ class KVCache:
         """Bytes held on the device (both buffers, whole capacity)."""
         return 2 * self.k.numel() * self.k.element_size()
 
+    def capacity_for(self, num_tokens: int) -> int:
+        """The capacity ``ensure_capacity(num_tokens)`` would leave (never less than today's)."""
+        if self.static:
+            return self.max_tokens
+        blocks = -(-num_tokens // self.block_tokens)
+        return max(self.capacity, min(blocks * self.block_tokens, self.max_tokens))
+
     def ensure_capacity(self, num_tokens: int) -> None:
         """Called before a prefill or decode run with the largest length it may reach."""
         if num_tokens > self.max_tokens:
             raise ValueError(f"KV cache cannot hold {num_tokens} tokens (max {self.max_tokens})")
         if num_tokens <= self.capacity:
             return
-        blocks = -(-num_tokens // self.block_tokens)
-        capacity = min(blocks * self.block_tokens, self.max_tokens)
+        capacity = self.capacity_for(num_tokens)
         k, v = self._empty(capacity), self._empty(capacity)
         k[:, :, : self.length] = self.k[:, :, : self.length]
         v[:, :, : self.length] = self.v[:, :, : self.length]
@@ -73,6 +79,7 @@ class KVCache:
         self.length = min(self.length, length)
 
     def release(self) -> None:
+        """Free the buffers; a later ``ensure_capacity`` allocates again (static caches: in full)."""
         self.length = 0
         self.k = self._empty(0)
         self.v = self._empty(0)

@@ -131,7 +131,7 @@ _ROLES = ("system", "user", "assistant")
 def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping[str, str], *,
                   default_max_tokens: int, max_new_tokens: int) -> ChatRequest:
     """Parse and validate an invocation; raises BadRequest with a message that says what to fix."""
-    data = _load_json(body)
+    data = load_json_object(body)
     unknown = sorted(set(data) - _ALLOWED_FIELDS)
     if unknown:
         raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(_ALLOWED_FIELDS)}")
@@ -186,7 +186,8 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
                        request_type=request_type, model=model)
 
 
-def _load_json(body: bytes | str | Mapping[str, Any] | None) -> dict:
+def load_json_object(body: bytes | str | Mapping[str, Any] | None) -> dict:
+    """A request body as a JSON object, else BadRequest. Used by parse_request and the front."""
     if isinstance(body, Mapping):  # TorchServe already decoded an application/json body
         return dict(body)
     if body is None or len(body) == 0:

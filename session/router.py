@@ -97,7 +97,7 @@ class Router:
         excluded = {b.index for b in exclude}
         candidates = [b for b in self.healthy_backends if b.index not in excluded]
         if not candidates:
-            raise BackendUnavailable("no healthy backend can take this request; retry shortly")
+            raise BackendUnavailable("no healthy backend can take this request; retry shortly", retry_after_s=2)
         return min(candidates, key=lambda b: (b.num_outstanding, b.num_sessions, b.index))
 
     def route(self, session_id: str) -> Backend:

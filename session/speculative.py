@@ -13,7 +13,8 @@ emitted token distributed exactly as the target's (after the same temperature / 
 Who calls this: the engine's loop thread (one ``SpeculativeDecoder`` per engine, shared by all
 sessions). The caller owns every cache: the session holds the target's KV cache and the draft's
 KV cache (counted in its bytes), so a follow-up turn prefills only its new tokens in both models.
-Between steps each cache holds every transcript token but the last (the last one is fed next).
+Between steps the target's cache holds every transcript token but the last (fed next); the draft's
+holds a prefix of the text and is caught up by its next pass (see ``SpeculativeDecoder``).
 
 Pure functions (``greedy_accept``, ``sampling_accept``, ``propose_ngram``, ``warp_probs``) hold the
 maths; ``SpeculationController`` decides k and when speculation does not pay; the decoder glues
@@ -273,8 +274,11 @@ class SpeculativeDecoder:
     With ``draft=None`` proposals come from prompt lookup (``propose_ngram``) in the transcript's text.
 
     Per session the caller keeps: ``token_ids`` (the target's transcript, image placeholders included),
-    ``target_kv`` and (with a draft) ``draft_kv`` from ``new_draft_kv``. Invariant between steps, for
-    both caches: it holds every (text, for the draft) transcript token but the last.
+    ``target_kv`` and (with a draft) ``draft_kv`` from ``new_draft_kv``. Between steps target_kv holds
+    every transcript token but the last. draft_kv holds a prefix of the transcript's text: all but the
+    last token, or one less after a step that accepted every proposal (the draft never fed its own k-th
+    proposal; the next pass feeds it with the bonus token, in one forward pass). It lags further only
+    after plain steps or a new turn, and its next pass (or ``sync_draft``) prefills just what it lacks.
     """
 
     def __init__(self, target: ModelRunner, draft: ModelRunner | None = None, *,
@@ -287,7 +291,8 @@ class SpeculativeDecoder:
         self.min_ngram = min_ngram
         self.clock = clock
         self.image_token_id = target.info.image_token_id
-        self.num_steps = 0
+        self.num_steps = 0  # speculative steps (one target pass each)
+        self.num_plain_steps = 0
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_draft_synced_tokens = 0  # draft prefill of tokens it had not seen (new turns, after plain steps)
@@ -373,6 +378,7 @@ class SpeculativeDecoder:
     def plain_step(self, token_ids: list[int], target_kv: KVCache) -> torch.Tensor:
         """One ordinary decode step (the fallback): feeds the last token, returns its logits [V]."""
         target_kv.crop(len(token_ids) - 1)
+        self.num_plain_steps += 1
         return self.target.decode([target_kv], [token_ids[-1]])[0]
 
     def decode_greedy(self, token_ids: list[int], target_kv: KVCache, draft_kv: KVCache | None, max_new: int,

@@ -1,13 +1,17 @@
-"""What a session holds: its transcript, its images' embeddings and its KV cache."""
+"""What a session holds: its transcript, its images (by content hash) and its KV cache."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from session.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from session.memory import Tier
 
 
 @dataclass
@@ -16,19 +20,24 @@ class SessionState:
     kv: KVCache
     created_at: float
     expires_at: float
+    tier: "Tier"
     ephemeral: bool = False  # a stateless request's session: freed when its request ends
     token_ids: list[int] = field(default_factory=list)  # the transcript; kv.length <= len(token_ids)
-    image_embeds: list[torch.Tensor] = field(default_factory=list)  # [num_image_tokens, hidden] each, in order
-    image_digests: list[str] = field(default_factory=list)
+    image_digests: list[str] = field(default_factory=list)  # one per image occurrence, in order (EmbeddingCache keys)
     ended_with_eos: bool = False  # did the last answer end with EOS (template end-of-turn already present)
     busy: bool = False  # a request is running on this session
     pending: deque = field(default_factory=deque)  # requests waiting for the running one, in arrival order
     num_turns: int = 0
+    last_used_at: float = 0.0
+    host_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # HOST tier: compact K, V [L, KVH, host_length, hd]
+    host_length: int = 0
 
     @property
-    def resident_bytes(self) -> int:
-        return self.kv.nbytes + sum(e.numel() * e.element_size() for e in self.image_embeds)
+    def device_bytes(self) -> int:
+        return self.kv.nbytes
 
-    def release(self) -> None:
-        self.kv.release()
-        self.image_embeds.clear()
+    @property
+    def host_bytes(self) -> int:
+        if self.host_kv is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.host_kv)

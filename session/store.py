@@ -33,7 +33,11 @@ class SessionStore:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(s.resident_bytes for s in list(self._sessions.values()))
+        """Device bytes held by sessions (their KV caches)."""
+        return sum(s.device_bytes for s in list(self._sessions.values()))
+
+    def all_sessions(self) -> list[SessionState]:
+        return list(self._sessions.values())
 
     def can_open(self) -> bool:
         return len(self._sessions) < self.max_sessions
@@ -54,11 +58,13 @@ class SessionStore:
         return state
 
     def touch(self, state: SessionState) -> None:
-        state.expires_at = self.clock() + self.ttl_s
+        state.last_used_at = self.clock()
+        state.expires_at = state.last_used_at + self.ttl_s
 
     def close(self, session_id: str, reason: str = "closed") -> SessionState:
         state = self._sessions.pop(session_id)
-        state.release()
+        state.kv.release()
+        state.host_kv = None
         if not state.ephemeral:
             self._ended[session_id] = reason
             if reason == "expired":

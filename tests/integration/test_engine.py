@@ -140,17 +140,17 @@ def test_identical_sessions_interleaved_concurrently_answer_identically(engine):
 
 
 def test_close_frees_exactly_the_session_bytes(engine):
-    baseline = engine.store.resident_bytes
+    baseline, baseline_embeddings = engine.store.resident_bytes, engine.embeddings.nbytes
     turn(engine, "bytes-1", QUESTIONS[0], open_session=True, pixel_values=engine.preprocess_images([make_image(5)]))
     session = engine.store.get("bytes-1")
-    held = engine.store.resident_bytes - baseline
     info = engine.runner.info
     kv_bytes = 2 * info.num_layers * info.num_kv_heads * session.kv.capacity * info.head_dim * 4
-    image_bytes = info.num_image_tokens * info.hidden_size * 4
-    assert held == kv_bytes + image_bytes
+    assert engine.store.resident_bytes - baseline == kv_bytes
+    assert engine.embeddings.nbytes - baseline_embeddings == info.num_image_tokens * info.hidden_size * 4
     events = run(engine, CloseRequest("bytes-1", EventStream()))
     assert events == [Closed("bytes-1")]
     assert engine.store.resident_bytes == baseline
+    assert engine.embeddings.nbytes == baseline_embeddings
     gone = turn(engine, "bytes-1", QUESTIONS[1])
     assert isinstance(gone[-1], Failed) and isinstance(gone[-1].error, SessionNotFound)
     assert "was closed" in gone[-1].error.message

@@ -1,0 +1,89 @@
+"""Crash recovery: each live session's transcript and images on disk (default under /dev/shm).
+
+A session is journaled after every turn it completes (an atomic rename, so a reader never sees
+a half-written entry) and removed when it is closed or expires. When the worker process dies
+and is restarted, the engine reads the journal back: every live session returns without its
+KV cache and is recomputed from its transcript on its next request, answering exactly as if
+nothing had happened. Images are stored once per content hash. A corrupt entry is logged,
+moved aside and skipped: never a crash loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    session_id: str
+    token_ids: list[int]
+    image_digests: list[str]  # one per image occurrence, in order
+    ended_with_eos: bool
+    num_turns: int
+    created_at: float
+    expires_at: float  # wall clock (epoch seconds)
+    adapter: str | None = None
+
+
+class Journal:
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.sessions_dir = self.directory / "sessions"
+        self.images_dir = self.directory / "images"
+        self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        self.images_dir.mkdir(parents=True, exist_ok=True)
+        self.num_corrupt = 0
+
+    def write(self, entry: JournalEntry) -> None:
+        data = {"version": FORMAT_VERSION, **asdict(entry)}
+        _atomic_write(self.sessions_dir / f"{entry.session_id}.json", json.dumps(data).encode())
+
+    def remove(self, session_id: str) -> None:
+        (self.sessions_dir / f"{session_id}.json").unlink(missing_ok=True)
+
+    def write_image(self, digest: str, raw: bytes) -> None:
+        path = self.images_dir / digest
+        if not path.exists():
+            _atomic_write(path, raw)
+
+    def read_image(self, digest: str) -> bytes:
+        return (self.images_dir / digest).read_bytes()
+
+    def remove_image(self, digest: str) -> None:
+        (self.images_dir / digest).unlink(missing_ok=True)
+
+    def entries(self) -> list[JournalEntry]:
+        """Every readable entry; corrupt or partial ones are moved aside with a log line."""
+        out = []
+        for path in sorted(self.sessions_dir.glob("*.json")):
+            try:
+                data = json.loads(path.read_bytes())
+                if data.pop("version") != FORMAT_VERSION:
+                    raise ValueError("unknown journal format version")
+                entry = JournalEntry(**data)
+                missing = [d for d in entry.image_digests if not (self.images_dir / d).exists()]
+                if missing:
+                    raise ValueError(f"missing image(s) {missing}")
+                if not all(isinstance(t, int) for t in entry.token_ids):
+                    raise ValueError("token ids are not integers")
+            except Exception as exc:  # any defect in one entry must not stop the worker
+                self.num_corrupt += 1
+                logger.warning("skipping corrupt journal entry %s: %s", path.name, exc)
+                path.rename(path.with_suffix(".corrupt"))
+                continue
+            out.append(entry)
+        return out
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
