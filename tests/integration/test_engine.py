@@ -237,7 +237,7 @@ def test_idle_session_expires_without_a_request(tiny_model_path):
         time.sleep(0.2)
         assert len(eng.store) == 1
         clock.now += 2
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # generous: CI machines are shared
         while len(eng.store) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(eng.store) == 0 and eng.store.resident_bytes == 0

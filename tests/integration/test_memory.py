@@ -172,7 +172,7 @@ def test_expiry_frees_memory_and_journal_without_a_request(tiny_model_path, tmp_
         run(engine, image_request(engine, "ttl", 3, QUESTIONS[0]))
         assert (tmp_path / "sessions" / "ttl.json").exists() and len(list((tmp_path / "images").iterdir())) == 1
         clock.now += 11
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # generous: CI machines are shared
         while len(engine.store) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(engine.store) == 0 and engine.memory.device_bytes == 0 and len(engine.embeddings) == 0
