@@ -1,4 +1,4 @@
-# Resident: `make serve`, `make test`, `make bench`. Everything installs into .venv on first use.
+# Resident: `make serve`, `make cluster`, `make test`, `make bench`, `make lint`. Everything installs into .venv on first use.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,8 +7,10 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PORT ?= 8080
 export PORT
+# TorchServe backends behind the front for `make cluster` ("auto": one per visible device).
+BACKENDS ?= 2
 
-.PHONY: install models serve test bench lint clean java
+.PHONY: install models serve cluster test bench lint clean java
 
 $(VENV)/.installed: pyproject.toml
 	@command -v java >/dev/null || { echo "TorchServe needs Java 17: sudo apt-get install -y openjdk-17-jre-headless"; exit 1; }
@@ -26,12 +28,21 @@ models: install
 serve: install
 	$(PY) -m launch serve
 
+# The front on $(PORT) before $(BACKENDS) TorchServe backends on internal ports (docs/DEPLOY.md).
+cluster: install
+	BACKENDS=$(BACKENDS) $(PY) -m launch cluster
+
 test: install models
 	$(PY) -m pytest
 
 bench: install
 	$(PY) -m model_store.build_models --only bench
 	$(PY) -m benchmarks.first_vs_followup --start-server
+
+# The images cannot be built here (no Docker engine): lint them and the entrypoint instead.
+lint: install
+	$(VENV)/bin/hadolint docker/Dockerfile.cuda docker/Dockerfile.neuron
+	$(VENV)/bin/shellcheck docker/serve
 
 clean:
 	rm -rf build models benchmarks/results

@@ -23,8 +23,8 @@ BENCH_MODEL = REPO / "models" / "llava-bench"
 # ---------------------------------------------------------------- server
 
 
-def free_port(span: int = 3, host: str = "127.0.0.1") -> int:
-    """A port P with P..P+span-1 all free (TorchServe takes inference, management and metrics ports)."""
+def free_port(span: int = 5, host: str = "127.0.0.1") -> int:
+    """A port P with P..P+span-1 all free (TorchServe takes inference, management, metrics and 2 gRPC ports)."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 60000 - span)

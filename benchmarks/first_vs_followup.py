@@ -18,6 +18,7 @@ Writes <out>/first_vs_followup.json and <out>/first_vs_followup.png (default out
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -112,7 +113,9 @@ def run_session(client: Client, index: int, questions: list[str], progress: tqdm
     """One session's first request, its follow-ups, then the same follow-ups stateless; closes the session."""
     opening = user_message(FIRST_QUESTION, image_data_url(seed=index))
     reply = client.chat([opening], session_id="NEW_SESSION")
-    session_id = reply.headers[NEW_SESSION_HEADER].split(";", 1)[0].strip()
+    if NEW_SESSION_HEADER not in reply.headers:
+        raise RequestFailed(f"opening request answered without a {NEW_SESSION_HEADER} header: {reply.body}")
+    session_id = reply.headers[NEW_SESSION_HEADER].split(";", 1)[0].strip()  # "<id>; Expires=..."
     samples = [sample(FIRST, index, 0, reply)]
     progress.update()
     history = [opening, {"role": "assistant", "content": samples[0].answer}]
@@ -191,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             settings = {"url": base_url, "started_server": args.start_server,
                         "model_path": str(args.model_path) if args.start_server else None,
                         "sessions": args.sessions, "followups": args.followups, "max_tokens": args.max_tokens,
-                        "temperature": 0}
+                        "temperature": 0,
+                        # Other work on the machine inflates latencies; a high load here flags a noisy run.
+                        "loadavg_1m_at_end": os.getloadavg()[0]}
     except RequestFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

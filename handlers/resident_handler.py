@@ -13,8 +13,10 @@ import json
 import logging
 import os
 import threading
+import time
 
 from ts.handler_utils.utils import send_intermediate_predict_response
+from ts.metrics.metric_type_enum import MetricTypes
 
 from session.api import ApiResponse, ChatService, error_response
 from session.config import EngineConfig
@@ -28,6 +30,8 @@ class ResidentHandler:
         self.service = None
         self.initialized = False
         self._locked_socket = None
+        self.metrics = None
+        self._emitted = {}  # counter key -> value last emitted (TorchServe counters take increments)
 
     def initialize(self, context):
         props = context.system_properties
@@ -36,6 +40,7 @@ class ResidentHandler:
         engine = Engine(config).start()
         engine.warmup()
         self.service = ChatService(engine, model_name=context.model_name)
+        self.metrics = context.metrics
         logger.info("resident engine ready: model %s on %s", config.model_path, engine.runner.device)
         self.initialized = True
 
@@ -44,14 +49,19 @@ class ResidentHandler:
             self._locked_socket = _serialise_socket_writes()
         if self._locked_socket is not None:
             context.cl_socket = self._locked_socket
+        started = time.perf_counter()
+        kind = "error"
         try:
             row = data[0]
             body = row.get("body") if row.get("body") is not None else row.get("data")
             response = await self.service.invoke(context.get_all_request_header(0), body)
+            kind = response.kind
             return await self._send(response, context)
         except Exception as exc:  # our fault; answer this request only
             response = error_response(exc, context.get_request_id(0) or "")
             return self._plain(response, context)
+        finally:
+            self._emit_metrics(kind, (time.perf_counter() - started) * 1000)
 
     async def _send(self, response: ApiResponse, context):
         if response.status != 200:
@@ -67,6 +77,31 @@ class ResidentHandler:
     def _plain(self, response: ApiResponse, context):
         self._set_headers(response, context)
         return [json.dumps(response.body)]
+
+    def _emit_metrics(self, kind: str, latency_ms: float) -> None:
+        """Engine stats -> TorchServe model metrics (declared in model_store/metrics.yaml)."""
+        try:
+            stats = self.service.engine.stats()
+            dims = [self.service.model_name, "Model"]
+            self._metric("RequestLatency", MetricTypes.HISTOGRAM).add_or_update(latency_ms, dims + [kind])
+            self._metric("LiveSessions", MetricTypes.GAUGE).add_or_update(stats.live_sessions, dims)
+            self._metric("RunningRequests", MetricTypes.GAUGE).add_or_update(stats.running_requests, dims)
+            self._metric("DeviceBudgetBytes", MetricTypes.GAUGE).add_or_update(stats.device_budget_bytes, dims)
+            for tier, count in stats.sessions_by_tier.items():
+                self._metric("SessionsByTier", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
+            for tier, count in stats.resident_bytes.items():
+                self._metric("ResidentBytes", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
+            for name, counts in (("SessionEvents", stats.events), ("Tokens", stats.tokens)):
+                for key, total in counts.items():
+                    delta = total - self._emitted.get((name, key), 0)
+                    if delta:
+                        self._metric(name, MetricTypes.COUNTER).add_or_update(delta, dims + [key])
+                        self._emitted[(name, key)] = total
+        except Exception:  # metrics must never fail a request
+            logger.exception("emitting metrics failed")
+
+    def _metric(self, name, metric_type):
+        return self.metrics.get_metric(name, metric_type)
 
     @staticmethod
     def _set_headers(response: ApiResponse, context):

@@ -1,4 +1,6 @@
 """``python -m launch serve``: one TorchServe instance in the foreground (``make serve``).
+``python -m launch cluster``: N backends behind the front (``make cluster``; launch/cluster.py).
+``python -m launch front``: the front alone, before RESIDENT_FRONT_BACKENDS.
 
 PORT (default 8080) sets the inference port, SAGEMAKER_BIND_TO_PORT wins when set; MODEL names a
 Hugging Face checkpoint directory (default: the demo LLaVA, built on first use); HOST the bind
@@ -13,7 +15,9 @@ import signal
 import sys
 from pathlib import Path
 
+from launch.cluster import run_cluster, run_front
 from launch.torchserve import DEFAULT_MODEL, REPO, ensure_demo_models, start_torchserve
+from launch.watchdog import watch
 
 
 def serve_port() -> int:
@@ -22,23 +26,33 @@ def serve_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch")
-    parser.add_argument("command", choices=["serve"])
-    parser.parse_args(argv)
+    parser.add_argument("command", choices=["serve", "cluster", "front"])
+    command = parser.parse_args(argv).command
+    if command != "serve":
+        return run_cluster(serve_port()) if command == "cluster" else run_front(serve_port())
     model = Path(os.environ["MODEL"]) if os.environ.get("MODEL") else DEFAULT_MODEL
     if not os.environ.get("MODEL"):
         ensure_demo_models()
     port = serve_port()
     server = start_torchserve(port, run_dir=REPO / "build" / f"serve-{port}", model_path=model,
                               host=os.environ.get("HOST", "127.0.0.1"))
+    server.wait_ready(timeout_s=float(os.environ.get("RESIDENT_STARTUP_TIMEOUT_S", "900")))
+    watchdog = watch(server, os.environ)
 
     def shutdown(signum, frame):
+        if watchdog is not None:
+            watchdog.stop()
         server.stop()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     print(f"serving {model} on {server.url} (logs: {server.run_dir}/logs); Ctrl-C stops", flush=True)
-    server.process.wait()
+    while True:  # the watchdog may replace the process: wait for whichever is current
+        process = server.process
+        process.wait()
+        if process is server.process:
+            break
     server.stop()
     return server.process.returncode or 0
 

@@ -61,6 +61,9 @@ class TorchServe:
     run_dir: Path
     host: str = "127.0.0.1"
     env: dict = field(default_factory=dict)
+    cmd: list[str] = field(default_factory=list)
+    stdout: object = None
+    num_restarts: int = 0
 
     @property
     def url(self) -> str:
@@ -108,6 +111,12 @@ class TorchServe:
         """SIGTERM the instance's process group, then SIGKILL what is left. Idempotent."""
         _stop_group(self.process, timeout_s)
 
+    def restart(self) -> None:
+        """Stop everything and start the same instance again (same ports, run dir and journal)."""
+        self.stop()
+        self.process = _launch(self.cmd, self.run_dir, self.env, self.stdout)
+        self.num_restarts += 1
+
 
 def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAULT_MODEL, host: str = "127.0.0.1",
                      extra_env: dict[str, str] | None = None, config_file: Path | None = None,
@@ -119,6 +128,9 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
     props = run_dir / "config.properties"
     props.write_text(_properties(host, port, store, run_dir / "tmp"))
     env = {**os.environ, **(extra_env or {})}
+    # Journal per instance, kept across restarts of that instance (crash recovery); /dev/shm is RAM.
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else run_dir
+    env.setdefault("RESIDENT_JOURNAL_DIR", str(shm / f"resident-journal-{port}"))
     env.update({
         "TMPDIR": str(run_dir / "tmp"),  # TorchServe's pid file lives here: one per instance
         "LOG_LOCATION": str(run_dir / "logs"), "METRICS_LOCATION": str(run_dir / "logs"),
@@ -128,9 +140,14 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
     })
     cmd = [bin_path("torchserve"), "--start", "--foreground", "--ncs", "--disable-token-auth",
            "--ts-config", str(props), "--model-store", str(store), "--models", f"{MODEL_NAME}={MODEL_NAME}"]
-    process = subprocess.Popen(cmd, cwd=run_dir, env=env, start_new_session=True,
-                               stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
-    return TorchServe(process=process, port=port, run_dir=run_dir, host=host, env=env)
+    return TorchServe(process=_launch(cmd, run_dir, env, stdout), port=port, run_dir=run_dir, host=host, env=env,
+                      cmd=cmd, stdout=stdout)
+
+
+def _launch(cmd: list[str], run_dir: Path, env: dict, stdout) -> subprocess.Popen:
+    # A new session: the instance is its own process group, which stop() kills as a whole.
+    return subprocess.Popen(cmd, cwd=run_dir, env=env, start_new_session=True,
+                            stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
 
 
 def _properties(host: str, port: int, store: Path, tmp_dir: Path) -> str:
@@ -144,6 +161,7 @@ def _properties(host: str, port: int, store: Path, tmp_dir: Path) -> str:
         "grpc_management_address": host,
         "grpc_management_port": str(port + 4),
         "model_store": str(store),
+        "metrics_config": str(REPO / "model_store" / "metrics.yaml"),
         # Java's temp dir holds the worker sockets (/.ts.sock.<n>): one per instance, or two clash.
         "vmargs": f"-Djava.io.tmpdir={tmp_dir}",
     }

@@ -36,6 +36,7 @@ class ApiResponse:
     body: dict | None = None  # a JSON body, or None when ``chunks`` streams the answer
     headers: dict[str, str] = field(default_factory=dict)
     chunks: AsyncIterator[str] | None = None  # server-sent events, for "stream": true
+    kind: str = "error"  # first | followup | stateless | close | error: for latency metrics
 
     @property
     def content_type(self) -> str:
@@ -84,7 +85,7 @@ class ChatService:
             raise event.error
         assert isinstance(event, Closed)
         return ApiResponse(status=200, body={"session_id": event.session_id, "closed": True},
-                           headers={CLOSED_SESSION_HEADER: event.session_id})
+                           headers={CLOSED_SESSION_HEADER: event.session_id}, kind="close")
 
     async def _generate(self, request: ChatRequest, request_id: str) -> ApiResponse:
         loop = asyncio.get_running_loop()
@@ -110,13 +111,14 @@ class ChatService:
         elif started.session_id is not None:
             headers[SESSION_HEADER] = started.session_id
         ids = CompletionIds(model=request.model or self.model_name)
+        kind = "first" if opens else ("followup" if started.session_id else "stateless")
         if request.stream:
-            return ApiResponse(status=200, headers=headers, chunks=self._chunks(stream, ids, started))
+            return ApiResponse(status=200, headers=headers, chunks=self._chunks(stream, ids, started), kind=kind)
         while True:
             event = await stream.aget()
             if isinstance(event, Finished):
                 body = completion_body(ids, event.text, event.finish_reason, event.usage, event.session_id)
-                return ApiResponse(status=200, body=body, headers=headers)
+                return ApiResponse(status=200, body=body, headers=headers, kind=kind)
             if isinstance(event, Failed):
                 raise event.error
 

