@@ -46,6 +46,12 @@ class EngineConfig:
     host_budget_bytes: int = 2 << 30  # host-memory tier for demoted KV caches; 0 = none (demotion drops)
     max_session_tokens: int = 0  # per-session transcript cap; 0 = the context window
     journal_dir: str = ""  # crash-recovery journal (e.g. /dev/shm/resident-journal); "" = off
+    adapters_dir: str = ""  # PEFT LoRA adapters, one folder each (named by the folder); registered at start-up
+    max_device_adapters: int = 8  # adapters resident on the device at once (LRU); 0 disables adapters
+    max_host_adapters: int = 32  # loaded adapters kept in host memory behind the device LRU
+    max_lora_rank: int = 64
+    pinned_adapters: str = ""  # comma-separated names kept on the device
+    admin_token: str = ""  # enables adapter admin requests carrying X-Resident-Admin-Token (the front sends it)
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     seed: int = 0  # default sampling seed when a request gives none
 
@@ -83,12 +89,12 @@ class EngineConfig:
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
         for name in ("max_context_tokens", "threads", "device_budget_bytes", "host_budget_bytes",
-                     "max_session_tokens"):
+                     "max_session_tokens", "max_device_adapters", "max_host_adapters"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",
                     "max_batch_size", "max_queue", "kv_block_tokens", "max_image_bytes", "max_image_pixels",
-                    "max_images_per_request"]
+                    "max_images_per_request", "max_lora_rank"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")

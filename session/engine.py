@@ -23,7 +23,7 @@ import torch
 from session.config import EngineConfig
 from session.embeddings import EmbeddingCache
 from session.errors import BadRequest, CapacityExceeded, ContextLengthExceeded, ResidentError, SessionNotFound
-from session.events import Closed, EventStream, Failed, Finished, Started, TextDelta
+from session.events import AdminResult, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.journal import Journal, JournalEntry
 from session.memory import MemoryManager, SessionsView, Tier, kv_bytes
 from session.model_runner import ModelRunner
@@ -50,6 +50,7 @@ class GenerationRequest:
     image_bytes: tuple[bytes, ...] = ()  # the encoded images, for the journal (crash recovery)
     request_id: str = ""
     token_ids: list[int] | None = None  # raw prompt ids instead of messages (tests, benchmarks)
+    adapter: str | None = None  # LoRA adapter name; None: the session's own (or the base model)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,20 @@ class CloseRequest:
 
 
 @dataclass
+class AdapterRequest:
+    """Register, unregister or list adapters (admin); answered with an AdminResult event."""
+
+    action: str  # register | unregister | list
+    stream: EventStream
+    name: str | None = None
+    src: str | None = None
+    pinned: bool = False
+    dry_run: bool = False  # unregister: only check that it would succeed
+    request_id: str = ""
+    session_id: str | None = None
+
+
+@dataclass
 class Sequence:
     """A request the loop is working on (after admission, until finished)."""
 
@@ -83,6 +98,7 @@ class Sequence:
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     num_text_sent: int = 0  # characters of the answer already streamed
+    adapter_slot: int = 0  # LoRA bank slot while running (0: base model)
 
     @property
     def next_token(self) -> int:
@@ -118,6 +134,7 @@ class Engine:
         self.memory = MemoryManager(device_budget_bytes=self._device_budget(), host_budget_bytes=config.host_budget_bytes,
                                     sessions=SessionsView(self.store))
         self.journal = Journal(config.journal_dir) if config.journal_dir else None
+        self.adapters = self._adapter_registry()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._num_queued = 0  # submitted, not yet admitted; guarded by _queued_lock
         self._queued_lock = threading.Lock()
@@ -135,6 +152,23 @@ class Engine:
         self.num_overloaded = 0  # requests answered 503 (queue full or no memory to free)
         if self.journal is not None:
             self._restore_journal()
+
+    def _adapter_registry(self):
+        config = self.config
+        if config.max_device_adapters <= 0:
+            return None
+        from session.adapters import AdapterRegistry
+
+        bank, shapes = self.runner.enable_lora(config.max_device_adapters, config.max_lora_rank)
+        registry = AdapterRegistry(bank, shapes, max_device=config.max_device_adapters,
+                                   max_host=config.max_host_adapters, max_rank=config.max_lora_rank)
+        if config.adapters_dir:
+            logger.info("adapters found in %s: %s", config.adapters_dir, registry.scan(config.adapters_dir))
+        for name in filter(None, (n.strip() for n in config.pinned_adapters.split(","))):
+            registry.get(name).pinned = True
+            registry.acquire(name)
+            registry.release(name)
+        return registry
 
     def _device_budget(self) -> int:
         config = self.config
@@ -259,10 +293,12 @@ class Engine:
                 self._num_queued -= 1
             self._admit(item)
 
-    def _admit(self, item: GenerationRequest | CloseRequest) -> None:
+    def _admit(self, item: GenerationRequest | CloseRequest | AdapterRequest) -> None:
         try:
             if isinstance(item, CloseRequest):
                 self._close(item)
+            elif isinstance(item, AdapterRequest):
+                item.stream.put(AdminResult(self._adapter_admin(item)))
             else:
                 self._admit_generation(item)
         except ResidentError as exc:
@@ -273,15 +309,24 @@ class Engine:
 
     def _admit_generation(self, request: GenerationRequest) -> None:
         now = self.clock()
+        if request.adapter is not None:
+            self._adapter_registry_or_404(request.adapter).get(request.adapter)
         if request.open_session or request.session_id is None:
             kv = self.runner.new_kv_cache(block_tokens=self.config.kv_block_tokens, max_tokens=self.max_context,
                                           static=self.config.static_kv)
             session = self.store.open(SessionState(
                 session_id=request.session_id or new_session_id(), kv=kv, created_at=now, last_used_at=now,
                 expires_at=now + self.config.session_ttl_s, ephemeral=not request.open_session, tier=Tier.DEVICE,
+                adapter=request.adapter,
             ))
         else:
             session = self.store.get(request.session_id)
+            if request.adapter is not None and request.adapter != session.adapter:
+                from session.adapters import AdapterMismatch
+
+                bound = f"adapter {session.adapter!r}" if session.adapter else "the base model"
+                raise AdapterMismatch(f"session {session.session_id} was opened with {bound}; its cache cannot "
+                                      f"serve adapter {request.adapter!r}: open a new session for it")
             if session.busy:
                 session.pending.append(request)
                 return
@@ -304,6 +349,27 @@ class Engine:
             self._forget(self.store.get(session_id), "expired")
             logger.info("session %s expired", session_id)
         self._next_reap = self.clock() + self.config.reaper_interval_s
+
+    def _adapter_registry_or_404(self, name: str):
+        if self.adapters is None:
+            from session.adapters import AdapterNotFound
+
+            raise AdapterNotFound(f"adapter {name!r}: adapters are disabled on this server "
+                                  "(RESIDENT_MAX_DEVICE_ADAPTERS=0)")
+        return self.adapters
+
+    def _adapter_admin(self, request: AdapterRequest) -> dict:
+        registry = self._adapter_registry_or_404(request.name or "")
+        if request.action == "list":
+            return {"adapters": registry.list()}
+        if request.action == "register":
+            info = registry.register(request.name, request.src, pinned=request.pinned)
+            return {"registered": info.name, "src": info.path}
+        if request.action == "unregister":
+            in_use = sum(1 for s in self.store.all_sessions() if s.adapter == request.name)
+            registry.unregister(request.name, in_use, dry_run=request.dry_run)
+            return {"unregistered": request.name, "dry_run": request.dry_run}
+        raise BadRequest(f"unknown adapter action {request.action!r}; use register, unregister or list")
 
     def _forget(self, session: SessionState, reason: str) -> None:
         """Close a session: free its KV, release its images, remove it from the journal."""
@@ -330,7 +396,7 @@ class Engine:
                 session_id=entry.session_id, kv=kv, created_at=entry.created_at, expires_at=entry.expires_at,
                 last_used_at=now, tier=Tier.DROPPED, token_ids=list(entry.token_ids),
                 image_digests=list(entry.image_digests), ended_with_eos=entry.ended_with_eos,
-                num_turns=entry.num_turns,
+                num_turns=entry.num_turns, adapter=entry.adapter,
             ))
             for digest in session.image_digests:
                 self.embeddings.acquire(digest)
@@ -348,7 +414,7 @@ class Engine:
         self.journal.write(JournalEntry(
             session_id=session.session_id, token_ids=session.token_ids, image_digests=session.image_digests,
             ended_with_eos=session.ended_with_eos, num_turns=session.num_turns, created_at=session.created_at,
-            expires_at=session.expires_at,
+            expires_at=session.expires_at, adapter=session.adapter,
         ))
 
     # ------------------------------------------------------------------ prefill
@@ -394,8 +460,10 @@ class Engine:
         for digest in digests:
             self.embeddings.acquire(digest)
         try:
+            if session.adapter is not None:  # resident for as long as the request runs
+                seq.adapter_slot = self._adapter_registry_or_404(session.adapter).acquire(session.adapter)
             cached, embeds = self._prepare(session, new_ids, digests, request, prompt_tokens + max_tokens)
-            logits = self.stepper.prefill(session.kv, embeds)
+            logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot)
         except BaseException:
             for digest in digests:  # this turn never happened: its images are not the session's
                 self.embeddings.release(digest)
@@ -475,7 +543,8 @@ class Engine:
     def _decode_step(self) -> None:
         batch = self._running[: self.config.max_batch_size]
         try:
-            logits = self.stepper.decode([s.session.kv for s in batch], [s.next_token for s in batch])
+            logits = self.stepper.decode([s.session.kv for s in batch], [s.next_token for s in batch],
+                                         adapter_slots=[s.adapter_slot for s in batch])
             tokens = sample_rows(logits, [s.request.sampling for s in batch], [s.generator for s in batch])
         except Exception as exc:
             # The caches are unchanged (lengths advance only after a full step): fail these requests,
@@ -534,6 +603,9 @@ class Engine:
     def _end(self, seq: Sequence, event: Finished | Failed) -> None:
         session = seq.session
         session.busy = False
+        if seq.adapter_slot:
+            self.adapters.release(session.adapter)
+            seq.adapter_slot = 0
         if isinstance(event, Failed) and isinstance(event.error, CapacityExceeded):
             self.num_overloaded += 1
         if session.ephemeral:

@@ -39,12 +39,17 @@ class Closed:
 
 
 @dataclass(frozen=True)
+class AdminResult:
+    body: dict
+
+
+@dataclass(frozen=True)
 class Failed:
     error: Exception
 
 
-Event = Started | TextDelta | Finished | Closed | Failed
-TERMINAL = (Finished, Closed, Failed)
+Event = Started | TextDelta | Finished | Closed | AdminResult | Failed
+TERMINAL = (Finished, Closed, AdminResult, Failed)
 
 
 class EventStream:

@@ -76,6 +76,21 @@ class ModelRunner:
         self.lm_head = self.model.lm_head
         self.layers = list(self.lm.layers)
         self.info = self._info(hf_config, text_config)
+        self.lora = None  # a LoraBank once enable_lora ran
+
+    def enable_lora(self, num_slots: int, max_rank: int):
+        """Wrap the language model's linears for per-row LoRA adapters (once, at start-up)."""
+        from session.adapters import LoraBank, install_lora, target_shapes
+
+        shapes = target_shapes(self.layers)
+        self.lora = LoraBank(shapes, num_slots, max_rank, self.dtype, self.device)
+        install_lora(self.layers, self.lora)
+        return self.lora, shapes
+
+    def set_adapters(self, slots: list[int] | None) -> None:
+        """The adapter slot of each row of the next forward (callers: prefill/decode, static runner)."""
+        if self.lora is not None:
+            self.lora.set_rows(slots)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "ModelRunner":
@@ -137,7 +152,8 @@ class ModelRunner:
         return embeds
 
     @torch.inference_mode()
-    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False,
+                adapter_slot: int = 0) -> torch.Tensor:
         """Run ``embeds`` [T, hidden] after the ``kv.length`` cached tokens.
 
         Returns the last position's logits [V], or with ``all_logits`` every position's [T, V]
@@ -146,6 +162,7 @@ class ModelRunner:
         start, num_new = kv.length, embeds.shape[0]
         end = start + num_new
         kv.ensure_capacity(end)
+        self.set_adapters([adapter_slot])
         h = embeds[None]  # [1, T, D]
         positions = torch.arange(start, end, device=self.device)[None]  # [1, T]
         cos, sin = self.lm.rotary_emb(h, positions)
@@ -164,7 +181,7 @@ class ModelRunner:
         return self._logits(h)[0] if all_logits else self._logits(h[:, -1:])[0, 0]
 
     @torch.inference_mode()
-    def decode(self, kvs: list[KVCache], token_ids: list[int]) -> torch.Tensor:
+    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None) -> torch.Tensor:
         """One step for B sessions: feed token_ids[b] at position kvs[b].length; returns logits [B, V].
 
         Projections and MLPs run batched; attention runs per row over that session's own cache
@@ -173,6 +190,7 @@ class ModelRunner:
         lengths = [kv.length for kv in kvs]
         for kv, length in zip(kvs, lengths):
             kv.ensure_capacity(length + 1)
+        self.set_adapters(adapter_slots)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         h = self.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
         positions = torch.tensor(lengths, device=self.device)[:, None]  # [B, 1]

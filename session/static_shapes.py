@@ -73,7 +73,8 @@ class StaticShapeRunner:
     # ------------------------------------------------------------------ prefill
 
     @torch.inference_mode()
-    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False,
+                adapter_slot: int = 0) -> torch.Tensor:
         """Same contract as ``ModelRunner.prefill``; pads the new tokens to a prompt bucket."""
         self._check(kv)
         start, num_new = kv.length, embeds.shape[0]
@@ -84,6 +85,7 @@ class StaticShapeRunner:
         padded[:num_new] = embeds
         positions = torch.arange(start, start + bucket, device=self.runner.device)  # [T]
         self.graph_shapes.add(("prefill", bucket))
+        self.runner.set_adapters([adapter_slot])
         logits = self._prefill(padded, positions, kv.k, kv.v)  # [T, V]
         kv.length = start + num_new
         return logits[:num_new] if all_logits else logits[num_new - 1]
@@ -107,7 +109,7 @@ class StaticShapeRunner:
     # ------------------------------------------------------------------ decode
 
     @torch.inference_mode()
-    def decode(self, kvs: list[KVCache], token_ids: list[int]) -> torch.Tensor:
+    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None) -> torch.Tensor:
         """Same contract as ``ModelRunner.decode``; pads the batch to a batch bucket."""
         for kv in kvs:
             self._check(kv)
@@ -121,6 +123,7 @@ class StaticShapeRunner:
         positions = torch.tensor([kv.length for kv in kvs] + [0] * pad, dtype=torch.long, device=device)
         caches = kvs + [self.scratch] * pad
         self.graph_shapes.add(("decode", bucket))
+        self.runner.set_adapters(None if adapter_slots is None else list(adapter_slots) + [0] * pad)
         logits = self._decode(ids, positions, [c.k for c in caches], [c.v for c in caches])  # [B, V]
         for kv in kvs:
             kv.length += 1

@@ -11,7 +11,7 @@ import torch
 from session.config import EngineConfig
 from session.engine import CloseRequest, Engine, GenerationRequest
 from session.errors import ContextLengthExceeded, SessionNotFound
-from session.events import Closed, EventStream, Failed, Finished, Started, TextDelta
+from session.events import TERMINAL, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.protocol import ImagePart, Message, SamplingParams, TextPart
 from tests.conftest import make_image
 
@@ -40,7 +40,7 @@ def run(engine: Engine, request) -> list:
     while True:
         event = request.stream.get(timeout=60)
         events.append(event)
-        if isinstance(event, (Finished, Failed, Closed)):
+        if isinstance(event, TERMINAL):
             return events
 
 

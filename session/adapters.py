@@ -1,0 +1,325 @@
+"""Many LoRA adapters on one base model, chosen per request.
+
+- ``load_adapter`` reads a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
+  and checks it against the base model: targets, ranks and shapes; any mismatch is a 400.
+- ``LoraBank`` holds device slots of stacked LoRA weights for every target linear of the language
+  model; slot 0 is the base model (no adapter). ``LoRALinear`` wraps a base linear and, for each
+  group of rows sharing an adapter, adds ``(x @ A^T) @ B^T`` (B pre-scaled by alpha / r): one
+  forward pass serves a batch that mixes adapters (grouped like S-LoRA, no per-row weight copies).
+- ``AdapterRegistry`` is the bookkeeping: registered names and paths, a device LRU of slots
+  (adapters of running requests and pinned ones are never evicted) and a host LRU of loaded
+  weights behind it; loaded lazily on first use.
+
+Who calls this: the engine loop thread (acquire/release around each request, register and
+unregister through admin requests). Plain PEFT key names work for LLaVA and plain causal LMs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from session.errors import BadRequest, CapacityExceeded, ResidentError
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY_RE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class AdapterNotFound(ResidentError):
+    status = 404
+    type = "adapter_not_found"
+
+
+class AdapterInUse(ResidentError):
+    status = 409
+    type = "adapter_in_use"
+
+
+class AdapterMismatch(BadRequest):
+    type = "adapter_mismatch"
+
+
+class InvalidAdapter(BadRequest):
+    type = "invalid_adapter"
+
+
+@dataclass
+class AdapterWeights:
+    """One adapter's weights in host memory. B is pre-multiplied by the LoRA scale."""
+
+    name: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, target) -> (A [r, in], B [out, r])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def load_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str], tuple[int, int]],
+                 max_rank: int) -> AdapterWeights:
+    """Read and validate a PEFT LoRA adapter; ``shapes`` maps (layer, target) -> (in, out) of the base."""
+    path = Path(path)
+    config_path, weights_path = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise InvalidAdapter(f"{path} is not a PEFT adapter directory (needs adapter_config.json and "
+                             "adapter_model.safetensors)")
+    try:
+        config = json.loads(config_path.read_text())
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(weights_path))
+    except Exception as exc:
+        raise InvalidAdapter(f"adapter {name!r} cannot be read: {exc}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise InvalidAdapter(f"adapter {name!r} is {config.get('peft_type')}, only LORA is supported")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank <= 0 or rank > max_rank:
+        raise InvalidAdapter(f"adapter {name!r} has rank {rank!r}; supported ranks are 1..{max_rank}")
+    scale = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY_RE.search(key)
+        if match is None:
+            raise InvalidAdapter(f"adapter {name!r} has weight {key!r} for a module we cannot adapt; "
+                                 f"supported targets: {list(TARGETS)}")
+        layer, target, which = int(match.group(1)), match.group(2), match.group(3)
+        if (layer, target) not in shapes:
+            raise InvalidAdapter(f"adapter {name!r} targets {target} of layer {layer}, which the base model "
+                                 "does not have")
+        pairs.setdefault((layer, target), {})[which] = tensor.float()
+    weights = {}
+    for key, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise InvalidAdapter(f"adapter {name!r} lacks lora_{'B' if 'A' in pair else 'A'} for {key}")
+        fan_in, fan_out = shapes[key]
+        a, b = pair["A"], pair["B"]
+        if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
+            raise InvalidAdapter(f"adapter {name!r} {key}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the "
+                                 f"base ({fan_out} x {fan_in}) at rank {rank}")
+        weights[key] = (a.contiguous(), (b * scale).contiguous())
+    if not weights:
+        raise InvalidAdapter(f"adapter {name!r} has no LoRA weights")
+    return AdapterWeights(name=name, rank=rank, weights=weights)
+
+
+class LoraBank:
+    """Device slots of LoRA weights. Slot 0 stays zero: the base model."""
+
+    def __init__(self, shapes: dict[tuple[int, str], tuple[int, int]], num_slots: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.max_rank = max_rank
+        # (layer, target) -> A [slots, r_max, in], B [slots, out, r_max]
+        self.a = {k: torch.zeros(num_slots + 1, max_rank, fin, dtype=dtype, device=device)
+                  for k, (fin, fout) in shapes.items()}
+        self.b = {k: torch.zeros(num_slots + 1, fout, max_rank, dtype=dtype, device=device)
+                  for k, (fin, fout) in shapes.items()}
+        # The current forward's row grouping: [(slot, row indices or None for every row)]; [] = base only.
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
+
+    def load(self, slot: int, adapter: AdapterWeights) -> None:
+        for key in self.a:
+            self.a[key][slot].zero_()
+            self.b[key][slot].zero_()
+        for key, (a, b) in adapter.weights.items():
+            self.a[key][slot, : adapter.rank].copy_(a)
+            self.b[key][slot, :, : adapter.rank].copy_(b)
+
+    def set_rows(self, slots: list[int] | None) -> None:
+        """Before a forward: the adapter slot of each batch row (None or all zero: the base model)."""
+        if not slots or not any(slots):
+            self.groups = []
+            return
+        if all(s == slots[0] for s in slots):
+            self.groups = [(slots[0], None)]
+            return
+        device = next(iter(self.a.values())).device
+        self.groups = [(slot, torch.tensor([i for i, s in enumerate(slots) if s == slot], device=device))
+                       for slot in sorted(set(slots)) if slot != 0]
+
+
+class LoRALinear(nn.Module):
+    """A base linear plus the LoRA deltas of the current batch's adapters (see ``LoraBank``)."""
+
+    def __init__(self, base: nn.Linear, bank: LoraBank, key: tuple[int, str]):
+        super().__init__()
+        self.base = base
+        self.bank = bank
+        self.key = key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, in] -> [B, T, out]
+        y = self.base(x)
+        if not self.bank.groups:
+            return y
+        a_slots, b_slots = self.bank.a[self.key], self.bank.b[self.key]
+        for slot, rows in self.bank.groups:
+            a, b = a_slots[slot], b_slots[slot]  # [r, in], [out, r]
+            if rows is None:
+                y = y + (x @ a.T) @ b.T
+            else:
+                y = y.index_add(0, rows, (x[rows] @ a.T) @ b.T)
+        return y
+
+
+def install_lora(layers, bank: LoraBank) -> None:
+    """Wrap every target linear of the language model's layers (done once, at start-up)."""
+    for index, layer in enumerate(layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for target in TARGETS:
+                base = getattr(parent, target, None)
+                if isinstance(base, nn.Linear):
+                    setattr(parent, target, LoRALinear(base, bank, (index, target)))
+
+
+def target_shapes(layers) -> dict[tuple[int, str], tuple[int, int]]:
+    """(layer, target) -> (in_features, out_features) of the base linears."""
+    out = {}
+    for index, layer in enumerate(layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for target in TARGETS:
+                module = getattr(parent, target, None)
+                base = module.base if isinstance(module, LoRALinear) else module
+                if isinstance(base, nn.Linear):
+                    out[(index, target)] = (base.in_features, base.out_features)
+    return out
+
+
+@dataclass
+class AdapterInfo:
+    name: str
+    path: str
+    pinned: bool = False
+    host: AdapterWeights | None = None  # loaded weights (host tier), or None until first use
+    slot: int = 0  # device slot, 0 = not on the device
+    num_running: int = 0  # requests using it now: never evicted under them
+
+    @property
+    def tier(self) -> str:
+        return "device" if self.slot else ("host" if self.host is not None else "disk")
+
+
+class AdapterRegistry:
+    """Registered adapters, a device LRU of bank slots and a host LRU of loaded weights."""
+
+    def __init__(self, bank: LoraBank, shapes: dict[tuple[int, str], tuple[int, int]], *, max_device: int,
+                 max_host: int, max_rank: int):
+        self.bank = bank
+        self.shapes = shapes
+        self.max_host = max_host
+        self.max_rank = max_rank
+        self._adapters: dict[str, AdapterInfo] = {}  # name -> info
+        self._free_slots = list(range(max_device, 0, -1))
+        self._device_lru: OrderedDict[str, None] = OrderedDict()  # names on the device, least recent first
+        self._host_lru: OrderedDict[str, None] = OrderedDict()  # names with host weights, least recent first
+        self.num_loads_from_disk = 0
+        self.num_loads_to_device = 0
+        self.num_device_evictions = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._adapters
+
+    def scan(self, directory: str | Path) -> list[str]:
+        """Register every adapter directory found under ``directory`` (named by its folder)."""
+        found = []
+        for path in sorted(Path(directory).iterdir()) if Path(directory).is_dir() else []:
+            if (path / "adapter_config.json").is_file() and path.name not in self._adapters:
+                if ADAPTER_NAME_RE.match(path.name):
+                    self._adapters[path.name] = AdapterInfo(name=path.name, path=str(path))
+                    found.append(path.name)
+        return found
+
+    def register(self, name: str, src: str, pinned: bool = False) -> AdapterInfo:
+        if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
+            raise BadRequest(f"adapter name must match {ADAPTER_NAME_RE.pattern}, got {name!r}")
+        if name in self._adapters:
+            raise AdapterInUse(f"adapter {name!r} is already registered; unregister it first")
+        weights = load_adapter(name, src, self.shapes, self.max_rank)  # validates before changing anything
+        info = self._adapters[name] = AdapterInfo(name=name, path=str(src), pinned=pinned)
+        self._keep_on_host(info, weights)
+        if pinned:
+            self.acquire(name)
+            self.release(name)
+        return info
+
+    def unregister(self, name: str, num_sessions: int, dry_run: bool = False) -> None:
+        """Refused (409) while live sessions are bound to it or requests run with it."""
+        info = self.get(name)
+        if num_sessions or info.num_running:
+            raise AdapterInUse(f"adapter {name!r} is used by {num_sessions} live session(s) and "
+                               f"{info.num_running} running request(s); close them first")
+        if dry_run:
+            return
+        self._evict_from_device(info)
+        self._host_lru.pop(name, None)
+        del self._adapters[name]
+
+    def get(self, name: str) -> AdapterInfo:
+        info = self._adapters.get(name)
+        if info is None:
+            raise AdapterNotFound(f"adapter {name!r} is not registered; GET /adapters lists them")
+        return info
+
+    def list(self) -> list[dict]:
+        return [{"name": i.name, "src": i.path, "tier": i.tier, "pinned": i.pinned, "running": i.num_running}
+                for i in self._adapters.values()]
+
+    def acquire(self, name: str) -> int:
+        """Called when a request with this adapter starts: make it resident; returns its bank slot."""
+        info = self.get(name)
+        if not info.slot:
+            if info.host is None:
+                self._keep_on_host(info, load_adapter(name, info.path, self.shapes, self.max_rank))
+                self.num_loads_from_disk += 1
+            info.slot = self._take_slot()
+            self.bank.load(info.slot, info.host)
+            self.num_loads_to_device += 1
+        self._device_lru[name] = None
+        self._device_lru.move_to_end(name)
+        self._host_lru.move_to_end(name)
+        info.num_running += 1
+        return info.slot
+
+    def release(self, name: str) -> None:
+        self._adapters[name].num_running -= 1
+
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for name in self._device_lru:  # least recently used first
+            info = self._adapters[name]
+            if not info.num_running and not info.pinned:
+                slot = info.slot
+                self._evict_from_device(info)
+                self._free_slots.remove(slot)
+                return slot
+        raise CapacityExceeded("every adapter slot on the device is in use by running requests or pinned",
+                               retry_after_s=1)
+
+    def _evict_from_device(self, info: AdapterInfo) -> None:
+        if info.slot:
+            self._free_slots.append(info.slot)
+            info.slot = 0
+            self._device_lru.pop(info.name, None)
+            self.num_device_evictions += 1
+
+    def _keep_on_host(self, info: AdapterInfo, weights: AdapterWeights) -> None:
+        info.host = weights
+        self._host_lru[info.name] = None
+        self._host_lru.move_to_end(info.name)
+        while len(self._host_lru) > self.max_host:
+            oldest = next(iter(self._host_lru))
+            if oldest == info.name:
+                break
+            self._host_lru.pop(oldest)
+            self._adapters[oldest].host = None  # reloaded from disk on next use (its device copy stays)

@@ -1,0 +1,192 @@
+"""LoRA adapters in the engine: PEFT-exact, mixed batches, session binding, tiers, admin (DESIGN §4.1, §4.2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from session.adapters import AdapterInUse, AdapterMismatch, AdapterNotFound, InvalidAdapter
+from session.config import EngineConfig
+from session.engine import AdapterRequest, Engine, GenerationRequest
+from session.events import AdminResult, EventStream, Failed, Finished
+from session.protocol import SamplingParams
+from tests.conftest import REPO, make_image
+from tests.integration.test_engine import QUESTIONS, finished, run, turn, user
+
+ADAPTERS = ["tone", "domain", "customer", "terse"]
+
+
+@pytest.fixture(scope="session")
+def adapters_dir(tiny_model_path) -> Path:
+    from model_store.build_adapters import build_all
+
+    out = REPO / "models" / "adapters-tiny"
+    build_all(tiny_model_path, out, count=4)
+    return out
+
+
+def make_engine(tiny_model_path, adapters_dir, **overrides) -> Engine:
+    config = EngineConfig(model_path=str(tiny_model_path), adapters_dir=str(adapters_dir), **overrides)
+    return Engine(config).start()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path, adapters_dir):
+    eng = make_engine(tiny_model_path, adapters_dir)
+    yield eng
+    eng.stop()
+
+
+def ask(engine, adapter, prompt_ids, max_tokens=12):
+    request = GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=max_tokens), stream=EventStream(),
+                                token_ids=list(prompt_ids), adapter=adapter)
+    return run(engine, request)
+
+
+def admin(engine, action, **kwargs):
+    events = run(engine, AdapterRequest(action=action, stream=EventStream(), **kwargs))
+    return events[-1]
+
+
+PROMPT = [1, 57, 55, 859, 30, 225, 59, 76, 294, 328, 553]
+
+
+def test_one_adapter_matches_peft(engine, tiny_model_path, adapters_dir):
+    """Our grouped LoRA application gives PEFT's own greedy tokens."""
+    import torch
+    from peft import PeftModel
+    from transformers import LlavaForConditionalGeneration
+
+    base = LlavaForConditionalGeneration.from_pretrained(tiny_model_path)
+    for name in ("domain", "terse"):  # all-linear, and rsLoRA scaling
+        model = PeftModel.from_pretrained(base, adapters_dir / name).eval()
+        ids = torch.tensor([PROMPT])
+        expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                  min_new_tokens=12, do_sample=False)[0, len(PROMPT):].tolist()
+        base = model.unload()
+        assert list(finished(ask(engine, name, PROMPT)).token_ids) == expected
+
+
+def test_mixed_batch_equals_each_adapter_alone_and_differs_from_base(engine):
+    alone = {name: finished(ask(engine, name, PROMPT, 16)).token_ids for name in ADAPTERS + [None]}
+    assert len(set(alone.values())) == 5  # every adapter changes the answer, and none is the base
+    results: dict = {}
+    engine.max_batch_seen = 0
+
+    def go(name, index):
+        results[index] = (name, finished(ask(engine, name, PROMPT, 16)).token_ids)
+
+    names = ADAPTERS + [None] + ADAPTERS  # 9 concurrent rows, mixed
+    threads = [threading.Thread(target=go, args=(name, i)) for i, name in enumerate(names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 9
+    assert engine.max_batch_seen >= 3  # they shared decode steps
+    for name, tokens in results.values():
+        assert tokens == alone[name]
+
+
+def test_session_is_bound_to_its_adapter(engine):
+    request = GenerationRequest(messages=user(QUESTIONS[0]), sampling=SamplingParams(max_tokens=8),
+                                stream=EventStream(), session_id="bound-1", open_session=True, adapter="tone")
+    finished(run(engine, request))
+    other = GenerationRequest(messages=user(QUESTIONS[1]), sampling=SamplingParams(max_tokens=8),
+                              stream=EventStream(), session_id="bound-1", adapter="domain")
+    refused = run(engine, other)[-1]
+    assert isinstance(refused, Failed) and isinstance(refused.error, AdapterMismatch)
+    assert refused.error.status == 400 and "opened with adapter 'tone'" in refused.error.message
+    same = turn(engine, "bound-1", QUESTIONS[1])  # no adapter named: the session's own
+    assert isinstance(same[-1], Finished) and same[0].cached_tokens > 0
+    assert engine.store.get("bound-1").adapter == "tone"
+
+
+def test_unknown_adapter_is_404(engine):
+    failed = ask(engine, "nope", PROMPT)[-1]
+    assert isinstance(failed, Failed) and isinstance(failed.error, AdapterNotFound)
+    assert failed.error.status == 404 and "'nope'" in failed.error.message
+
+
+def test_session_survives_its_adapter_leaving_the_device(tiny_model_path, adapters_dir):
+    reference_engine = make_engine(tiny_model_path, adapters_dir)
+    try:
+        expected = []
+        for step, question in enumerate(QUESTIONS[:3]):
+            request = GenerationRequest(messages=user(question), sampling=SamplingParams(max_tokens=10),
+                                        stream=EventStream(), session_id="s", open_session=step == 0,
+                                        adapter="customer")
+            expected.append(finished(run(reference_engine, request)).token_ids)
+    finally:
+        reference_engine.stop()
+    engine = make_engine(tiny_model_path, adapters_dir, max_device_adapters=1, max_host_adapters=1)
+    try:
+        got = []
+        for step, question in enumerate(QUESTIONS[:3]):
+            request = GenerationRequest(messages=user(question), sampling=SamplingParams(max_tokens=10),
+                                        stream=EventStream(), session_id="s", open_session=step == 0,
+                                        adapter="customer")
+            got.append(finished(run(engine, request)).token_ids)
+            finished(ask(engine, ADAPTERS[step % 2], PROMPT, 4))  # another adapter takes the only slot
+            assert engine.adapters.get("customer").tier in ("host", "disk")
+        assert got == expected
+        assert engine.adapters.num_device_evictions >= 3 and engine.adapters.num_loads_from_disk >= 2
+    finally:
+        engine.stop()
+
+
+def test_register_use_unregister_then_404(engine, adapters_dir, tmp_path):
+    shutil.copytree(adapters_dir / "tone", tmp_path / "fresh")
+    result = admin(engine, "register", name="fresh", src=str(tmp_path / "fresh"))
+    assert result == AdminResult({"registered": "fresh", "src": str(tmp_path / "fresh")})
+    used = finished(ask(engine, "fresh", PROMPT))
+    assert used.token_ids == finished(ask(engine, "tone", PROMPT)).token_ids  # same weights, same answer
+    listed = {a["name"]: a for a in admin(engine, "list").body["adapters"]}
+    assert listed["fresh"]["tier"] == "device" and set(ADAPTERS) <= set(listed)
+    assert admin(engine, "unregister", name="fresh") == AdminResult({"unregistered": "fresh", "dry_run": False})
+    gone = ask(engine, "fresh", PROMPT)[-1]
+    assert isinstance(gone, Failed) and isinstance(gone.error, AdapterNotFound)
+
+
+def test_bad_adapters_are_refused_and_registry_unchanged(engine, adapters_dir, tmp_path):
+    before = admin(engine, "list").body
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    wrong_rank = tmp_path / "wrong-rank"
+    shutil.copytree(adapters_dir / "tone", wrong_rank)
+    config = json.loads((wrong_rank / "adapter_config.json").read_text())
+    (wrong_rank / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    too_big = tmp_path / "too-big"
+    shutil.copytree(adapters_dir / "tone", too_big)
+    (too_big / "adapter_config.json").write_text(json.dumps({**config, "r": 100}))
+    cases = [(empty, "not a PEFT adapter directory"), (wrong_rank, "do not fit the base"),
+             (too_big, "supported ranks are 1..64")]
+    for path, reason in cases:
+        failed = admin(engine, "register", name=path.name, src=str(path))
+        assert isinstance(failed, Failed) and isinstance(failed.error, InvalidAdapter)
+        assert failed.error.status == 400 and reason in failed.error.message
+    assert admin(engine, "list").body == before
+
+
+def test_unregister_in_use_is_refused(engine):
+    request = GenerationRequest(messages=user(QUESTIONS[0]), sampling=SamplingParams(max_tokens=4),
+                                stream=EventStream(), session_id="holder", open_session=True, adapter="terse")
+    finished(run(engine, request))
+    refused = admin(engine, "unregister", name="terse")
+    assert isinstance(refused, Failed) and isinstance(refused.error, AdapterInUse)
+    assert refused.error.status == 409 and "1 live session" in refused.error.message
+    assert "terse" in engine.adapters
+
+
+def test_image_session_with_adapter(engine):
+    pixel_values = engine.preprocess_images([make_image(9)])
+    request = GenerationRequest(messages=user(QUESTIONS[0], image=True), sampling=SamplingParams(max_tokens=8),
+                                stream=EventStream(), session_id="img-ad", open_session=True,
+                                pixel_values=pixel_values, adapter="domain")
+    with_adapter = finished(run(engine, request)).token_ids
+    base = finished(turn(engine, None, QUESTIONS[0], pixel_values=pixel_values, max_tokens=8)).token_ids
+    assert with_adapter != base
