@@ -36,7 +36,9 @@ def test_defaults(model_dir):
         "default_max_tokens": 128, "max_batch_size": 16, "max_queue": 256, "kv_block_tokens": 256,
         "static_kv": False, "compile": False, "max_image_bytes": 6 * 1024 * 1024, "max_image_pixels": 4096 * 4096,
         "max_images_per_request": 4, "device_budget_bytes": 0, "device_budget_fraction": 0.0,
-        "host_budget_bytes": 2 << 30, "max_session_tokens": 0, "journal_dir": "", "threads": 0, "seed": 0,
+        "host_budget_bytes": 2 << 30, "max_session_tokens": 0, "journal_dir": "", "adapters_dir": "",
+        "max_device_adapters": 8, "max_host_adapters": 32, "max_lora_rank": 64, "pinned_adapters": "",
+        "admin_token": "", "threads": 0, "seed": 0,
     }
 
 
