@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -86,6 +87,19 @@ def num_backends(value: str, devices: Devices) -> int:
     return int(value)
 
 
+def admin_token(environ: Mapping[str, str]) -> str:
+    """The secret the front and its backends share for the adapter API (one per cluster run)."""
+    global _ADMIN_TOKEN
+    if environ.get("RESIDENT_ADMIN_TOKEN"):
+        return environ["RESIDENT_ADMIN_TOKEN"]
+    if _ADMIN_TOKEN is None:
+        _ADMIN_TOKEN = secrets.token_hex(16)
+    return _ADMIN_TOKEN
+
+
+_ADMIN_TOKEN: str | None = None
+
+
 def backend_env(index: int, num: int, devices: Devices, environ: Mapping[str, str]) -> dict[str, str]:
     """Settings for backend ``index`` of ``num``: its device, or its share of the CPU cores, and its
     own crash-recovery journal (a restarted backend must restore its own sessions, not all of them)."""
@@ -117,11 +131,11 @@ def start_backends(num: int, devices: Devices, *, front_port: int, model: Path,
     backends: list[TorchServe] = []
     try:
         for i in range(num):
-            env = backend_env(i, num, devices, environ)
+            env = {**backend_env(i, num, devices, environ), "RESIDENT_ADMIN_TOKEN": admin_token(environ)}
             backends.append(start_torchserve(base + BACKEND_PORT_STRIDE * i, run_dir=run_root / f"backend-{i}",
                                              model_path=model, extra_env=env))
             logger.info("backend %d: %s on %s %s (logs: %s/logs)", i, backends[-1].url, devices.kind,
-                        " ".join(f"{k}={v}" for k, v in env.items()), backends[-1].run_dir)
+                        " ".join(f"{k}={v}" for k, v in env.items() if "TOKEN" not in k), backends[-1].run_dir)
     except BaseException:
         stop_backends(backends)
         raise
@@ -188,7 +202,7 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
         watchdogs = [w for w in (watch(b, environ) for b in backends) if w is not None]
         config = FrontConfig.from_env(environ, backends=tuple(b.url for b in backends),
                                       management_urls=tuple(b.management_url for b in backends),
-                                      model_name=MODEL_NAME)
+                                      model_name=MODEL_NAME, admin_token=admin_token(environ))
         host = environ.get("HOST", "127.0.0.1")
         print(f"front on http://{host}:{port} before {num} backend(s) serving {model}; Ctrl-C stops", flush=True)
         return _serve(config, host, port, lambda: any(b.process.poll() is None for b in backends))

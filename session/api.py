@@ -15,13 +15,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Mapping
 
-from session.engine import CloseRequest, Engine, GenerationRequest
+from session.engine import AdapterRequest, CloseRequest, Engine, GenerationRequest
 from session.errors import BadRequest, ResidentError
-from session.events import Closed, EventStream, Failed, Finished, Started, TextDelta
+from session.events import AdminResult, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.images import decode_data_url
 from session.protocol import (
-    CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, WORKER_HEADER, ChatRequest, CompletionIds, ImagePart,
-    chunk_body, completion_body, new_session_header_value, parse_request, sse,
+    ADMIN_TOKEN_HEADER, CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, WORKER_HEADER, ChatRequest,
+    CompletionIds, ImagePart, chunk_body, completion_body, header, load_json_object, new_session_header_value,
+    parse_request, sse,
 )
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class ChatService:
         session_id = None
         try:
             config = self.engine.config
+            if header(headers, ADMIN_TOKEN_HEADER) is not None:
+                return await self._admin(header(headers, ADMIN_TOKEN_HEADER), body, request_id)
             request = parse_request(body, headers, default_max_tokens=config.default_max_tokens,
                                     max_new_tokens=config.max_new_tokens)
             session_id = request.session_id
@@ -76,6 +79,36 @@ class ChatService:
             return await self._generate(request, request_id)
         except Exception as exc:
             return error_response(exc, request_id, session_id)
+
+    async def _admin(self, token: str, body, request_id: str) -> ApiResponse:
+        """Adapter administration, sent by the front to every backend: {"adapters": action, ...}."""
+        import hmac
+
+        expected = self.engine.config.admin_token
+        if not expected or not hmac.compare_digest(token, expected):
+            return ApiResponse(status=403, body={"error": {"type": "forbidden", "message": "bad admin token"}})
+        data = body if isinstance(body, dict) else load_json_object(body)
+        action = data.get("adapters")
+        unknown = set(data) - {"adapters", "name", "src", "pinned", "dry_run"}
+        if unknown:
+            raise BadRequest(f"unknown admin field(s) {sorted(unknown)}")
+        stream = EventStream(asyncio.get_running_loop())
+        self.engine.submit(AdapterRequest(action=action, stream=stream, name=data.get("name"), src=data.get("src"),
+                                          pinned=bool(data.get("pinned", False)),
+                                          dry_run=bool(data.get("dry_run", False)), request_id=request_id))
+        event = await stream.aget()
+        if isinstance(event, Failed):
+            raise event.error
+        assert isinstance(event, AdminResult)
+        return ApiResponse(status=200, body=event.body, kind="admin")
+
+    def _adapter(self, request: ChatRequest) -> str | None:
+        """Header first; else the body's "model" when it names something other than the base model."""
+        if request.adapter:
+            return request.adapter
+        if request.model and request.model != self.model_name:
+            return request.model
+        return None
 
     async def _close(self, request: ChatRequest, request_id: str) -> ApiResponse:
         stream = EventStream(asyncio.get_running_loop())
@@ -99,7 +132,7 @@ class ChatService:
             messages=request.messages, sampling=request.sampling, stream=stream,
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
             pixel_values=pixel_values, image_digests=tuple(d.digest for d in decoded),
-            image_bytes=tuple(d.raw for d in decoded), request_id=request_id,
+            image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=self._adapter(request),
         ))
         started = await stream.aget()
         if isinstance(started, Failed):

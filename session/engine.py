@@ -164,6 +164,12 @@ class Engine:
                                    max_host=config.max_host_adapters, max_rank=config.max_lora_rank)
         if config.adapters_dir:
             logger.info("adapters found in %s: %s", config.adapters_dir, registry.scan(config.adapters_dir))
+        for name, entry in (self.journal.adapters() if self.journal is not None else {}).items():
+            try:  # registered through the API before a restart
+                if name not in registry:
+                    registry.register(name, entry["src"], pinned=entry.get("pinned", False))
+            except ResidentError as exc:
+                logger.warning("adapter %s from the journal cannot be registered again: %s", name, exc.message)
         for name in filter(None, (n.strip() for n in config.pinned_adapters.split(","))):
             registry.get(name).pinned = True
             registry.acquire(name)
@@ -364,12 +370,24 @@ class Engine:
             return {"adapters": registry.list()}
         if request.action == "register":
             info = registry.register(request.name, request.src, pinned=request.pinned)
+            self._journal_adapters(added=(info.name, {"src": info.path, "pinned": info.pinned}))
             return {"registered": info.name, "src": info.path}
         if request.action == "unregister":
             in_use = sum(1 for s in self.store.all_sessions() if s.adapter == request.name)
             registry.unregister(request.name, in_use, dry_run=request.dry_run)
+            if not request.dry_run:
+                self._journal_adapters(removed=request.name)
             return {"unregistered": request.name, "dry_run": request.dry_run}
         raise BadRequest(f"unknown adapter action {request.action!r}; use register, unregister or list")
+
+    def _journal_adapters(self, added: tuple[str, dict] | None = None, removed: str | None = None) -> None:
+        if self.journal is None:
+            return
+        adapters = self.journal.adapters()
+        if added is not None:
+            adapters[added[0]] = added[1]
+        adapters.pop(removed, None)
+        self.journal.write_adapters(adapters)
 
     def _forget(self, session: SessionState, reason: str) -> None:
         """Close a session: free its KV, release its images, remove it from the journal."""

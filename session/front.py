@@ -7,6 +7,8 @@ device; or, in docker/compose.yaml, other fronts standing in for SageMaker insta
   GET  /backends                                        each backend's health and counters (JSON)
   POST /invocations, /predictions/{model}               forwarded as they are (SSE streams relayed)
   POST /endpoints/{name}/invocations                    SageMaker InvokeEndpoint
+  GET  /adapters, POST /adapters {"name", "src"}, DELETE /adapters/{name}
+                                                        LoRA adapters on every backend at once (below)
   POST /endpoints/{name}/invocations-response-stream    SageMaker InvokeEndpointWithResponseStream:
        forwarded with "stream": true; each SSE chunk becomes a PayloadPart event as it arrives.
        It continues an existing session or serves a stateless request; it never opens a session.
@@ -20,6 +22,11 @@ request goes to another healthy backend when the first refuses the connection.
 
 A request abandoned by the front on timeout keeps running on the backend (TorchServe's async mode
 does not signal disconnects); the backend's own queue limit bounds that.
+
+Adapters: the front sends an admin request (``X-Resident-Admin-Token``, a secret shared with its
+backends) to every backend. Registering validates on each and rolls back where it succeeded if
+one refuses; unregistering first asks every backend whether it may (a dry run: 409 while live
+sessions use the adapter), then does it everywhere.
 
 Settings: ``FrontConfig`` from ``RESIDENT_FRONT_*`` environment variables. Never imports ``ts``.
 """
@@ -43,7 +50,7 @@ from session.errors import (
 )
 from session.event_stream import CONTENT_TYPE as EVENT_STREAM, model_stream_error, payload_part
 from session.protocol import (
-    NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, header, load_json_object, sse, validate_session_id,
+    ADMIN_TOKEN_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, header, load_json_object, sse, validate_session_id,
 )
 from session.router import Backend, Router
 
@@ -74,6 +81,7 @@ class FrontConfig:
     unhealthy_after: int = 3  # failed probes in a row before a backend is taken out
     drain_s: float = 10.0  # on shutdown, how long requests in flight may finish (SIGKILL comes at 30 s)
     default_session_ttl_s: float = 1200.0  # pin lifetime when a backend's New-Session-Id has no Expires
+    admin_token: str = ""  # shared with the backends (RESIDENT_ADMIN_TOKEN) for the /adapters API
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "FrontConfig":
@@ -143,6 +151,9 @@ class Front:
         self.app.router.add_post("/predictions/{model}", self.invoke)
         self.app.router.add_post("/endpoints/{endpoint}/invocations", self.invoke)
         self.app.router.add_post("/endpoints/{endpoint}/invocations-response-stream", self.invoke_stream)
+        self.app.router.add_get("/adapters", self.list_adapters)
+        self.app.router.add_post("/adapters", self.register_adapter)
+        self.app.router.add_delete("/adapters/{name}", self.unregister_adapter)
         self._http: aiohttp.ClientSession | None = None  # requests to backends, kept alive
         self._probe_http: aiohttp.ClientSession | None = None  # health probes, a fresh connection each
         self._runner: web.AppRunner | None = None
@@ -197,6 +208,55 @@ class Front:
                              f"({SESSION_HEADER}: {NEW_SESSION}), then stream within it")
         body = json.dumps({**data, "stream": True}).encode()
         return await self._forward(request, body, "/invocations", events=True)
+
+    # ------------------------------------------------------------ adapters
+
+    async def list_adapters(self, request: web.Request) -> web.Response:
+        [(status, body)] = await self._admin_all({"adapters": "list"}, self.router.healthy_backends[:1])
+        return web.json_response(body, status=status)
+
+    async def register_adapter(self, request: web.Request) -> web.Response:
+        data = load_json_object(await self._read_body(request))
+        if set(data) - {"name", "src", "pinned"} or not isinstance(data.get("name"), str) \
+                or not isinstance(data.get("src"), str):
+            raise BadRequest('POST /adapters takes {"name": str, "src": "<PEFT adapter directory>", '
+                             '"pinned": bool (optional)}')
+        backends = self.router.healthy_backends
+        answers = await self._admin_all({"adapters": "register", **data}, backends)
+        failed = [(status, body) for status, body in answers if status != 200]
+        if failed:  # keep every backend alike: undo where it worked
+            done = [b for b, (status, _) in zip(backends, answers) if status == 200]
+            if done:
+                await self._admin_all({"adapters": "unregister", "name": data["name"]}, done)
+            return web.json_response(failed[0][1], status=failed[0][0])
+        return web.json_response({**answers[0][1], "backends": len(backends)})
+
+    async def unregister_adapter(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        backends = self.router.healthy_backends
+        for dry_run in (True, False):
+            answers = await self._admin_all({"adapters": "unregister", "name": name, "dry_run": dry_run}, backends)
+            failed = [(status, body) for status, body in answers if status != 200]
+            if failed:
+                return web.json_response(failed[0][1], status=failed[0][0])
+        return web.json_response({"unregistered": name, "backends": len(backends)})
+
+    async def _admin_all(self, payload: dict, backends: list[Backend]) -> list[tuple[int, dict]]:
+        """One admin request to each backend, in parallel: [(status, JSON body)] in backend order."""
+        if not self.config.admin_token:
+            raise BadRequest(f"the adapter API is off: set {ENV_PREFIX}ADMIN_TOKEN and the backends' "
+                             "RESIDENT_ADMIN_TOKEN to one secret (make cluster does)")
+        if not backends:
+            raise BackendError("no healthy backend to manage adapters on")
+        headers = {"Content-Type": JSON_CONTENT_TYPE, ADMIN_TOKEN_HEADER: self.config.admin_token}
+        body = json.dumps(payload).encode()
+
+        async def one(backend: Backend) -> tuple[int, dict]:
+            async with await self._send(backend, f"/predictions/{self.config.model_name}", body, headers) as upstream:
+                payload = await upstream.read()
+                return upstream.status, (json.loads(payload) if upstream.status == 200 else {"error": _error_of(payload)})
+
+        return list(await asyncio.gather(*(one(b) for b in backends)))
 
     # ------------------------------------------------------------ forwarding
 

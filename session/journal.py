@@ -60,6 +60,18 @@ class Journal:
     def remove_image(self, digest: str) -> None:
         (self.images_dir / digest).unlink(missing_ok=True)
 
+    def write_adapters(self, adapters: dict[str, dict]) -> None:
+        """Adapters registered at run time (name -> {"src", "pinned"}), so a restart keeps them."""
+        _atomic_write(self.directory / "adapters.json", json.dumps(adapters).encode())
+
+    def adapters(self) -> dict[str, dict]:
+        path = self.directory / "adapters.json"
+        try:
+            return json.loads(path.read_bytes()) if path.exists() else {}
+        except ValueError as exc:
+            logger.warning("skipping corrupt %s: %s", path, exc)
+            return {}
+
     def entries(self) -> list[JournalEntry]:
         """Every readable entry; corrupt or partial ones are moved aside with a log line."""
         out = []

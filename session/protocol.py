@@ -20,6 +20,8 @@ NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
 ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
 INFERENCE_COMPONENT_HEADER = "X-Amzn-SageMaker-Inference-Component"
+# Ours: adapter administration from the front (register/unregister/list); a shared secret.
+ADMIN_TOKEN_HEADER = "X-Resident-Admin-Token"
 # Ours: which worker process answered ("<hostname>:<pid>"); lets clients and tests see stickiness.
 WORKER_HEADER = "X-Resident-Worker"
 NEW_SESSION = "NEW_SESSION"
@@ -113,7 +115,7 @@ class ChatRequest:
     session_id: str | None = None
     request_type: str | None = None  # NEW_SESSION | CLOSE | None
     model: str | None = None
-
+    adapter: str | None = None  # from X-Amzn-SageMaker-Adapter-Identifier / -Inference-Component
     @property
     def opens_session(self) -> bool:
         return self.session_id == NEW_SESSION or self.request_type == NEW_SESSION
@@ -182,8 +184,9 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
     if model is not None:
         model = _typed(model, str, "model")
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+    adapter = header(headers, ADAPTER_HEADER) or header(headers, INFERENCE_COMPONENT_HEADER)
     return ChatRequest(messages=messages, sampling=sampling, stream=stream, session_id=session_id,
-                       request_type=request_type, model=model)
+                       request_type=request_type, model=model, adapter=adapter.strip() if adapter else None)
 
 
 def load_json_object(body: bytes | str | Mapping[str, Any] | None) -> dict:

@@ -1,0 +1,153 @@
+"""End to end: the adapter API on the front before two real TorchServe backends, while other
+traffic keeps flowing; adapters chosen by header, by SageMaker inference component and by body."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+import requests
+
+from launch.torchserve import MODEL_NAME, start_torchserve
+from session.front import FrontConfig
+from session.protocol import ADAPTER_HEADER, SESSION_HEADER
+from tests.conftest import REPO, free_port
+from tests.e2e.test_front import FrontThread, NEW_ID_RE, chat, sagemaker_client
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "test-admin-token"
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def adapters_dir(tiny_model_path):
+    from model_store.build_adapters import build_all
+
+    out = REPO / "models" / "adapters-tiny"
+    build_all(tiny_model_path, out, count=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(adapters_dir, tmp_path_factory):
+    servers, front = [], None
+    env = {"RESIDENT_THREADS": "1", "RESIDENT_ADAPTERS_DIR": str(adapters_dir), "RESIDENT_ADMIN_TOKEN": TOKEN}
+    try:
+        for i in range(2):
+            log = open(tmp_path_factory.mktemp(f"ad-backend{i}") / "torchserve.log", "w")
+            servers.append(start_torchserve(free_port(5), run_dir=tmp_path_factory.mktemp(f"ad-backend{i}-run"),
+                                            stdout=log, extra_env=env))
+        for server in servers:
+            server.wait_ready(timeout_s=240)
+        config = FrontConfig.from_env({}, backends=tuple(s.url for s in servers),
+                                      management_urls=tuple(s.management_url for s in servers),
+                                      model_name=MODEL_NAME, health_interval_s=0.5, admin_token=TOKEN)
+        front = FrontThread(config).start(free_port())
+        deadline = time.monotonic() + 30
+        while not all(b.healthy for b in front.front.router.backends):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{front.front.port}", front
+    finally:
+        if front is not None:
+            front.stop()
+        for server in servers:
+            server.stop()
+
+
+def ask(base, adapter=None, session=None, text="Tell me about adapters.", **extra):
+    headers = {}
+    if adapter:
+        headers[ADAPTER_HEADER] = adapter
+    if session:
+        headers[SESSION_HEADER] = session
+    return requests.post(f"{base}/invocations", json=chat(text, max_tokens=10, **extra), headers=headers,
+                         timeout=TIMEOUT)
+
+
+def content(response):
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_register_use_unregister_while_serving(cluster, adapters_dir, tmp_path):
+    base, front = cluster
+    stop, background = threading.Event(), []
+
+    def traffic():  # other users keep being served throughout
+        while not stop.is_set():
+            background.append(ask(base).status_code)
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        listed = requests.get(f"{base}/adapters", timeout=TIMEOUT).json()["adapters"]
+        assert {a["name"] for a in listed} == {"tone", "domain", "customer", "terse"}
+
+        shutil.copytree(adapters_dir / "tone", tmp_path / "fresh")
+        registered = requests.post(f"{base}/adapters", json={"name": "fresh", "src": str(tmp_path / "fresh")},
+                                   timeout=TIMEOUT)
+        assert registered.status_code == 200, registered.text
+        assert registered.json() == {"registered": "fresh", "src": str(tmp_path / "fresh"), "backends": 2}
+
+        plain = content(ask(base))
+        assert content(ask(base, "fresh")) == content(ask(base, "tone")) != plain
+        by_body = requests.post(f"{base}/invocations", json=chat("Tell me about adapters.", max_tokens=10,
+                                                                 model="fresh"), timeout=TIMEOUT)
+        assert content(by_body) == content(ask(base, "fresh"))
+
+        removed = requests.delete(f"{base}/adapters/fresh", timeout=TIMEOUT)
+        assert removed.status_code == 200 and removed.json() == {"unregistered": "fresh", "backends": 2}
+        gone = ask(base, "fresh")
+        assert gone.status_code == 404
+        assert gone.json()["error"]["type"] == "adapter_not_found" and "'fresh'" in gone.json()["error"]["message"]
+    finally:
+        stop.set()
+        thread.join(60)
+    assert background and set(background) == {200}
+
+
+def test_bad_register_is_400_and_changes_nothing(cluster, tmp_path):
+    base, _ = cluster
+    before = requests.get(f"{base}/adapters", timeout=TIMEOUT).json()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "adapter_config.json").write_text("{}")
+    response = requests.post(f"{base}/adapters", json={"name": "broken", "src": str(tmp_path / "broken")},
+                             timeout=TIMEOUT)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_adapter"
+    assert "not a PEFT adapter directory" in response.json()["error"]["message"]
+    assert requests.get(f"{base}/adapters", timeout=TIMEOUT).json() == before
+    assert requests.delete(f"{base}/adapters/never-was", timeout=TIMEOUT).status_code == 404
+
+
+def test_session_keeps_its_adapter_and_blocks_unregister(cluster):
+    base, _ = cluster
+    opened = ask(base, "tone", session="NEW_SESSION", text="Describe the weather.")
+    session_id = NEW_ID_RE.match(opened.headers["X-Amzn-SageMaker-New-Session-Id"]).group(1)
+    content(opened)
+    mismatch = ask(base, "domain", session=session_id)
+    assert mismatch.status_code == 400 and mismatch.json()["error"]["type"] == "adapter_mismatch"
+    follow = ask(base, session=session_id, text="And tomorrow?")
+    assert follow.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    busy = requests.delete(f"{base}/adapters/tone", timeout=TIMEOUT)
+    assert busy.status_code == 409 and busy.json()["error"]["type"] == "adapter_in_use"
+    closed = requests.post(f"{base}/invocations", json={"requestType": "CLOSE"}, headers={SESSION_HEADER: session_id},
+                           timeout=TIMEOUT)
+    assert closed.status_code == 200
+    assert "tone" in {a["name"] for a in requests.get(f"{base}/adapters", timeout=TIMEOUT).json()["adapters"]}
+
+
+def test_boto3_inference_component_selects_the_adapter(cluster):
+    base, front = cluster
+    client = sagemaker_client((front, None))
+    import json
+
+    body = json.dumps(chat("Tell me about adapters.", max_tokens=10))
+    with_component = client.invoke_endpoint(EndpointName="resident", Body=body, ContentType="application/json",
+                                            InferenceComponentName="domain")
+    text = json.loads(with_component["Body"].read())["choices"][0]["message"]["content"]
+    assert text == content(ask(base, "domain")) != content(ask(base))
