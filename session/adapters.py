@@ -4,8 +4,8 @@
   and checks it against the base model: targets, ranks and shapes; any mismatch is a 400.
 - ``LoraBank`` holds device slots of stacked LoRA weights for every target linear of the language
   model; slot 0 is the base model (no adapter). ``LoRALinear`` wraps a base linear and, for each
-  group of rows sharing an adapter, adds ``(x @ A^T) @ B^T`` (B pre-scaled by alpha / r): one
-  forward pass serves a batch that mixes adapters (grouped like S-LoRA, no per-row weight copies).
+  batch adds ``(x @ A^T) @ B^T`` (B pre-scaled by alpha / r) per row's adapter: one forward pass
+  serves a batch that mixes adapters, with no per-row weight copies (see ``LoraBank.set_rows``).
 - ``AdapterRegistry`` is the bookkeeping: registered names and paths, a device LRU of slots
   (adapters of running requests and pinned ones are never evicted) and a host LRU of loaded
   weights behind it; loaded lazily on first use.
@@ -114,38 +114,68 @@ def load_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str], tupl
 
 
 class LoraBank:
-    """Device slots of LoRA weights. Slot 0 stays zero: the base model."""
+    """Device slots of LoRA weights, stored transposed for ``x @ A^T @ B^T``. Slot 0 is the base model."""
 
     def __init__(self, shapes: dict[tuple[int, str], tuple[int, int]], num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device):
         self.max_rank = max_rank
-        # (layer, target) -> A [slots, r_max, in], B [slots, out, r_max]
-        self.a = {k: torch.zeros(num_slots + 1, max_rank, fin, dtype=dtype, device=device)
-                  for k, (fin, fout) in shapes.items()}
-        self.b = {k: torch.zeros(num_slots + 1, fout, max_rank, dtype=dtype, device=device)
-                  for k, (fin, fout) in shapes.items()}
-        # The current forward's row grouping: [(slot, row indices or None for every row)]; [] = base only.
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        # (layer, target) -> A^T [slots, in, r_max], B^T [slots, r_max, out]
+        self.at = {k: torch.zeros(num_slots + 1, fin, max_rank, dtype=dtype, device=device)
+                   for k, (fin, fout) in shapes.items()}
+        self.bt = {k: torch.zeros(num_slots + 1, max_rank, fout, dtype=dtype, device=device)
+                   for k, (fin, fout) in shapes.items()}
+        self.ranks = [0] * (num_slots + 1)  # slot -> its adapter's rank: only that much is computed
+        self.dtype, self.device = dtype, device
+        self.single: tuple[int, int] | None = None  # this forward: (slot, rank) shared by every row
+        self.mixed: tuple[tuple, torch.Tensor] | None = None  # this forward: (adapters present, row mask)
+        self._cat_cache: dict = {}  # ((layer, target), adapters present) -> (A^T cat, B^T cat)
 
     def load(self, slot: int, adapter: AdapterWeights) -> None:
-        for key in self.a:
-            self.a[key][slot].zero_()
-            self.b[key][slot].zero_()
+        for key in self.at:
+            self.at[key][slot].zero_()
+            self.bt[key][slot].zero_()
         for key, (a, b) in adapter.weights.items():
-            self.a[key][slot, : adapter.rank].copy_(a)
-            self.b[key][slot, :, : adapter.rank].copy_(b)
+            self.at[key][slot, :, : adapter.rank].copy_(a.T)
+            self.bt[key][slot, : adapter.rank].copy_(b.T)
+        self.ranks[slot] = adapter.rank
+        self._cat_cache.clear()  # concatenations that included this slot are stale
 
     def set_rows(self, slots: list[int] | None) -> None:
-        """Before a forward: the adapter slot of each batch row (None or all zero: the base model)."""
+        """Before a forward: the adapter slot of each batch row (None or all zero: the base model).
+
+        One adapter for every row: a plain low-rank update. Several: every row is multiplied by the
+        concatenated A of all adapters present, a mask keeps each row's own adapter's columns, and
+        one product with the concatenated B adds the deltas (3 kernels per linear, whatever the mix;
+        the concatenations are cached per mix, as a decode batch keeps its mix for many steps).
+        """
+        self.single = None
+        self.mixed = None
         if not slots or not any(slots):
-            self.groups = []
             return
         if all(s == slots[0] for s in slots):
-            self.groups = [(slots[0], None)]
+            self.single = (slots[0], self.ranks[slots[0]])
             return
-        device = next(iter(self.a.values())).device
-        self.groups = [(slot, torch.tensor([i for i, s in enumerate(slots) if s == slot], device=device))
-                       for slot in sorted(set(slots)) if slot != 0]
+        present = tuple((slot, self.ranks[slot]) for slot in sorted(set(slots)) if slot != 0)
+        offsets, start = {}, 0
+        for slot, rank in present:
+            offsets[slot] = (start, start + rank)
+            start += rank
+        mask = torch.zeros(len(slots), 1, start, dtype=self.dtype, device=self.device)  # [B, 1, R]
+        for row, slot in enumerate(slots):
+            if slot:
+                mask[row, :, offsets[slot][0]: offsets[slot][1]] = 1
+        self.mixed = (present, mask)
+
+    def concatenated(self, key: tuple[int, str], present: tuple[tuple[int, int], ...]):
+        """A^T of the adapters present side by side [in, R], and their B^T stacked [R, out] (cached)."""
+        cached = self._cat_cache.get((key, present))
+        if cached is None:
+            if len(self._cat_cache) > 4096:
+                self._cat_cache.clear()
+            cached = (torch.cat([self.at[key][slot, :, :rank] for slot, rank in present], dim=1),
+                      torch.cat([self.bt[key][slot, :rank] for slot, rank in present], dim=0))
+            self._cat_cache[(key, present)] = cached
+        return cached
 
 
 class LoRALinear(nn.Module):
@@ -158,17 +188,18 @@ class LoRALinear(nn.Module):
         self.key = key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, in] -> [B, T, out]
+        # x: [B, T, in] -> y: [B, T, out]; y is fresh from the base linear, so it is updated in place.
         y = self.base(x)
-        if not self.bank.groups:
-            return y
-        a_slots, b_slots = self.bank.a[self.key], self.bank.b[self.key]
-        for slot, rows in self.bank.groups:
-            a, b = a_slots[slot], b_slots[slot]  # [r, in], [out, r]
-            if rows is None:
-                y = y + (x @ a.T) @ b.T
-            else:
-                y = y.index_add(0, rows, (x[rows] @ a.T) @ b.T)
+        bank = self.bank
+        if bank.single is not None:
+            slot, rank = bank.single
+            a, b = bank.at[self.key][slot, :, :rank], bank.bt[self.key][slot, :rank]  # [in, r], [r, out]
+            y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ a, b)
+        elif bank.mixed is not None:
+            present, mask = bank.mixed
+            a, b = bank.concatenated(self.key, present)  # [in, R], [R, out]
+            h = (x @ a) * mask  # [B, T, R]: each row keeps only its own adapter's columns
+            y.view(-1, y.shape[-1]).addmm_(h.view(-1, h.shape[-1]), b)
         return y
 
 

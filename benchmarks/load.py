@@ -1,0 +1,157 @@
+"""Load: N sessions x M turns at concurrency C against a real server, with a small KV budget.
+
+Each session opens with an image and asks M-1 follow-ups; C sessions run at a time (aiohttp,
+one connection per session in flight). With ``--start-server`` a TorchServe instance is
+started with RESIDENT_DEVICE_BUDGET_BYTES small enough that sessions must be demoted and
+restored. Prints throughput, p50/p99 latency per turn kind, errors (and 503s), and the
+server's own counters (demotions, restores) read from its Prometheus metrics; writes JSON.
+
+Run: python -m benchmarks.load --start-server [--sessions 24] [--turns 4] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks.common import REPO, format_table, free_port, image_data_url, percentile, write_json
+from launch.torchserve import DEFAULT_MODEL, ensure_demo_models, start_torchserve
+
+SESSION = "X-Amzn-SageMaker-Session-Id"
+NEW_SESSION_ID = "X-Amzn-SageMaker-New-Session-Id"
+MAX_RETRIES = 40
+FOLLOWUPS = ["What colour dominates?", "Is there any text in it?", "What might it be used for?",
+             "Describe the layout.", "Anything unusual?", "Summarise in one line."]
+
+
+async def converse(http: aiohttp.ClientSession, url: str, index: int, turns: int, max_tokens: int,
+                   samples: list, errors: list) -> None:
+    session_id = "NEW_SESSION"
+    for step in range(turns):
+        content = [{"type": "text", "text": "What is in this picture?" if step == 0 else FOLLOWUPS[(step - 1) % 6]}]
+        if step == 0:
+            content.insert(0, {"type": "image_url", "image_url": {"url": image_data_url(index, size=64)}})
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        start = time.perf_counter()
+        for _ in range(MAX_RETRIES + 1):
+            async with http.post(url, json=body, headers={SESSION: session_id}) as response:
+                payload = await response.json(content_type=None)
+                if response.status == 503:  # overload: back off as told, like a well-behaved client
+                    errors.append({"status": 503, "turn": step, "retry_after": response.headers.get("Retry-After")})
+                    await asyncio.sleep(min(float(response.headers.get("Retry-After", "1")), 1.0) / 4)
+                    continue
+                break
+        elapsed = time.perf_counter() - start  # includes any back-off: what the user waited
+        if response.status != 200:
+            errors.append({"status": response.status, "turn": step, "body": payload})
+            return
+        if step == 0:
+            session_id = response.headers[NEW_SESSION_ID].split(";")[0]
+        cached = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
+        samples.append({"kind": "first" if step == 0 else "followup", "s": elapsed, "cached": cached})
+    async with http.post(url, json={"requestType": "CLOSE"}, headers={SESSION: session_id}) as response:
+        await response.read()
+
+
+async def run_load(url: str, sessions: int, turns: int, concurrency: int, max_tokens: int) -> dict:
+    samples: list = []
+    errors: list = []
+    gate = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=300)
+
+    async def one(index: int) -> None:
+        async with gate:
+            await converse(http, url, index, turns, max_tokens, samples, errors)
+
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(sessions)))
+        wall = time.perf_counter() - start
+    return {"samples": samples, "errors": errors, "wall_s": wall}
+
+
+def server_counters(metrics_url: str) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10).read().decode()
+    out = {}
+    for match in re.finditer(r'^SessionEvents\{.*Event="(\w+)".*\} (\S+)$', text, re.M):
+        out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running server's /predictions/<model> or /invocations URL")
+    parser.add_argument("--metrics-url", help="its metrics address (to read demotions/restores)")
+    parser.add_argument("--start-server", action="store_true")
+    parser.add_argument("--model-path", default=str(DEFAULT_MODEL))
+    parser.add_argument("--budget-bytes", type=int, default=0,
+                        help="device KV budget for the started server; default: room for the running sessions "
+                             "plus two idle ones of the tiny model (2 blocks of 64 tokens x 512 B each)")
+    parser.add_argument("--host-budget-bytes", type=int, default=4 * 64 * 1024)
+    parser.add_argument("--sessions", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    args.budget_bytes = args.budget_bytes or (args.concurrency + 2) * 2 * 64 * 512
+    server = None
+    url, metrics_url = args.url, args.metrics_url
+    if url is None:
+        if not args.start_server:
+            raise SystemExit("give --url of a running server or --start-server")
+        if Path(args.model_path).resolve() == DEFAULT_MODEL.resolve():
+            ensure_demo_models()
+        port = free_port()
+        run_dir = REPO / "build" / f"load-{port}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        server = start_torchserve(port, run_dir=run_dir, model_path=args.model_path,
+                                  stdout=open(run_dir / "torchserve.log", "w"),
+                                  extra_env={"RESIDENT_DEVICE_BUDGET_BYTES": str(args.budget_bytes),
+                                             "RESIDENT_HOST_BUDGET_BYTES": str(args.host_budget_bytes),
+                                             "RESIDENT_KV_BLOCK_TOKENS": "64",
+                                             "RESIDENT_JOURNAL_DIR": str(run_dir / "journal")})
+        url, metrics_url = f"{server.url}/predictions/llava", server.metrics_url
+    try:
+        if server is not None:
+            server.wait_ready(600)
+        before = server_counters(metrics_url) if metrics_url else {}
+        result = asyncio.run(run_load(url, args.sessions, args.turns, args.concurrency, args.max_tokens))
+        after = server_counters(metrics_url) if metrics_url else {}
+    finally:
+        if server is not None:
+            server.stop()
+    counters = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    samples, errors = result["samples"], result["errors"]
+    rows = []
+    summary: dict = {}
+    for kind in ("first", "followup"):
+        times = [s["s"] for s in samples if s["kind"] == kind]
+        summary[kind] = {"n": len(times), "p50_s": percentile(times, 50), "p99_s": percentile(times, 99)}
+        rows.append([kind, len(times), summary[kind]["p50_s"], summary[kind]["p99_s"]])
+    print(format_table(["turn", "n", "p50 s", "p99 s"], rows))
+    completed = len(samples)
+    print(f"\nsessions {args.sessions} x turns {args.turns} at concurrency {args.concurrency}, KV budget "
+          f"{args.budget_bytes} B: {completed} requests in {result['wall_s']:.1f} s = "
+          f"{completed / result['wall_s']:.2f} req/s; errors {sum(e['status'] != 503 for e in errors)}; "
+          f"503s retried {sum(e['status'] == 503 for e in errors)}")
+    print("server counters during the run: " + ", ".join(f"{k} {int(v)}" for k, v in sorted(counters.items())))
+    write_json(args.out / "load.json", {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "summary": summary, "requests": completed, "wall_s": result["wall_s"],
+        "throughput_rps": completed / result["wall_s"], "errors": errors, "server_counters": counters,
+        "samples": samples,
+    })
+    return 1 if any(e["status"] != 503 for e in errors) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
