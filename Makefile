@@ -10,7 +10,7 @@ export PORT
 # TorchServe backends behind the front for `make cluster` ("auto": one per visible device).
 BACKENDS ?= 2
 
-.PHONY: install models serve cluster test bench lint clean java
+.PHONY: install models serve cluster test bench bench-all lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v java >/dev/null || { echo "TorchServe needs Java 17: sudo apt-get install -y openjdk-17-jre-headless"; exit 1; }
@@ -38,6 +38,14 @@ test: install models
 bench: install
 	$(PY) -m model_store.build_models --only bench
 	$(PY) -m benchmarks.first_vs_followup --start-server
+
+# Every benchmark in turn (tens of minutes on a 2-core machine); results in benchmarks/results/.
+bench-all: bench
+	$(PY) -m benchmarks.decode --static
+	$(PY) -m benchmarks.load --start-server
+	$(PY) -m benchmarks.adapters
+	$(PY) -m benchmarks.speculative
+	$(PY) -m benchmarks.front_overhead
 
 # The images cannot be built here (no Docker engine): lint them and the entrypoint instead.
 lint: install
