@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 
 import pytest
 import requests
 
-from launch.torchserve import MODEL_NAME, start_torchserve
-from session.front import FrontConfig
 from session.protocol import ADAPTER_HEADER, SESSION_HEADER
-from tests.conftest import REPO, free_port
-from tests.e2e.test_front import FrontThread, NEW_ID_RE, chat, sagemaker_client
+from tests.conftest import REPO
+from tests.e2e.test_front import NEW_ID_RE, chat, running_cluster, sagemaker_client
 
 pytestmark = pytest.mark.e2e
 
@@ -33,29 +30,9 @@ def adapters_dir(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def cluster(adapters_dir, tmp_path_factory):
-    servers, front = [], None
     env = {"RESIDENT_THREADS": "1", "RESIDENT_ADAPTERS_DIR": str(adapters_dir), "RESIDENT_ADMIN_TOKEN": TOKEN}
-    try:
-        for i in range(2):
-            log = open(tmp_path_factory.mktemp(f"ad-backend{i}") / "torchserve.log", "w")
-            servers.append(start_torchserve(free_port(5), run_dir=tmp_path_factory.mktemp(f"ad-backend{i}-run"),
-                                            stdout=log, extra_env=env))
-        for server in servers:
-            server.wait_ready(timeout_s=240)
-        config = FrontConfig.from_env({}, backends=tuple(s.url for s in servers),
-                                      management_urls=tuple(s.management_url for s in servers),
-                                      model_name=MODEL_NAME, health_interval_s=0.5, admin_token=TOKEN)
-        front = FrontThread(config).start(free_port())
-        deadline = time.monotonic() + 30
-        while not all(b.healthy for b in front.front.router.backends):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    with running_cluster(tmp_path_factory, "ad-backend", env, admin_token=TOKEN) as (front, _):
         yield f"http://127.0.0.1:{front.front.port}", front
-    finally:
-        if front is not None:
-            front.stop()
-        for server in servers:
-            server.stop()
 
 
 def ask(base, adapter=None, session=None, text="Tell me about adapters.", **extra):

@@ -4,6 +4,7 @@ with the real boto3 ``sagemaker-runtime`` client (DESIGN §5). The last test kil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import threading
@@ -49,20 +50,20 @@ class FrontThread:
         self.thread.join(10)
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_path, tmp_path_factory):
-    """Two TorchServe backends (started together) and the front before them."""
+@contextlib.contextmanager
+def running_cluster(tmp_path_factory, prefix: str, env: dict[str, str], **front_overrides):
+    """Two TorchServe backends (started together) and the front before them; everything stopped after."""
     servers, front = [], None
     try:
         for i in range(2):
-            log = open(tmp_path_factory.mktemp(f"backend{i}") / "torchserve.log", "w")
-            servers.append(start_torchserve(free_port(5), run_dir=tmp_path_factory.mktemp(f"backend{i}-run"),
-                                            stdout=log, extra_env={"RESIDENT_THREADS": "1"}))
+            log = open(tmp_path_factory.mktemp(f"{prefix}{i}") / "torchserve.log", "w")
+            servers.append(start_torchserve(free_port(5), run_dir=tmp_path_factory.mktemp(f"{prefix}{i}-run"),
+                                            stdout=log, extra_env=env))
         for server in servers:
             server.wait_ready(timeout_s=240)
         config = FrontConfig.from_env({}, backends=tuple(s.url for s in servers),
                                       management_urls=tuple(s.management_url for s in servers),
-                                      model_name=MODEL_NAME, health_interval_s=0.5, timeout_s=TIMEOUT)
+                                      model_name=MODEL_NAME, health_interval_s=0.5, **front_overrides)
         front = FrontThread(config).start(free_port())
         deadline = time.monotonic() + 30
         while not all(b.healthy for b in front.front.router.backends):
@@ -74,6 +75,12 @@ def cluster(tiny_model_path, tmp_path_factory):
             front.stop()
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_path, tmp_path_factory):
+    with running_cluster(tmp_path_factory, "backend", {"RESIDENT_THREADS": "1"}, timeout_s=TIMEOUT) as running:
+        yield running
 
 
 def url(cluster) -> str:
