@@ -4,10 +4,12 @@ For each of N sessions, sequentially and greedily (temperature 0, same max_token
   1. first request: a distinct 336x336 image + a ~20-token question, opening a session
      (encodes the image and prefills ~600 tokens);
   2. M follow-ups in the session, ~15 new tokens each (only the new tokens are prefilled);
-  3. the same M follow-ups sent stateless, each carrying the whole history so far
-     (image, questions and the session's answers as returned), i.e. what a server without
-     sessions must recompute every turn;
-then the session is closed. One warm-up request comes first and is not counted.
+  3. the session is closed, then the same M follow-ups are sent stateless, each carrying the
+     whole history so far (image, questions and the session's answers as returned): the
+     vision tower and the whole prefill run again, what a server without sessions pays every
+     turn. (Closed first, because while a session on the same image is open the server's
+     image-embedding cache would spare stateless requests the vision tower.)
+One warm-up request comes first and is not counted.
 Each request is timed end to end on the client.
 
 Run:  python -m benchmarks.first_vs_followup --start-server     (starts TorchServe on models/llava-bench)
@@ -110,7 +112,7 @@ def sample(kind: str, session: int, turn: int, reply: Reply) -> Sample:
 
 
 def run_session(client: Client, index: int, questions: list[str], progress: tqdm) -> list[Sample]:
-    """One session's first request, its follow-ups, then the same follow-ups stateless; closes the session."""
+    """One session's first request, its follow-ups; closes it; then the same follow-ups stateless."""
     opening = user_message(FIRST_QUESTION, image_data_url(seed=index))
     reply = client.chat([opening], session_id="NEW_SESSION")
     if NEW_SESSION_HEADER not in reply.headers:
@@ -123,11 +125,11 @@ def run_session(client: Client, index: int, questions: list[str], progress: tqdm
         samples.append(sample(FOLLOWUP, index, turn, client.chat([user_message(question)], session_id)))
         history += [user_message(question), {"role": "assistant", "content": samples[-1].answer}]
         progress.update()
+    client.close(session_id)  # on an earlier failure the run stops; the session then expires by TTL
     for turn in range(1, len(questions) + 1):
         # History up to and including question `turn`: the opening pair + (turn - 1) pairs + question.
         samples.append(sample(STATELESS, index, turn, client.chat(history[:2 * turn + 1])))
         progress.update()
-    client.close(session_id)  # on an earlier failure the run stops; the session then expires by TTL
     return samples
 
 
