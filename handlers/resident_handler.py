@@ -91,7 +91,8 @@ class ResidentHandler:
                 self._metric("SessionsByTier", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
             for tier, count in stats.resident_bytes.items():
                 self._metric("ResidentBytes", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
-            for name, counts in (("SessionEvents", stats.events), ("Tokens", stats.tokens)):
+            for name, counts in (("SessionEvents", stats.events), ("Tokens", stats.tokens),
+                                 ("Speculation", stats.speculation)):
                 for key, total in counts.items():
                     delta = total - self._emitted.get((name, key), 0)
                     if delta:

@@ -133,6 +133,7 @@ class ChatService:
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
             pixel_values=pixel_values, image_digests=tuple(d.digest for d in decoded),
             image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=self._adapter(request),
+            speculative=request.speculative,
         ))
         started = await stream.aget()
         if isinstance(started, Failed):

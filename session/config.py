@@ -52,6 +52,10 @@ class EngineConfig:
     max_lora_rank: int = 64
     pinned_adapters: str = ""  # comma-separated names kept on the device
     admin_token: str = ""  # enables adapter admin requests carrying X-Resident-Admin-Token (the front sends it)
+    speculative: str = "auto"  # auto (draft if draft_model_path), draft, ngram (prompt lookup), off
+    draft_model_path: str = ""  # a small causal LM with the target's tokenizer (speculative decoding)
+    num_speculative_tokens: int = 4  # the most proposals per step; adapted to the observed acceptance
+    speculative_max_batch: int = 1  # speculate only while at most this many requests decode
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     seed: int = 0  # default sampling seed when a request gives none
 
@@ -94,13 +98,19 @@ class EngineConfig:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",
                     "max_batch_size", "max_queue", "kv_block_tokens", "max_image_bytes", "max_image_pixels",
-                    "max_images_per_request", "max_lora_rank"]
+                    "max_images_per_request", "max_lora_rank", "num_speculative_tokens", "speculative_max_batch"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_new_tokens:
             raise ConfigError(f"{ENV_PREFIX}DEFAULT_MAX_TOKENS ({self.default_max_tokens}) must not exceed "
                               f"{ENV_PREFIX}MAX_NEW_TOKENS ({self.max_new_tokens})")
+        if self.speculative not in ("auto", "draft", "ngram", "off"):
+            raise ConfigError(f"{ENV_PREFIX}SPECULATIVE must be auto, draft, ngram or off, got {self.speculative!r}")
+        if self.speculative == "draft" and not self.draft_model_path:
+            raise ConfigError(f"{ENV_PREFIX}SPECULATIVE=draft needs {ENV_PREFIX}DRAFT_MODEL_PATH")
+        if self.draft_model_path and not (Path(self.draft_model_path) / "config.json").exists():
+            raise ConfigError(f"no draft checkpoint at {self.draft_model_path!r} ({ENV_PREFIX}DRAFT_MODEL_PATH)")
         if self.compile and not self.static_kv:
             raise ConfigError(f"{ENV_PREFIX}COMPILE needs {ENV_PREFIX}STATIC_KV=true (compiled steps have static shapes)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

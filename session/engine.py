@@ -51,6 +51,7 @@ class GenerationRequest:
     request_id: str = ""
     token_ids: list[int] | None = None  # raw prompt ids instead of messages (tests, benchmarks)
     adapter: str | None = None  # LoRA adapter name; None: the session's own (or the base model)
+    speculative: bool = True  # False: never speculate for this request
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class EngineStats:
     running_requests: int
     events: dict[str, int]  # event -> count
     tokens: dict[str, int]  # "generated", "prefilled", "cached" -> count
+    speculation: dict[str, int]  # target_passes, proposed, accepted (speculative steps) -> count
 
 
 @dataclass
@@ -99,6 +101,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     num_text_sent: int = 0  # characters of the answer already streamed
     adapter_slot: int = 0  # LoRA bank slot while running (0: base model)
+    controller: object | None = None  # SpeculationController while speculative decoding is allowed
 
     @property
     def next_token(self) -> int:
@@ -135,6 +138,7 @@ class Engine:
                                     sessions=SessionsView(self.store))
         self.journal = Journal(config.journal_dir) if config.journal_dir else None
         self.adapters = self._adapter_registry()
+        self.speculator = self._speculator()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._num_queued = 0  # submitted, not yet admitted; guarded by _queued_lock
         self._queued_lock = threading.Lock()
@@ -175,6 +179,26 @@ class Engine:
             registry.acquire(name)
             registry.release(name)
         return registry
+
+    def _speculator(self):
+        """A SpeculativeDecoder per RESIDENT_SPECULATIVE, or None. A draft with another vocabulary is
+        refused here, at start-up (ConfigError)."""
+        config = self.config
+        mode = config.speculative
+        if mode == "auto":
+            mode = "draft" if config.draft_model_path else "off"
+        if mode == "off":
+            return None
+        from session.speculative import SpeculativeDecoder, check_compatible
+
+        draft = None
+        if mode == "draft":
+            draft = ModelRunner(config.draft_model_path, device=config.device, dtype=config.dtype)
+            from transformers import AutoTokenizer
+
+            check_compatible(self.tokenizer, AutoTokenizer.from_pretrained(config.draft_model_path))
+        logger.info("speculative decoding: %s, up to %d tokens per step", mode, config.num_speculative_tokens)
+        return SpeculativeDecoder(self.runner, draft)
 
     def _device_budget(self) -> int:
         config = self.config
@@ -264,7 +288,15 @@ class Engine:
                     "embedding_misses": embeddings.num_misses, "overloaded": self.num_overloaded},
             tokens={"generated": self.num_generated_tokens, "prefilled": self.num_prefilled_tokens,
                     "cached": self.num_cached_tokens},
+            speculation=self._speculation_stats(),
         )
+
+    def _speculation_stats(self) -> dict[str, int]:
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return {"target_passes": spec.num_steps, "proposed": spec.num_proposed, "accepted": spec.num_accepted,
+                "plain_steps": spec.num_plain_steps}
 
     # ------------------------------------------------------------------ loop thread
 
@@ -325,6 +357,9 @@ class Engine:
                 expires_at=now + self.config.session_ttl_s, ephemeral=not request.open_session, tier=Tier.DEVICE,
                 adapter=request.adapter,
             ))
+            if self.speculator is not None:
+                session.draft_kv = self.speculator.new_draft_kv(block_tokens=self.config.kv_block_tokens,
+                                                                max_tokens=self.max_context)
         else:
             session = self.store.get(request.session_id)
             if request.adapter is not None and request.adapter != session.adapter:
@@ -418,6 +453,9 @@ class Engine:
             ))
             for digest in session.image_digests:
                 self.embeddings.acquire(digest)
+            if self.speculator is not None:
+                session.draft_kv = self.speculator.new_draft_kv(block_tokens=self.config.kv_block_tokens,
+                                                                max_tokens=self.max_context)
             self.num_journal_restored += 1
         for path in self.journal.images_dir.iterdir():
             if path.name not in self.embeddings:
@@ -495,6 +533,11 @@ class Engine:
             for digest, raw in zip(digests, request.image_bytes):
                 self.journal.write_image(digest, raw)
         seq.prompt_tokens, seq.cached_tokens, seq.generator = prompt_tokens, cached, generator
+        if self.speculator is not None and request.speculative:
+            from session.speculative import SpeculationController
+
+            k = self.config.num_speculative_tokens
+            seq.controller = SpeculationController(k_max=k, k=min(4, k))
         self.num_prefilled_tokens += prompt_tokens - cached
         self.num_cached_tokens += cached
         request.stream.put(Started(
@@ -512,7 +555,13 @@ class Engine:
         and embed what it has not cached. Returns (cached token count, embeddings to prefill [T, D])."""
         kv = session.kv
         held = kv.nbytes if session.tier is Tier.DEVICE else 0
-        self.memory.reserve(session, kv_bytes(kv, total_tokens) - held)
+        need = kv_bytes(kv, total_tokens) - held
+        draft_tokens = total_tokens - self._count_images(session.token_ids + new_ids) * self.runner.info.num_image_tokens
+        if session.draft_kv is not None:  # the draft reads the text only (no image placeholders)
+            need += kv_bytes(session.draft_kv, draft_tokens) - session.draft_kv.nbytes
+        self.memory.reserve(session, need)
+        if session.draft_kv is not None:
+            session.draft_kv.ensure_capacity(draft_tokens)
         kv.ensure_capacity(total_tokens)
         if session.tier is Tier.HOST:
             self.memory.restore_from_host(session)
@@ -560,6 +609,14 @@ class Engine:
 
     def _decode_step(self) -> None:
         batch = self._running[: self.config.max_batch_size]
+        if self.speculator is not None and len(self._running) <= self.config.speculative_max_batch:
+            speculating = [s for s in batch if s.controller is not None and s.controller.should_speculate()]
+            for seq in speculating:
+                self._speculative_step(seq)
+            batch = [s for s in batch if s not in speculating]
+            if not batch:
+                return
+        began = time.perf_counter()
         try:
             logits = self.stepper.decode([s.session.kv for s in batch], [s.next_token for s in batch],
                                          adapter_slots=[s.adapter_slot for s in batch])
@@ -574,12 +631,37 @@ class Engine:
             return
         self.num_decode_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        if len(batch) == 1 and batch[0].controller is not None:  # the cost speculation has to beat
+            batch[0].controller.observe_plain(time.perf_counter() - began)
         finished = [seq for seq, token in zip(batch, tokens) if self._on_token(seq, token)]
         for seq in finished:
             self._running.remove(seq)
         if len(self._running) > self.config.max_batch_size:
             # More running than one step takes: rotate so every request advances.
             self._running = self._running[len(batch):] + [s for s in batch if s not in finished]
+
+    def _speculative_step(self, seq: Sequence) -> None:
+        """Draft (or look up) up to k tokens and verify them in one target pass; stream what is accepted."""
+        session, sampling = seq.session, seq.request.sampling
+        try:
+            result = self.speculator.step(
+                session.token_ids, session.kv, session.draft_kv, seq.controller.k,
+                max_new=sampling.max_tokens - len(seq.generated), eos_token_ids=self.runner.info.eos_token_ids,
+                sampling=sampling, generator=seq.generator, adapter_slot=seq.adapter_slot)
+        except Exception as exc:
+            logger.exception("speculative step failed for request %s", seq.request.request_id)
+            self.speculator.rewind(session.token_ids, session.kv, session.draft_kv)
+            self._running.remove(seq)
+            self._end(seq, Failed(exc))
+            return
+        seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
+        self.num_decode_steps += 1
+        for index, token in enumerate(result.token_ids):
+            if self._on_token(seq, token):
+                if index < len(result.token_ids) - 1:  # a stop string ended it early: forget the rest
+                    self.speculator.rewind(session.token_ids, session.kv, session.draft_kv)
+                self._running.remove(seq)
+                return
 
     def _on_token(self, seq: Sequence, token: int) -> bool:
         """Record a sampled token; stream text; return True when the request finished (and end it)."""

@@ -81,6 +81,8 @@ class MemoryManager:
     def demote(self, session: SessionState) -> Tier:
         """DEVICE -> HOST when the host tier has room (making it by dropping older host copies), else DROPPED."""
         kv = session.kv
+        if session.draft_kv is not None:  # the draft re-reads the transcript lazily: not worth a host copy
+            session.draft_kv.release()
         host_need = 2 * kv.k[:, :, : kv.length].numel() * kv.k.element_size()
         if self.host_budget_bytes > 0 and self._make_host_room(host_need, session):
             k, v = kv.k[:, :, : kv.length], kv.v[:, :, : kv.length]
@@ -96,6 +98,8 @@ class MemoryManager:
 
     def drop(self, session: SessionState) -> None:
         session.kv.release()
+        if session.draft_kv is not None:
+            session.draft_kv.release()
         session.host_kv = None
         session.host_length = 0
         session.tier = Tier.DROPPED

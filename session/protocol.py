@@ -116,6 +116,7 @@ class ChatRequest:
     request_type: str | None = None  # NEW_SESSION | CLOSE | None
     model: str | None = None
     adapter: str | None = None  # from X-Amzn-SageMaker-Adapter-Identifier / -Inference-Component
+    speculative: bool = True  # ours: false turns speculative decoding off for this request
     @property
     def opens_session(self) -> bool:
         return self.session_id == NEW_SESSION or self.request_type == NEW_SESSION
@@ -126,7 +127,7 @@ class ChatRequest:
 
 
 _ALLOWED_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "stream",
-                   "seed", "requestType", "model", "n", "stream_options", "user"}
+                   "seed", "requestType", "model", "n", "stream_options", "user", "speculative"}
 _ROLES = ("system", "user", "assistant")
 
 
@@ -185,8 +186,10 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
         model = _typed(model, str, "model")
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
     adapter = header(headers, ADAPTER_HEADER) or header(headers, INFERENCE_COMPONENT_HEADER)
+    speculative = _typed(_get(data, "speculative", True), bool, "speculative")
     return ChatRequest(messages=messages, sampling=sampling, stream=stream, session_id=session_id,
-                       request_type=request_type, model=model, adapter=adapter.strip() if adapter else None)
+                       request_type=request_type, model=model, adapter=adapter.strip() if adapter else None,
+                       speculative=speculative)
 
 
 def load_json_object(body: bytes | str | Mapping[str, Any] | None) -> dict:

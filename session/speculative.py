@@ -329,12 +329,16 @@ class SpeculativeDecoder:
 
     def step(self, token_ids: list[int], target_kv: KVCache, draft_kv: KVCache | None, k: int, *,
              max_new: int | None = None, eos_token_ids: tuple[int, ...] = (),
-             sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> StepResult:
+             sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
+             adapter_slot: int = 0) -> StepResult:
         """One speculative step after ``token_ids`` (the transcript; its last token not yet in target_kv).
 
         Proposes up to k tokens, verifies them in one target pass, accepts, and crops both caches so each
         holds the new transcript (token_ids + result.token_ids) but its last token. The caller appends
         ``result.token_ids`` to its transcript. Output is cut after an EOS and at ``max_new`` tokens.
+        Tokens after target_kv.length must be text (the engine's turn prefill feeds the images).
+        ``adapter_slot``: the session's LoRA adapter, applied to the target only. The draft stays the base
+        model's: an adapter shifts the target's distribution, so acceptance may drop, never exactness.
         """
         greedy = sampling is None or sampling.greedy
         if max_new is not None:
@@ -348,7 +352,8 @@ class SpeculativeDecoder:
         proposed_at = self.clock()
         target_kv.crop(len(token_ids) - 1)
         fed = token_ids[target_kv.length:] + proposals  # usually [last] + proposals
-        logits = self.target.prefill(target_kv, self.target.embed(fed, []), all_logits=True)
+        logits = self.target.prefill(target_kv, self.target.embed(fed, []), all_logits=True,
+                                     adapter_slot=adapter_slot)
         logits = logits[-(len(proposals) + 1):]  # [k+1, V]: after the last transcript token, then each proposal
         if greedy:
             emitted = greedy_accept(proposals, logits)
@@ -375,14 +380,15 @@ class SpeculativeDecoder:
         if draft_kv is not None:
             draft_kv.crop(len(self.text_ids(token_ids)) - 1)
 
-    def plain_step(self, token_ids: list[int], target_kv: KVCache) -> torch.Tensor:
+    def plain_step(self, token_ids: list[int], target_kv: KVCache, adapter_slot: int = 0) -> torch.Tensor:
         """One ordinary decode step (the fallback): feeds the last token, returns its logits [V]."""
         target_kv.crop(len(token_ids) - 1)
         self.num_plain_steps += 1
-        return self.target.decode([target_kv], [token_ids[-1]])[0]
+        return self.target.decode([target_kv], [token_ids[-1]], [adapter_slot])[0]
 
     def decode_greedy(self, token_ids: list[int], target_kv: KVCache, draft_kv: KVCache | None, max_new: int,
-                      controller: SpeculationController, eos_token_ids: tuple[int, ...] = ()) -> list[int]:
+                      controller: SpeculationController, eos_token_ids: tuple[int, ...] = (),
+                      adapter_slot: int = 0) -> list[int]:
         """Greedy-decode one sequence to EOS or ``max_new`` tokens, speculating while it pays.
 
         ``token_ids`` ends with the token sampled from the prompt's prefill (not yet in target_kv); it is
@@ -394,12 +400,12 @@ class SpeculativeDecoder:
             remaining = max_new - (len(token_ids) - start)
             if controller.should_speculate():
                 result = self.step(token_ids, target_kv, draft_kv, controller.k, max_new=remaining,
-                                   eos_token_ids=eos_token_ids)
+                                   eos_token_ids=eos_token_ids, adapter_slot=adapter_slot)
                 controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
                 token_ids.extend(result.token_ids)
             else:
                 began = self.clock()
-                token_ids.append(int(self.plain_step(token_ids, target_kv).argmax()))
+                token_ids.append(int(self.plain_step(token_ids, target_kv, adapter_slot).argmax()))
                 controller.observe_plain(self.clock() - began)
         return token_ids[start:]
 

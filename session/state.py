@@ -32,10 +32,11 @@ class SessionState:
     last_used_at: float = 0.0
     host_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # HOST tier: compact K, V [L, KVH, host_length, hd]
     host_length: int = 0
+    draft_kv: KVCache | None = None  # the draft model's cache (speculative decoding), counted in device_bytes
 
     @property
     def device_bytes(self) -> int:
-        return self.kv.nbytes
+        return self.kv.nbytes + (self.draft_kv.nbytes if self.draft_kv is not None else 0)
 
     @property
     def host_bytes(self) -> int:

@@ -38,7 +38,8 @@ def test_defaults(model_dir):
         "max_images_per_request": 4, "device_budget_bytes": 0, "device_budget_fraction": 0.0,
         "host_budget_bytes": 2 << 30, "max_session_tokens": 0, "journal_dir": "", "adapters_dir": "",
         "max_device_adapters": 8, "max_host_adapters": 32, "max_lora_rank": 64, "pinned_adapters": "",
-        "admin_token": "", "threads": 0, "seed": 0,
+        "admin_token": "", "speculative": "auto", "draft_model_path": "", "num_speculative_tokens": 4,
+        "speculative_max_batch": 1, "threads": 0, "seed": 0,
     }
 
 
