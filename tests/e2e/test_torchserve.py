@@ -223,3 +223,25 @@ def test_idle_session_expires_on_the_server(tiny_model_path, tmp_path_factory):
         assert "was expired" in gone.json()["error"]["message"]  # the reaper freed it before this request
     finally:
         server.stop()
+
+
+def test_burst_beyond_capacity_gets_only_200_or_503_then_serves(tiny_model_path, tmp_path_factory):
+    # Room for about two sessions' KV and a short queue: a burst of 24 new sessions overflows both.
+    server = start(tmp_path_factory, "burst", RESIDENT_DEVICE_BUDGET_BYTES=2 * 64 * 512 * 2,
+                   RESIDENT_KV_BLOCK_TOKENS=64, RESIDENT_HOST_BUDGET_BYTES=0, RESIDENT_MAX_QUEUE=4)
+    try:
+        def one(i):
+            return post(server, {**chat(f"burst {i}", image_seed=i), "max_tokens": 30}, session="NEW_SESSION")
+
+        with ThreadPoolExecutor(max_workers=24) as pool:
+            responses = list(pool.map(one, range(24)))
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) <= {200, 503} and 200 in statuses and 503 in statuses
+        for response in responses:
+            if response.status_code == 503:
+                assert response.headers["Retry-After"] in ("1", "5")
+                assert response.json()["error"]["type"] == "capacity_exceeded"
+        after = post(server, chat("calm again", image_seed=99))
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 10
+    finally:
+        server.stop()
