@@ -26,31 +26,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from session.errors import BadRequest, CapacityExceeded, ResidentError
+from session.errors import AdapterInUse, AdapterNotFound, BadRequest, CapacityExceeded, InvalidAdapter
 
 logger = logging.getLogger(__name__)
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY_RE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class AdapterNotFound(ResidentError):
-    status = 404
-    type = "adapter_not_found"
-
-
-class AdapterInUse(ResidentError):
-    status = 409
-    type = "adapter_in_use"
-
-
-class AdapterMismatch(BadRequest):
-    type = "adapter_mismatch"
-
-
-class InvalidAdapter(BadRequest):
-    type = "invalid_adapter"
 
 
 @dataclass

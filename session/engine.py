@@ -363,7 +363,7 @@ class Engine:
         else:
             session = self.store.get(request.session_id)
             if request.adapter is not None and request.adapter != session.adapter:
-                from session.adapters import AdapterMismatch
+                from session.errors import AdapterMismatch
 
                 bound = f"adapter {session.adapter!r}" if session.adapter else "the base model"
                 raise AdapterMismatch(f"session {session.session_id} was opened with {bound}; its cache cannot "
@@ -393,7 +393,7 @@ class Engine:
 
     def _adapter_registry_or_404(self, name: str):
         if self.adapters is None:
-            from session.adapters import AdapterNotFound
+            from session.errors import AdapterNotFound
 
             raise AdapterNotFound(f"adapter {name!r}: adapters are disabled on this server "
                                   "(RESIDENT_MAX_DEVICE_ADAPTERS=0)")

@@ -62,6 +62,33 @@ class CapacityExceeded(ResidentError):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
+# ---------------------------------------------------------------- adapters (session/adapters.py)
+
+
+class AdapterNotFound(ResidentError):
+    status = 404
+    type = "adapter_not_found"
+
+
+class AdapterInUse(ResidentError):
+    """Unregistering an adapter that live sessions or running requests use (or one already registered)."""
+
+    status = 409
+    type = "adapter_in_use"
+
+
+class AdapterMismatch(BadRequest):
+    """A follow-up names another adapter than the one its session was opened with."""
+
+    type = "adapter_mismatch"
+
+
+class InvalidAdapter(BadRequest):
+    """A PEFT adapter directory that cannot be read or does not fit the base model."""
+
+    type = "invalid_adapter"
+
+
 class ConfigError(ValueError):
     """A setting is wrong at start-up; the message says what to set."""
 

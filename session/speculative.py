@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from session.errors import ConfigError
 from session.kv_cache import KVCache
-from session.model_runner import ModelRunner
 from session.protocol import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the pure functions need no model code
+    from session.model_runner import ModelRunner
 
 # ---------------------------------------------------------------- accept / reject
 
@@ -340,29 +342,22 @@ class SpeculativeDecoder:
         ``adapter_slot``: the session's LoRA adapter, applied to the target only. The draft stays the base
         model's: an adapter shifts the target's distribution, so acceptance may drop, never exactness.
         """
-        greedy = sampling is None or sampling.greedy
         if max_new is not None:
+            if max_new < 1:
+                raise ValueError(f"max_new must be >= 1, got {max_new}")
             k = min(k, max_new - 1)  # more proposals could not be emitted anyway
         started = self.clock()
         if self.draft is not None:
             proposals, draft_probs = self._propose_draft(token_ids, draft_kv, k, eos_token_ids, sampling, generator)
         else:
-            proposals = propose_ngram(self.text_ids(token_ids), k, self.max_ngram, self.min_ngram)
-            draft_probs = None
+            proposals, draft_probs = propose_ngram(self.text_ids(token_ids), k, self.max_ngram, self.min_ngram), None
         proposed_at = self.clock()
         target_kv.crop(len(token_ids) - 1)
         fed = token_ids[target_kv.length:] + proposals  # usually [last] + proposals
         logits = self.target.prefill(target_kv, self.target.embed(fed, []), all_logits=True,
                                      adapter_slot=adapter_slot)
         logits = logits[-(len(proposals) + 1):]  # [k+1, V]: after the last transcript token, then each proposal
-        if greedy:
-            emitted = greedy_accept(proposals, logits)
-        else:
-            target_probs = warp_probs(logits, sampling.temperature, sampling.top_p)  # [k+1, V]
-            if draft_probs is None:  # prompt lookup proposes deterministically: q is one-hot
-                draft_probs = torch.zeros_like(target_probs[:-1])
-                draft_probs[torch.arange(len(proposals)), torch.tensor(proposals, dtype=torch.long)] = 1.0
-            emitted = sampling_accept(proposals, draft_probs, target_probs, generator)
+        emitted = _accept(proposals, draft_probs, logits, sampling, generator)
         num_accepted = len(emitted) - 1
         emitted = _cut(emitted, max_new, eos_token_ids)
         self.rewind(token_ids + emitted, target_kv, draft_kv)
@@ -436,6 +431,18 @@ class SpeculativeDecoder:
             if len(proposals) == k or token in eos_token_ids:
                 return proposals, (torch.stack(probs) if probs else None)
             logits = self.draft.decode([draft_kv], [token])[0]
+
+
+def _accept(proposals: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+            sampling: SamplingParams | None, generator: torch.Generator | None) -> list[int]:
+    """greedy_accept, or sampling_accept on the warped distributions. target_logits: [k+1, V]."""
+    if sampling is None or sampling.greedy:
+        return greedy_accept(proposals, target_logits)
+    target_probs = warp_probs(target_logits, sampling.temperature, sampling.top_p)  # [k+1, V]
+    if draft_probs is None:  # prompt lookup proposes deterministically: q is one-hot
+        draft_probs = torch.zeros_like(target_probs[:-1])  # [k, V]
+        draft_probs[torch.arange(len(proposals)), torch.tensor(proposals, dtype=torch.long)] = 1.0
+    return sampling_accept(proposals, draft_probs, target_probs, generator)
 
 
 def _cut(token_ids: list[int], max_new: int | None, eos_token_ids: tuple[int, ...]) -> list[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from session.adapters import AdapterInUse, AdapterMismatch, AdapterNotFound, InvalidAdapter
+from session.errors import AdapterInUse, AdapterMismatch, AdapterNotFound, InvalidAdapter
 from session.config import EngineConfig
 from session.engine import AdapterRequest, Engine, GenerationRequest
 from session.events import AdminResult, EventStream, Failed, Finished
