@@ -22,7 +22,10 @@ import torch
 
 from session.config import EngineConfig
 from session.embeddings import EmbeddingCache
-from session.errors import BadRequest, CapacityExceeded, ContextLengthExceeded, ResidentError, SessionNotFound
+from session.errors import (
+    AdapterMismatch, AdapterNotFound, BadRequest, CapacityExceeded, ConfigError, ContextLengthExceeded, ResidentError,
+    SessionNotFound,
+)
 from session.events import AdminResult, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.journal import Journal, JournalEntry
 from session.memory import MemoryManager, SessionsView, Tier, kv_bytes
@@ -205,8 +208,6 @@ class Engine:
         if config.device_budget_fraction <= 0:
             return config.device_budget_bytes
         if self.runner.device.type != "cuda":
-            from session.errors import ConfigError
-
             raise ConfigError("RESIDENT_DEVICE_BUDGET_FRACTION needs a CUDA device; on CPU set "
                               "RESIDENT_DEVICE_BUDGET_BYTES")
         free, _ = torch.cuda.mem_get_info(self.runner.device)
@@ -363,8 +364,6 @@ class Engine:
         else:
             session = self.store.get(request.session_id)
             if request.adapter is not None and request.adapter != session.adapter:
-                from session.errors import AdapterMismatch
-
                 bound = f"adapter {session.adapter!r}" if session.adapter else "the base model"
                 raise AdapterMismatch(f"session {session.session_id} was opened with {bound}; its cache cannot "
                                       f"serve adapter {request.adapter!r}: open a new session for it")
@@ -393,8 +392,6 @@ class Engine:
 
     def _adapter_registry_or_404(self, name: str):
         if self.adapters is None:
-            from session.errors import AdapterNotFound
-
             raise AdapterNotFound(f"adapter {name!r}: adapters are disabled on this server "
                                   "(RESIDENT_MAX_DEVICE_ADAPTERS=0)")
         return self.adapters

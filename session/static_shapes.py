@@ -19,7 +19,6 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from session.kv_cache import KVCache
 from session.model_runner import ModelRunner
