@@ -14,7 +14,7 @@ from session.engine import Engine, GenerationRequest
 from session.events import EventStream, Failed, Finished, Started, TextDelta
 from session.protocol import SamplingParams
 from tests.conftest import make_image
-from tests.integration.test_engine import QUESTIONS, finished, run, turn
+from tests.integration.test_engine import QUESTIONS, finished, turn
 
 NUM_SESSIONS = 5
 

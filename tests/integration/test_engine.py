@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from session.config import EngineConfig
 from session.engine import CloseRequest, Engine, GenerationRequest

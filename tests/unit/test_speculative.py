@@ -320,7 +320,8 @@ class FakeRunner:
     def _run(self, kv: KVCache, token_ids: list[int]) -> torch.Tensor:
         start = kv.length
         kv.ensure_capacity(start + len(token_ids))
-        kv.write(0, start, torch.tensor(token_ids, dtype=torch.float32).view(1, -1, 1), torch.zeros(1, len(token_ids), 1))
+        ids = torch.tensor(token_ids, dtype=torch.float32).view(1, -1, 1)  # [kv_heads, T, head_dim]
+        kv.write(0, start, ids, torch.zeros_like(ids))
         kv.length = start + len(token_ids)
         self.num_fed_tokens += len(token_ids)
         if self.fixed_logits is not None:
@@ -331,7 +332,8 @@ class FakeRunner:
             logits[i, nxt % 14 + 1 if self.disagree(start + i) else nxt] = 1.0
         return logits
 
-    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False, adapter_slot: int = 0) -> torch.Tensor:
+    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False,
+                adapter_slot: int = 0) -> torch.Tensor:
         self.num_passes += 1
         logits = self._run(kv, [int(t) for t in embeds.tolist()])
         return logits if all_logits else logits[-1]
@@ -480,3 +482,27 @@ def test_decoder_sampling_emits_the_target_distribution():
         ids = ids[:1] + result.token_ids[-1:]  # keep the caches short: the fake ignores the context
         decoder.rewind(ids, target_kv, draft_kv)
     assert chi_square(counts, warp_probs(target_logits, 0.8, 1.0)) < CHI2_999[4]
+
+
+def test_decoder_sampling_with_prompt_lookup_emits_the_target_distribution():
+    """Deterministic proposals (q one-hot) still give the target's distribution."""
+    target_logits = torch.log(torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05]))
+    sampling = SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0)
+    decoder = SpeculativeDecoder(FakeRunner(5, logits=target_logits), None)
+    generator = torch.Generator().manual_seed(9)
+    ids = [0, 1, 2, 3, 4, 0]  # prompt lookup proposes [1, 2] after the final 0, every step
+    target_kv = decoder.target.new_kv_cache(block_tokens=64, max_tokens=64)
+    counts = torch.zeros(5)
+    for _ in range(4_000):
+        result = decoder.step(ids, target_kv, None, 2, sampling=sampling, generator=generator)
+        assert result.num_proposed == 2
+        for token in result.token_ids:
+            counts[token] += 1
+        decoder.rewind(ids, target_kv, None)
+    assert chi_square(counts, torch.softmax(target_logits, -1)) < CHI2_999[4]
+
+
+def test_decoder_refuses_a_step_with_nothing_to_emit():
+    decoder = SpeculativeDecoder(FakeRunner(V), None)
+    with pytest.raises(ValueError, match="max_new must be >= 1"):
+        decoder.step([1, 2], decoder.target.new_kv_cache(block_tokens=8, max_tokens=64), None, 3, max_new=0)
