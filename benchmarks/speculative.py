@@ -150,8 +150,9 @@ def llava_workload(args, draft: ModelRunner) -> Workload:
     for index, ids in enumerate(eval_prompts(processor.tokenizer, args.prompts, 24)):
         pixels = (np.random.RandomState(index).rand(336, 336, 3) * 255).astype(np.uint8)  # resized by the processor
         image = Image.fromarray(pixels)
+        question = processor.tokenizer.decode(ids)
         text = processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": processor.tokenizer.decode(ids)}]}],
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
             add_generation_prompt=True)
         inputs = processor(text=text, images=image, return_tensors="pt")
         prompts.append((inputs.input_ids[0].tolist(), target.encode_images(inputs.pixel_values)))

@@ -116,9 +116,11 @@ class Engine:
                  clock: Callable[[], float] = time.time):
         self.config = config
         self.clock = clock
-        if config.threads > 0:
-            torch.set_num_threads(config.threads)
         self.runner = runner or ModelRunner.from_config(config)
+        # One intra-op thread on CPU unless told otherwise: measured on 2-core machines shared with the
+        # frontend and clients, OpenMP threads that wait for a busy core made decoding up to 8x slower.
+        if config.threads > 0 or self.runner.device.type == "cpu":
+            torch.set_num_threads(config.threads or 1)
         info = self.runner.info
         self.max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
         # The object that runs prefill/decode: the dynamic runner, or its fixed-shape twin.
@@ -535,6 +537,8 @@ class Engine:
 
             k = self.config.num_speculative_tokens
             seq.controller = SpeculationController(k_max=k, k=min(4, k))
+        if self.speculator is not None and session.draft_kv is not None and request.speculative:
+            self.speculator.sync_draft(session.token_ids, session.draft_kv)
         self.num_prefilled_tokens += prompt_tokens - cached
         self.num_cached_tokens += cached
         request.stream.put(Started(

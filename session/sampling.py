@@ -30,12 +30,19 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def sample_one(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """logits: [V]. Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p."""
+    """logits: [V] -> one token drawn from ``warp_probs``."""
+    return torch.multinomial(warp_probs(logits, temperature, top_p), 1, generator=generator)[0]
+
+
+def warp_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """logits [..., V] -> the distribution sampling draws from: softmax at ``temperature``, then
+    nucleus filtering (keep a token if the mass before it is < top_p, so the top token always
+    stays), renormalised. Speculative sampling compares these p(x) and q(x), so both sum to one.
+    """
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep a token if the mass before it is < top_p (so the top token is always kept)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
-        sorted_probs = sorted_probs * keep
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

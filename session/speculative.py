@@ -16,7 +16,7 @@ KV cache (counted in its bytes), so a follow-up turn prefills only its new token
 Between steps the target's cache holds every transcript token but the last (fed next); the draft's
 holds a prefix of the text and is caught up by its next pass (see ``SpeculativeDecoder``).
 
-Pure functions (``greedy_accept``, ``sampling_accept``, ``propose_ngram``, ``warp_probs``) hold the
+Pure functions (``greedy_accept``, ``sampling_accept``, ``propose_ngram``; ``warp_probs`` lives in session.sampling) hold the
 maths; ``SpeculationController`` decides k and when speculation does not pay; the decoder glues
 them to the model runners.
 """
@@ -32,6 +32,7 @@ import torch
 from session.errors import ConfigError
 from session.kv_cache import KVCache
 from session.protocol import SamplingParams
+from session.sampling import warp_probs
 
 if TYPE_CHECKING:  # annotations only: the pure functions need no model code
     from session.model_runner import ModelRunner
@@ -89,20 +90,6 @@ def _draw(weights: torch.Tensor, fallback: torch.Tensor, generator: torch.Genera
     if float(weights.sum()) <= 0.0:
         weights = fallback
     return int(torch.multinomial(weights, 1, generator=generator)[0])
-
-
-def warp_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """logits [..., V] -> the distribution plain sampling draws from (``session.sampling.sample_one``):
-    softmax at ``temperature``, then nucleus filtering (keep a token if the mass before it is < top_p),
-    renormalised: the acceptance test compares p(x) with q(x), so both must sum to one.
-    """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
 
 
 # ---------------------------------------------------------------- proposers

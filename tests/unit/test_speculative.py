@@ -15,8 +15,9 @@ from session.protocol import SamplingParams
 from session.sampling import sample_one
 from session.speculative import (
     SpeculationController, SpeculativeDecoder, check_compatible, check_runners_compatible, greedy_accept,
-    propose_ngram, sampling_accept, warp_probs,
+    propose_ngram, sampling_accept,
 )
+from session.sampling import warp_probs
 
 V = 16
 
