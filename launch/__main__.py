@@ -34,27 +34,30 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("MODEL"):
         ensure_demo_models()
     port = serve_port()
-    server = start_torchserve(port, run_dir=REPO / "build" / f"serve-{port}", model_path=model,
-                              host=os.environ.get("HOST", "127.0.0.1"))
-    server.wait_ready(timeout_s=float(os.environ.get("RESIDENT_STARTUP_TIMEOUT_S", "900")))
-    watchdog = watch(server, os.environ)
 
     def shutdown(signum, frame):
-        if watchdog is not None:
-            watchdog.stop()
-        server.stop()
-        sys.exit(0)
+        raise SystemExit(0)  # unwinds through the finally below, whatever the launcher was doing
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
-    print(f"serving {model} on {server.url} (logs: {server.run_dir}/logs); Ctrl-C stops", flush=True)
-    while True:  # the watchdog may replace the process: wait for whichever is current
-        process = server.process
-        process.wait()
-        if process is server.process:
-            break
-    server.stop()
-    return server.process.returncode or 0
+    server = start_torchserve(port, run_dir=REPO / "build" / f"serve-{port}", model_path=model,
+                              host=os.environ.get("HOST", "127.0.0.1"))
+    watchdog = None
+    try:
+        server.wait_ready(timeout_s=float(os.environ.get("RESIDENT_STARTUP_TIMEOUT_S", "900")))
+        watchdog = watch(server, os.environ)
+        print(f"serving {model} on {server.url} (logs: {server.run_dir}/logs); Ctrl-C stops", flush=True)
+        while True:  # the watchdog may replace the process: wait for whichever is current
+            process = server.process
+            process.wait()
+            if process is server.process:
+                return process.returncode or 0
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the clean-up short
+            signal.signal(signum, signal.SIG_IGN)
+        if watchdog is not None:
+            watchdog.stop()
+        server.stop()
 
 
 if __name__ == "__main__":

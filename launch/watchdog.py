@@ -40,8 +40,9 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Called before the server is stopped; a probe still in flight just fails (daemon thread)."""
         self._stop.set()
-        self._thread.join(self.probe_timeout_s + self.interval_s + 5)
+        self._thread.join(2.0)
 
     def probe(self) -> bool:
         """True when the worker is READY and answers a real inference (200, or 503 when busy)."""
