@@ -33,6 +33,7 @@ class Watchdog:
         self.ready_timeout_s = ready_timeout_s
         self.num_failures = 0  # consecutive failed probes
         self._stop = threading.Event()
+        self._restarting = threading.Lock()  # held while the server is replaced: stop() waits for it
         self._thread = threading.Thread(target=self._run, name="resident-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -40,8 +41,11 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
-        """Called before the server is stopped; a probe still in flight just fails (daemon thread)."""
+        """Called before the server is stopped: no restart is under way or can start after this returns
+        (a probe still in flight just fails: the thread is a daemon)."""
         self._stop.set()
+        with self._restarting:
+            pass
         self._thread.join(2.0)
 
     def probe(self) -> bool:
@@ -72,7 +76,10 @@ class Watchdog:
             logger.warning("TorchServe on port %d failed %d probes: restarting it", self.server.port,
                            self.num_failures)
             try:
-                self.server.restart()
+                with self._restarting:
+                    if self._stop.is_set():
+                        return
+                    self.server.restart()
                 self.server.wait_ready(self.ready_timeout_s)
             except Exception:
                 logger.exception("restarting TorchServe on port %d failed; will retry", self.server.port)
