@@ -173,7 +173,13 @@ def test_expiry_frees_memory_and_journal_without_a_request(tiny_model_path, tmp_
         assert (tmp_path / "sessions" / "ttl.json").exists() and len(list((tmp_path / "images").iterdir())) == 1
         clock.now += 11
         deadline = time.monotonic() + 30  # generous: CI machines are shared
-        while len(engine.store) and time.monotonic() < deadline:
+
+        def freed() -> bool:  # the reaper runs on the engine thread: wait for all of its clean-up
+            return (len(engine.store) == 0 and engine.memory.device_bytes == 0 and len(engine.embeddings) == 0
+                    and not (tmp_path / "sessions" / "ttl.json").exists()
+                    and list((tmp_path / "images").iterdir()) == [])
+
+        while not freed() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(engine.store) == 0 and engine.memory.device_bytes == 0 and len(engine.embeddings) == 0
         assert not (tmp_path / "sessions" / "ttl.json").exists()
