@@ -66,9 +66,15 @@ def test_kill_9_mid_conversation_loses_nothing(tiny_model_path, tmp_path):
         _, body = ask(server, session, QUESTIONS[2])
         assert body["choices"][0]["message"]["content"] == answers[2]
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed from the journal
-        events = metric_values(server, "SessionEvents")
-        restored = [v for k, v in events.items() if 'Event="restored_from_journal"' in k]
-        recomputed = [v for k, v in events.items() if 'Event="recomputed"' in k]
+        # The worker's metric lines reach TorchServe's endpoint through its log reader: poll briefly.
+        deadline = time.monotonic() + 15
+        while True:
+            events = metric_values(server, "SessionEvents")
+            restored = [v for k, v in events.items() if 'Event="restored_from_journal"' in k]
+            recomputed = [v for k, v in events.items() if 'Event="recomputed"' in k]
+            if (restored, recomputed) == ([2.0], [1.0]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert restored == [2.0] and recomputed == [1.0]
         live = metric_values(server, "LiveSessions")
         assert list(live.values()) == [2.0]
