@@ -28,7 +28,7 @@ from session.errors import (
 )
 from session.events import AdminResult, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.journal import Journal, JournalEntry
-from session.memory import MemoryManager, SessionsView, Tier, kv_bytes
+from session.memory import MemoryManager, Tier, kv_bytes
 from session.model_runner import ModelRunner
 from session.prompt import ChatFormatter
 from session.protocol import Message, SamplingParams, Usage, new_session_id
@@ -140,7 +140,7 @@ class Engine:
         self.store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock)
         self.embeddings = EmbeddingCache()
         self.memory = MemoryManager(device_budget_bytes=self._device_budget(), host_budget_bytes=config.host_budget_bytes,
-                                    sessions=SessionsView(self.store))
+                                    store=self.store)
         self.journal = Journal(config.journal_dir) if config.journal_dir else None
         self.adapters = self._adapter_registry()
         self.speculator = self._speculator()

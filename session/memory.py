@@ -21,6 +21,7 @@ import torch
 
 from session.errors import CapacityExceeded
 from session.state import SessionState
+from session.store import SessionStore
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,10 @@ class Tier(str, enum.Enum):
 
 
 class MemoryManager:
-    def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, sessions: "SessionsView"):
+    def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, store: "SessionStore"):
         self.device_budget_bytes = device_budget_bytes  # 0: unlimited
         self.host_budget_bytes = host_budget_bytes  # 0: no host tier (demotion drops)
-        self.sessions = sessions
+        self.store = store
         self.num_to_host = 0
         self.num_dropped = 0
         self.num_restored_from_host = 0
@@ -44,17 +45,11 @@ class MemoryManager:
 
     @property
     def device_bytes(self) -> int:
-        return sum(s.device_bytes for s in self.sessions.all())
+        return sum(s.device_bytes for s in self.store.all_sessions())
 
     @property
     def host_bytes(self) -> int:
-        return sum(s.host_bytes for s in self.sessions.all())
-
-    def bytes_by_tier(self) -> dict[str, int]:
-        out = {t.value: 0 for t in Tier}
-        for s in self.sessions.all():
-            out[s.tier.value] += s.device_bytes + s.host_bytes
-        return out
+        return sum(s.host_bytes for s in self.store.all_sessions())
 
     def reserve(self, session: SessionState, num_bytes: int) -> None:
         """Make room for ``num_bytes`` more device bytes for ``session`` by demoting idle sessions,
@@ -66,7 +61,7 @@ class MemoryManager:
                                    f"{self.device_budget_bytes}", retry_after_s=5)
         used = self.device_bytes
         while used + num_bytes > self.device_budget_bytes:
-            victim = _least_recent(s for s in self.sessions.all()
+            victim = _least_recent(s for s in self.store.all_sessions()
                                    if s is not session and s.tier is Tier.DEVICE and not s.busy and s.device_bytes)
             if victim is None:
                 raise CapacityExceeded("device memory for sessions is full and every resident session is in a "
@@ -110,7 +105,7 @@ class MemoryManager:
             return False
         used = self.host_bytes
         while used + num_bytes > self.host_budget_bytes:
-            victim = _least_recent(s for s in self.sessions.all() if s is not session and s.tier is Tier.HOST)
+            victim = _least_recent(s for s in self.store.all_sessions() if s is not session and s.tier is Tier.HOST)
             if victim is None:
                 return False
             used -= victim.host_bytes
@@ -130,16 +125,6 @@ class MemoryManager:
         session.host_length = 0
         session.tier = Tier.DEVICE
         self.num_restored_from_host += 1
-
-
-class SessionsView:
-    """What the manager may see of the sessions (the store's, plus running stateless ones)."""
-
-    def __init__(self, store):
-        self._store = store
-
-    def all(self) -> list[SessionState]:
-        return self._store.all_sessions()
 
 
 def _least_recent(candidates: Iterable[SessionState]) -> SessionState | None:

@@ -31,11 +31,6 @@ class SessionStore:
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
 
-    @property
-    def resident_bytes(self) -> int:
-        """Device bytes held by sessions (their KV caches)."""
-        return sum(s.device_bytes for s in list(self._sessions.values()))
-
     def all_sessions(self) -> list[SessionState]:
         return list(self._sessions.values())
 

@@ -139,16 +139,16 @@ def test_identical_sessions_interleaved_concurrently_answer_identically(engine):
 
 
 def test_close_frees_exactly_the_session_bytes(engine):
-    baseline, baseline_embeddings = engine.store.resident_bytes, engine.embeddings.nbytes
+    baseline, baseline_embeddings = engine.memory.device_bytes, engine.embeddings.nbytes
     turn(engine, "bytes-1", QUESTIONS[0], open_session=True, pixel_values=engine.preprocess_images([make_image(5)]))
     session = engine.store.get("bytes-1")
     info = engine.runner.info
     kv_bytes = 2 * info.num_layers * info.num_kv_heads * session.kv.capacity * info.head_dim * 4
-    assert engine.store.resident_bytes - baseline == kv_bytes
+    assert engine.memory.device_bytes - baseline == kv_bytes
     assert engine.embeddings.nbytes - baseline_embeddings == info.num_image_tokens * info.hidden_size * 4
     events = run(engine, CloseRequest("bytes-1", EventStream()))
     assert events == [Closed("bytes-1")]
-    assert engine.store.resident_bytes == baseline
+    assert engine.memory.device_bytes == baseline
     assert engine.embeddings.nbytes == baseline_embeddings
     gone = turn(engine, "bytes-1", QUESTIONS[1])
     assert isinstance(gone[-1], Failed) and isinstance(gone[-1].error, SessionNotFound)
@@ -231,7 +231,7 @@ def test_idle_session_expires_without_a_request(tiny_model_path):
     try:
         started = turn(eng, "ttl-1", QUESTIONS[0], open_session=True)[0]
         assert started.expires_at == clock.now + 30
-        assert len(eng.store) == 1 and eng.store.resident_bytes > 0
+        assert len(eng.store) == 1 and eng.memory.device_bytes > 0
         clock.now += 29
         time.sleep(0.2)
         assert len(eng.store) == 1
@@ -239,7 +239,7 @@ def test_idle_session_expires_without_a_request(tiny_model_path):
         deadline = time.monotonic() + 30  # generous: CI machines are shared
         while (len(eng.store) or eng.store.num_expired == 0) and time.monotonic() < deadline:
             time.sleep(0.02)  # the reaper runs on the engine thread: wait for its whole clean-up
-        assert len(eng.store) == 0 and eng.store.resident_bytes == 0
+        assert len(eng.store) == 0 and eng.memory.device_bytes == 0
         assert eng.store.num_expired == 1
         gone = turn(eng, "ttl-1", QUESTIONS[1])
         assert isinstance(gone[-1], Failed) and "was expired" in gone[-1].error.message
