@@ -26,27 +26,20 @@ from typing import Callable
 import torch
 
 from session import admin
+from session.assembly import assemble, preprocess_images
 from session.config import EngineConfig
-from session.embeddings import EmbeddingCache
 from session.errors import (
-    AdapterMismatch, BadRequest, CapacityExceeded, ConfigError, ResidentError, ServiceStopping,
+    AdapterMismatch, BadRequest, CapacityExceeded, ResidentError, ServiceStopping,
     SessionNotFound,
 )
 from session.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started
-from session.executor import Executor
-from session.journal import Journal
-from session.memory import MemoryManager
 from session.model_runner import ModelRunner
-from session.outputs import OutputProcessor
-from session.prompt import ChatFormatter
 from session.protocol import SamplingParams, new_session_id
-from session.scheduler import Scheduler, StepPlan
+from session.scheduler import StepPlan
 from session.sequence import (  # noqa: F401  (re-exported: callers build requests from here)
     AdapterRequest, CancelRequest, CloseRequest, GenerationRequest, Sequence, SessionAdminRequest,
 )
-from session.sessions import Sessions
 from session.stats import EngineStats, snapshot
-from session.store import SessionStore
 
 logger = logging.getLogger(__name__)
 
@@ -56,36 +49,9 @@ class Engine:
                  clock: Callable[[], float] = time.time):
         self.config = config
         self.clock = clock
-        self.runner = runner or ModelRunner.from_config(config)
-        # One intra-op thread on CPU unless told otherwise: measured on 2-core machines shared with the
-        # frontend and clients, OpenMP threads that wait for a busy core made decoding up to 8x slower.
-        if config.threads > 0 or self.runner.device.type == "cpu":
-            torch.set_num_threads(config.threads or 1)
-        info = self.runner.info
-        self.max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
-        self.stepper = self._stepper()
-        self.tokenizer, self.image_processor = _load_processing(config.model_path, self.runner.is_multimodal)
-        self.formatter = ChatFormatter(
-            self.tokenizer, image_token=getattr(self.tokenizer, "image_token", None) if info.image_token_id else None,
-            image_token_id=info.image_token_id, num_image_tokens=info.num_image_tokens,
-            eos_token_ids=info.eos_token_ids,
-        )
-        self.store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock)
-        self.embeddings = EmbeddingCache()
-        self.memory = MemoryManager(device_budget_bytes=self._device_budget(), host_budget_bytes=config.host_budget_bytes,
-                                    store=self.store)
-        self.journal = Journal(config.journal_dir, config.journal_max_bytes) if config.journal_dir else None
-        self.adapters = admin.build_adapter_registry(config, self.runner, self.journal)
-        self.speculator = self._speculator()
-        self.sessions = Sessions(
-            store=self.store, memory=self.memory, embeddings=self.embeddings, journal=self.journal, runner=self.runner,
-            pixels_from_bytes=self._pixels_from_bytes, new_kv=self._new_kv, new_draft_kv=self._new_draft_kv,
-            draft_text_tokens=self._draft_text_tokens)
-        self.scheduler = Scheduler(max_batch_size=config.max_batch_size)
-        self.executor = Executor(runner=self.runner, stepper=self.stepper, formatter=self.formatter,
-                                 sessions=self.sessions, adapters=self.adapters, speculator=self.speculator,
-                                 config=config, max_context=self.max_context, pixel_digests=_pixel_digests)
-        self.outputs = OutputProcessor(self.tokenizer, info.eos_token_ids)
+        parts = assemble(config, runner, clock)
+        # The parts by name (engine.store, engine.memory, ...): tests and benchmarks read them.
+        self.__dict__.update(vars(parts))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._num_submitted = 0  # submitted, not yet taken from the inbox; guarded by _submit_lock
         self._num_waiting = 0  # admitted, not yet prefilled (published by the loop thread)
@@ -93,7 +59,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._next_reap = 0.0
-        self.heartbeat = time.monotonic()  # the loop's last iteration (read by /ping-style liveness checks)
+        self.heartbeat = time.monotonic()  # the loop's last iteration
         self._heartbeat_written = 0.0
         self.num_overloaded = 0  # requests answered 503 (queue full or no memory to free)
         self.num_cancelled = 0
@@ -103,62 +69,6 @@ class Engine:
         if self.journal is not None:
             self.sessions.restore_journal(self.clock())
         self._publish_stats()
-
-    def _stepper(self):
-        """The object that runs prefill/decode: the dynamic runner, or its fixed-shape twin."""
-        if not self.config.static_kv:
-            return self.runner
-        from session.static_shapes import DEFAULT_BATCH_BUCKETS, StaticShapeRunner
-
-        size = self.config.max_batch_size
-        buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < size) + (size,)
-        return StaticShapeRunner(self.runner, self.max_context, batch_buckets=buckets, compile=self.config.compile)
-
-    def _speculator(self):
-        """A SpeculativeDecoder per RESIDENT_SPECULATIVE, or None. A draft with another vocabulary is
-        refused here, at start-up (ConfigError)."""
-        config = self.config
-        mode = config.speculative if config.speculative != "auto" else ("draft" if config.draft_model_path else "off")
-        if mode == "off":
-            return None
-        from session.speculative import SpeculativeDecoder, check_compatible
-
-        draft = None
-        if mode == "draft":
-            draft = ModelRunner(config.draft_model_path, device=config.device, dtype=config.dtype)
-            from transformers import AutoTokenizer
-
-            check_compatible(self.tokenizer, AutoTokenizer.from_pretrained(config.draft_model_path))
-        logger.info("speculative decoding: %s, up to %d tokens per step", mode, config.num_speculative_tokens)
-        return SpeculativeDecoder(self.runner, draft)
-
-    def _device_budget(self) -> int:
-        config = self.config
-        if config.device_budget_fraction <= 0:
-            return config.device_budget_bytes
-        if self.runner.device.type != "cuda":
-            raise ConfigError("RESIDENT_DEVICE_BUDGET_FRACTION needs a CUDA device; on CPU set "
-                              "RESIDENT_DEVICE_BUDGET_BYTES")
-        free, _ = torch.cuda.mem_get_info(self.runner.device)
-        return int(free * config.device_budget_fraction)
-
-    def _new_kv(self):
-        return self.runner.new_kv_cache(block_tokens=self.config.kv_block_tokens, max_tokens=self.max_context,
-                                        static=self.config.static_kv)
-
-    def _new_draft_kv(self):
-        if self.speculator is None:
-            return None
-        return self.speculator.new_draft_kv(block_tokens=self.config.kv_block_tokens, max_tokens=self.max_context)
-
-    def _draft_text_tokens(self, token_ids: list[int]) -> int:
-        """Tokens the (text-only) draft holds for a transcript: the image placeholders are left out."""
-        return len(token_ids) - self.executor.count_images(token_ids) * self.runner.info.num_image_tokens
-
-    def _pixels_from_bytes(self, raw: bytes) -> torch.Tensor:
-        from session.images import decode_bytes
-
-        return self.preprocess_images([decode_bytes(raw, max_pixels=self.config.max_image_pixels)])[0]
 
     # ------------------------------------------------------------------ caller side (any thread)
 
@@ -218,11 +128,7 @@ class Engine:
 
     def preprocess_images(self, images: list) -> torch.Tensor | None:
         """PIL images -> pixel_values [N, 3, H, W]. Runs in the caller's thread (CPU work, no model)."""
-        if not images:
-            return None
-        if self.image_processor is None:
-            raise BadRequest("this model is text-only; remove the image_url parts")
-        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        return preprocess_images(self.image_processor, images)
 
     def new_session_id(self) -> str:
         return new_session_id(self.config.session_id_tag)
@@ -496,22 +402,3 @@ class Engine:
                 break
             if item is not None:
                 item.stream.put(Failed(error))
-
-
-def _pixel_digests(pixel_values: torch.Tensor | None) -> list[str]:
-    """Content keys for images given only as pixels (tests, benchmarks): hash the pixel bytes."""
-    import hashlib
-
-    if pixel_values is None:
-        return []
-    return ["px-" + hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in pixel_values.cpu()]
-
-
-def _load_processing(model_path: str, multimodal: bool):
-    """The tokenizer and (for LLaVA) the image processor shipped with the checkpoint."""
-    from transformers import AutoProcessor, AutoTokenizer
-
-    if multimodal:
-        processor = AutoProcessor.from_pretrained(model_path)
-        return processor.tokenizer, processor.image_processor
-    return AutoTokenizer.from_pretrained(model_path), None
