@@ -25,14 +25,11 @@ from typing import Callable
 
 import torch
 
-from session import admin
+from session.admission import Admission
 from session.assembly import assemble, preprocess_images
 from session.config import EngineConfig
-from session.errors import (
-    AdapterMismatch, BadRequest, CapacityExceeded, ResidentError, ServiceStopping,
-    SessionNotFound,
-)
-from session.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started
+from session.errors import CapacityExceeded, ResidentError, ServiceStopping
+from session.events import Cancelled, EventStream, Failed, Finished, Started
 from session.model_runner import ModelRunner
 from session.protocol import SamplingParams, new_session_id
 from session.scheduler import StepPlan
@@ -66,6 +63,7 @@ class Engine:
         self.num_failed = 0
         self.num_invariant_violations = 0
         self._stats: EngineStats | None = None
+        self.admission = Admission(self, on_barrier=self._publish_stats)
         if self.journal is not None:
             self.sessions.restore_journal(self.clock())
         self._publish_stats()
@@ -260,12 +258,12 @@ class Engine:
                     request = seq.request
                     self.sessions.journal_turn(session, dict(zip(request.image_digests, request.image_bytes)))
         seq.request.stream.put(event)
-        self._admit_next(self.scheduler.release(seq), session.session_id)
+        self.admission.admit_next(self.scheduler.release(seq), session.session_id)
 
     def _after_step(self, plan: StepPlan) -> None:
         self._num_waiting = self.scheduler.num_waiting()
         if self.config.check_invariants:
-            problems = self.scheduler.check() + self.sessions.check()
+            problems = self.scheduler.check() + self.sessions.check(self.scheduler.active)
             for problem in problems:
                 logger.error("engine invariant violated: %s", problem)
             self.num_invariant_violations += len(problems)
@@ -304,97 +302,15 @@ class Engine:
                 return
             with self._submit_lock:
                 self._num_submitted -= 1
-            self._admit(item)
-
-    def _admit(self, item) -> bool:
-        """Admit one request; True when it now waits or runs (a generation in flight)."""
-        try:
-            if isinstance(item, GenerationRequest):
-                return self._admit_generation(item)
-            if isinstance(item, CancelRequest):
-                if not item.target_request_id:  # fresh_stats' barrier
-                    self._publish_stats()
-                item.stream.put(AdminResult({"cancelled": self._cancel(item.target_request_id, "cancelled")}))
-            elif isinstance(item, CloseRequest):
-                self._close(item)
-            elif isinstance(item, SessionAdminRequest):
-                if item.action == "export" and self.scheduler.is_busy(item.session_id or ""):
-                    self.scheduler.enqueue(item.session_id, item)  # after the request in flight
-                else:
-                    item.stream.put(AdminResult(admin.session_admin(item, self.sessions, self.clock())))
-            elif isinstance(item, AdapterRequest):
-                item.stream.put(AdminResult(admin.adapter_admin(item, self.adapters, self.sessions)))
-            else:
-                raise TypeError(f"cannot admit {type(item).__name__}")
-        except Exception as exc:
-            if not isinstance(exc, ResidentError):
-                logger.exception("admitting request %s (session %s) failed", getattr(item, "request_id", ""),
-                                 getattr(item, "session_id", None))
-            item.stream.put(Failed(exc))
-        return False
-
-    def _admit_next(self, item, session_id: str) -> None:
-        """Admit the requests queued on a session until one of them is in flight again."""
-        while item is not None and not self._admit(item):
-            item = self.scheduler.next_pending(session_id)
-
-    def _admit_generation(self, request: GenerationRequest) -> bool:
-        if request.adapter is not None:
-            admin.registry_or_404(self.adapters, request.adapter).get(request.adapter)
-        if request.request_id and self.scheduler.find(request.request_id) is not None:
-            raise BadRequest(f"request id {request.request_id!r} is already in flight")
-        if request.open_session or request.session_id is None:
-            session = self.sessions.open(request.session_id or new_session_id(), now=self.clock(),
-                                         ttl_s=self.config.session_ttl_s, ephemeral=not request.open_session,
-                                         adapter=request.adapter)
-        else:
-            session = self.sessions.get(request.session_id)
-            if request.adapter is not None and request.adapter != session.adapter:
-                bound = f"adapter {session.adapter!r}" if session.adapter else "the base model"
-                raise AdapterMismatch(f"session {session.session_id} was opened with {bound}; its cache cannot "
-                                      f"serve adapter {request.adapter!r}: open a new session for it")
-            if self.scheduler.is_busy(session.session_id):
-                self.scheduler.enqueue(session.session_id, request)
-                return True
-        self.scheduler.add(Sequence(request=request, session=session))
-        return True
-
-    def _cancel(self, request_id: str, reason: str) -> bool:
-        """Between steps: end the named request (in flight or queued) with Cancelled."""
-        seq = self.scheduler.find(request_id)
-        if seq is not None:
-            self._end(seq, Cancelled(reason))
-            return True
-        queued = self.scheduler.take_pending(request_id)
-        if queued is not None and isinstance(queued, GenerationRequest):
-            self.num_cancelled += 1
-            queued.stream.put(Cancelled(reason))
-            return True
-        if queued is not None:  # a close or export: it goes on
-            self.scheduler.enqueue(queued.session_id, queued)
-        return False
-
-    def _close(self, request: CloseRequest) -> None:
-        """Close a session; a request in flight on it is cancelled (rolled back) first, and the ones
-        queued behind it find the session gone."""
-        session = self.sessions.get(request.session_id)
-        queued = list(self.scheduler.pending.pop(session.session_id, ()))
-        active = self.scheduler.active.get(session.session_id)
-        if active is not None:
-            self._end(active, Cancelled(f"session {session.session_id} was closed while this request ran"))
-        if self.store.peek(session.session_id) is session:  # (a cancelled opening turn forgot it already)
-            self.sessions.forget(session, "closed")
-        request.stream.put(Closed(request.session_id))
-        for later in queued:
-            later.stream.put(Failed(SessionNotFound(f"session {request.session_id} was closed")))
+            self.admission.admit(item)
 
     def _fail_everything(self, error: ResidentError) -> None:
         """At stop: every request in flight, queued or not yet admitted gets its final event."""
-        for seq in list(self.scheduler.sequences()):
-            self._end(seq, Failed(error))
-        for item in self.scheduler.pending_items():
+        for item in self.scheduler.pending_items():  # first, so that ending the active ones admits none
             item.stream.put(Failed(error))
         self.scheduler.pending.clear()
+        for seq in list(self.scheduler.sequences()):
+            self._end(seq, Failed(error))
         while True:
             try:
                 item = self._inbox.get_nowait()

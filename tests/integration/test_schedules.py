@@ -105,7 +105,7 @@ def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults
 
 
 def _check_step(engine: Engine, sent: list[Sent]) -> None:
-    problems = engine.scheduler.check() + engine.sessions.check()
+    problems = engine.scheduler.check() + engine.sessions.check(engine.scheduler.active)
     assert problems == []
     for state in engine.store.all_sessions():
         assert state.busy == (state.session_id in engine.scheduler.active), state.session_id
