@@ -146,3 +146,28 @@ def test_saturated_instance_is_never_restarted(tiny_model_path, tmp_path_factory
         watchdog.stop()
         server.stop()
     assert not journal.exists()  # a clean stop removes the instance's journal
+
+
+def test_a_stuck_worker_is_restarted(tiny_model_path, tmp_path_factory):
+    """A worker whose loop stops turning (SIGSTOP: still READY to TorchServe) is told from a busy one by
+    its heartbeat, and restarted; its sessions come back from the journal."""
+    import os
+    import signal
+
+    server = start(tmp_path_factory, "stuck")
+    watchdog = Watchdog(server, interval_s=0.5, failures_to_restart=2, stall_s=2.0).start()
+    try:
+        session, first = open_session(server)
+        [pid] = server.worker_pids()
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while server.num_restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.num_restarts == 1
+        server.wait_ready(240)
+        assert server.worker_pids() != [pid]
+        again = invoke(server, chat("And now?"), session=session)
+        assert again.status_code == 200 and again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        watchdog.stop()
+        server.stop()
