@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 # Time a pin outlives the backend's own expiry, so that the backend answers "expired" itself.
 EXPIRY_GRACE_S = 5.0
 # A tagged session id: a uuid4, a dash, the tag of the backend that created it.
-_TAGGED_ID_RE = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}-([A-Za-z0-9]+)$")
+_HEX = "[0-9a-fA-F]"
+_TAGGED_ID_RE = re.compile(rf"^{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}-([A-Za-z0-9]+)$")
 _NEW_SESSION_VALUE_RE = re.compile(r"^\s*([^;\s]+)\s*(?:;\s*Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)\s*)?$")
 
 
@@ -53,7 +54,9 @@ class Backend:
     index: int
     url: str  # inference base URL, e.g. http://127.0.0.1:9000
     management_url: str | None = None  # TorchServe management API; None: health is GET /ping alone
-    tag: str = ""  # its RESIDENT_SESSION_ID_TAG: the suffix of the session ids it creates; "" = none
+    # The suffix of the session ids it creates (its RESIDENT_SESSION_ID_TAG); "" = none. "<prefix>*"
+    # matches every tag that starts with <prefix>: an instance whose own front has several backends.
+    tag: str = ""
     healthy: bool = False  # until the first good probe
     draining: bool = False  # being emptied: serves its sessions, gets no new ones
     num_outstanding: int = 0  # requests forwarded and not finished (streams count until their end)
@@ -73,6 +76,14 @@ def session_tag(session_id: str) -> str | None:
     """The backend tag in ``<uuid4>-<tag>``; None for a plain uuid4 or any other id."""
     match = _TAGGED_ID_RE.match(session_id)
     return match.group(1) if match else None
+
+
+def _tags_overlap(a: str, b: str) -> bool:
+    """Whether one session tag could match both tag patterns."""
+    if a == b:
+        return True
+    prefix_a, prefix_b = a.rstrip("*"), b.rstrip("*")
+    return (a.endswith("*") and prefix_b.startswith(prefix_a)) or (b.endswith("*") and prefix_a.startswith(prefix_b))
 
 
 def parse_new_session_header(value: str) -> tuple[str, float | None]:
@@ -99,12 +110,13 @@ class Router:
         self.default_ttl_s = default_ttl_s  # when a backend's New-Session-Id carries no Expires
         self.clock = clock
         self.pins: dict[str, Pin] = {}  # session_id -> the backend holding it, where the id does not say
-        self.by_tag: dict[str, Backend] = {}  # tag -> the backend that creates ids with it
+        self.by_tag: dict[str, Backend] = {}  # tag (or "<prefix>*") -> the backend that creates ids with it
         for backend in self.backends:
             if backend.tag:
-                if backend.tag in self.by_tag:
-                    raise ValueError(f"backends {self.by_tag[backend.tag].index} and {backend.index} share the "
-                                     f"session id tag {backend.tag!r}; give each its own")
+                clash = next((b for t, b in self.by_tag.items() if _tags_overlap(t, backend.tag)), None)
+                if clash is not None:
+                    raise ValueError(f"backends {clash.index} and {backend.index} share the session id tag "
+                                     f"{backend.tag!r} (or a prefix of it); give each its own")
                 self.by_tag[backend.tag] = backend
 
     # ------------------------------------------------------------ choosing a backend
@@ -128,7 +140,7 @@ class Router:
         if pin is not None and pin.expires_at + EXPIRY_GRACE_S <= self.clock():
             self.forget(session_id)
             pin = None
-        backend = pin.backend if pin is not None else self.by_tag.get(session_tag(session_id) or "")
+        backend = pin.backend if pin is not None else self.home(session_id)
         if backend is None:
             raise SessionNotFound(f"session {session_id} is unknown to this endpoint (never opened, closed or "
                                   "expired); open a new one with NEW_SESSION")
@@ -137,6 +149,15 @@ class Router:
                 f"the backend holding session {session_id} is unavailable and the session's state was held "
                 "there; open a new session with NEW_SESSION")
         return backend
+
+    def home(self, session_id: str) -> Backend | None:
+        """The backend whose tag the id carries: the one that created the session."""
+        tag = session_tag(session_id)
+        if tag is None:
+            return None
+        if tag in self.by_tag:
+            return self.by_tag[tag]
+        return next((b for t, b in self.by_tag.items() if t.endswith("*") and tag.startswith(t[:-1])), None)
 
     # ------------------------------------------------------------ load
 

@@ -295,3 +295,19 @@ def test_a_draining_backend_serves_its_sessions_but_gets_no_new_ones():
 def test_two_backends_cannot_share_a_tag():
     with pytest.raises(ValueError, match="share the session id tag 'b0'"):
         Router([Backend(0, "http://x", tag="b0"), Backend(1, "http://y", tag="b0")])
+
+
+def test_a_prefix_tag_matches_every_backend_of_an_instance():
+    router = Router([Backend(0, "http://a", tag="ia*"), Backend(1, "http://b", tag="ib*"),
+                     Backend(2, "http://c", tag="b0")])
+    for backend in router.backends:
+        router.record_probe(backend, True)
+    assert router.route(f"{U}-iab0") is router.backends[0]
+    assert router.route(f"{U}-iab1") is router.backends[0]
+    assert router.route(f"{U}-ibb0") is router.backends[1]
+    assert router.route(f"{U}-b0") is router.backends[2]
+    assert router.home(f"{U}-icb0") is None
+    with pytest.raises(ValueError, match="share the session id tag"):
+        Router([Backend(0, "http://a", tag="i*"), Backend(1, "http://b", tag="ib*")])
+    with pytest.raises(ValueError, match="share the session id tag"):
+        Router([Backend(0, "http://a", tag="ib0"), Backend(1, "http://b", tag="ib*")])
