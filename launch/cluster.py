@@ -9,6 +9,10 @@ Environment (besides RESIDENT_FRONT_* for the front, session/front.py, and RESID
   MODEL                         a Hugging Face checkpoint directory (default: the demo LLaVA)
   RESIDENT_BACKEND_PORT         backend i listens on this + 10*i (using 5 ports from there) on
                                 127.0.0.1; default: the start of SAGEMAKER_SAFE_PORT_RANGE, else PORT+10
+  RESIDENT_INSTANCE_TAG         letters/digits put before every backend's session id tag, so that a
+                                router before several instances can tell them apart (docker/compose.yaml)
+Backend i creates session ids ``<uuid4>-<instance tag>b<i>`` (RESIDENT_SESSION_ID_TAG), so that any
+front, restarted or a replica, routes a session by its id alone (docs/ROUTING.md).
 On a CUDA machine backend i gets RESIDENT_DEVICE=cuda:<i mod #GPUs>; on a Neuron one
 NEURON_RT_VISIBLE_CORES=<i mod #cores>; on CPU the cores are shared out with RESIDENT_THREADS. A
 RESIDENT_DEVICE / RESIDENT_THREADS set by the caller is passed to every backend unchanged; a
@@ -27,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -100,10 +105,19 @@ def admin_token(environ: Mapping[str, str]) -> str:
 _ADMIN_TOKEN: str | None = None
 
 
+def session_id_tag(index: int, environ: Mapping[str, str]) -> str:
+    """Backend ``index``'s RESIDENT_SESSION_ID_TAG: ``<RESIDENT_INSTANCE_TAG>b<index>``."""
+    prefix = environ.get("RESIDENT_INSTANCE_TAG", "")
+    if not re.fullmatch(r"[A-Za-z0-9]*", prefix):
+        raise ConfigError(f"RESIDENT_INSTANCE_TAG must be letters and digits, got {prefix!r}")
+    return f"{prefix}b{index}"
+
+
 def backend_env(index: int, num: int, devices: Devices, environ: Mapping[str, str]) -> dict[str, str]:
-    """Settings for backend ``index`` of ``num``: its device, or its share of the CPU cores, and its
-    own crash-recovery journal (a restarted backend must restore its own sessions, not all of them)."""
-    env: dict[str, str] = {}
+    """Settings for backend ``index`` of ``num``: the tag its session ids carry, its device, or its
+    share of the CPU cores, and its own crash-recovery journal (a restarted backend must restore its
+    own sessions, not all of them)."""
+    env: dict[str, str] = {"RESIDENT_SESSION_ID_TAG": session_id_tag(index, environ)}
     if environ.get("RESIDENT_JOURNAL_DIR"):
         env["RESIDENT_JOURNAL_DIR"] = str(Path(environ["RESIDENT_JOURNAL_DIR"]) / f"backend-{index}")
     if devices.kind == "cuda" and "RESIDENT_DEVICE" not in environ:
@@ -202,7 +216,8 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
         watchdogs = [w for w in (watch(b, environ) for b in backends) if w is not None]
         config = FrontConfig.from_env(environ, backends=tuple(b.url for b in backends),
                                       management_urls=tuple(b.management_url for b in backends),
-                                      model_name=MODEL_NAME, admin_token=admin_token(environ))
+                                      model_name=MODEL_NAME, admin_token=admin_token(environ),
+                                      backend_tags=tuple(session_id_tag(i, environ) for i in range(num)))
         host = environ.get("HOST", "127.0.0.1")
         print(f"front on http://{host}:{port} before {num} backend(s) serving {model}; Ctrl-C stops", flush=True)
         return _serve(config, host, port, lambda: any(b.process.poll() is None for b in backends))
