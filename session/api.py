@@ -15,14 +15,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Mapping
 
-from session.engine import AdapterRequest, CloseRequest, Engine, GenerationRequest
-from session.errors import BadRequest, ResidentError
-from session.events import AdminResult, Closed, EventStream, Failed, Finished, Started, TextDelta
+from session.engine import (
+    AdapterRequest, CancelRequest, CloseRequest, Engine, GenerationRequest, SessionAdminRequest,
+)
+from session.errors import BadRequest, RequestCancelled, ResidentError
+from session.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.images import decode_data_url
 from session.protocol import (
-    ADMIN_TOKEN_HEADER, CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, WORKER_HEADER, ChatRequest,
-    CompletionIds, ImagePart, chunk_body, completion_body, header, load_json_object, new_session_header_value,
-    parse_request, sse,
+    ADMIN_TOKEN_HEADER, CANCEL_HEADER, CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, REQUEST_ID_RE,
+    SESSION_HEADER, WORKER_HEADER, ChatRequest, CompletionIds, ImagePart, chunk_body, completion_body, header,
+    load_json_object, new_session_header_value, parse_request, sse,
 )
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,16 @@ class ApiResponse:
     @property
     def content_type(self) -> str:
         return EVENT_STREAM if self.chunks is not None else JSON
+
+
+def _request_id(headers: Mapping[str, str]) -> str | None:
+    """The caller's ``X-Resident-Request-Id`` (the front sets one on every request), checked."""
+    value = header(headers, REQUEST_ID_HEADER)
+    if value is None:
+        return None
+    if not REQUEST_ID_RE.fullmatch(value.strip()):
+        raise BadRequest(f"{REQUEST_ID_HEADER} must match {REQUEST_ID_RE.pattern}")
+    return value.strip()
 
 
 def error_response(exc: Exception, request_id: str = "", session_id: str | None = None) -> ApiResponse:
@@ -69,6 +81,9 @@ class ChatService:
         session_id = None
         try:
             config = self.engine.config
+            request_id = _request_id(headers) or request_id
+            if header(headers, CANCEL_HEADER) is not None:
+                return await self._cancel(header(headers, CANCEL_HEADER).strip())
             if header(headers, ADMIN_TOKEN_HEADER) is not None:
                 return await self._admin(header(headers, ADMIN_TOKEN_HEADER), body, request_id)
             request = parse_request(body, headers, default_max_tokens=config.default_max_tokens,
@@ -88,19 +103,37 @@ class ChatService:
         if not expected or not hmac.compare_digest(token, expected):
             return ApiResponse(status=403, body={"error": {"type": "forbidden", "message": "bad admin token"}})
         data = body if isinstance(body, dict) else load_json_object(body)
-        action = data.get("adapters")
-        unknown = set(data) - {"adapters", "name", "src", "pinned", "dry_run"}
-        if unknown:
-            raise BadRequest(f"unknown admin field(s) {sorted(unknown)}")
         stream = EventStream(asyncio.get_running_loop())
-        self.engine.submit(AdapterRequest(action=action, stream=stream, name=data.get("name"), src=data.get("src"),
-                                          pinned=bool(data.get("pinned", False)),
-                                          dry_run=bool(data.get("dry_run", False)), request_id=request_id))
+        if "sessions" in data:
+            unknown = set(data) - {"sessions", "session_id", "session"}
+            if unknown:
+                raise BadRequest(f"unknown admin field(s) {sorted(unknown)}")
+            self.engine.submit(SessionAdminRequest(action=data["sessions"], stream=stream,
+                                                   session_id=data.get("session_id"), exported=data.get("session"),
+                                                   request_id=request_id))
+        else:
+            unknown = set(data) - {"adapters", "name", "src", "pinned", "dry_run"}
+            if unknown:
+                raise BadRequest(f"unknown admin field(s) {sorted(unknown)}")
+            self.engine.submit(AdapterRequest(action=data.get("adapters"), stream=stream, name=data.get("name"),
+                                              src=data.get("src"), pinned=bool(data.get("pinned", False)),
+                                              dry_run=bool(data.get("dry_run", False)), request_id=request_id))
         event = await stream.aget()
         if isinstance(event, Failed):
             raise event.error
         assert isinstance(event, AdminResult)
         return ApiResponse(status=200, body=event.body, kind="admin")
+
+    async def _cancel(self, target: str) -> ApiResponse:
+        """``X-Resident-Cancel: <request id>``: no token needed, the id itself is the secret."""
+        if not REQUEST_ID_RE.fullmatch(target):
+            raise BadRequest(f"{CANCEL_HEADER} must name a request id ({REQUEST_ID_RE.pattern})")
+        stream = EventStream(asyncio.get_running_loop())
+        self.engine.submit(CancelRequest(target_request_id=target, stream=stream))
+        event = await stream.aget()
+        if isinstance(event, Failed):
+            raise event.error
+        return ApiResponse(status=200, body=event.body, kind="cancel")
 
     def _adapter(self, request: ChatRequest) -> str | None:
         """Header first; else the body's "model" when it names something other than the base model."""
@@ -135,7 +168,7 @@ class ChatService:
             image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=self._adapter(request),
             speculative=request.speculative,
         ))
-        started = await stream.aget()
+        started = await self._next_event(stream, request_id)
         if isinstance(started, Failed):
             raise started.error
         assert isinstance(started, Started)
@@ -147,9 +180,9 @@ class ChatService:
         ids = CompletionIds(model=request.model or self.model_name)
         kind = "first" if opens else ("followup" if started.session_id else "stateless")
         if request.stream:
-            return ApiResponse(status=200, headers=headers, chunks=self._chunks(stream, ids, started), kind=kind)
+            return ApiResponse(status=200, headers=headers, chunks=self._chunks(stream, ids, request_id), kind=kind)
         while True:
-            event = await stream.aget()
+            event = await self._next_event(stream, request_id)
             if isinstance(event, Finished):
                 body = completion_body(ids, event.text, event.finish_reason, event.usage, event.session_id)
                 return ApiResponse(status=200, body=body, headers=headers, kind=kind)
@@ -162,16 +195,36 @@ class ChatService:
                    for p in images]
         return decoded, self.engine.preprocess_images([d.image for d in decoded])
 
-    async def _chunks(self, stream: EventStream, ids: CompletionIds, started: Started) -> AsyncIterator[str]:
-        yield sse(chunk_body(ids, {"role": "assistant", "content": ""}))
-        while True:
+    async def _chunks(self, stream: EventStream, ids: CompletionIds, request_id: str) -> AsyncIterator[str]:
+        finished = False
+        try:
+            yield sse(chunk_body(ids, {"role": "assistant", "content": ""}))
+            while True:
+                event = await self._next_event(stream, request_id)
+                if isinstance(event, TextDelta):
+                    yield sse(chunk_body(ids, {"content": event.text}))
+                elif isinstance(event, Finished):
+                    finished = True
+                    yield sse(chunk_body(ids, {}, finish_reason=event.finish_reason, usage=event.usage))
+                    yield sse("[DONE]")
+                    return
+                elif isinstance(event, Failed):
+                    finished = True
+                    yield sse(error_response(event.error).body)
+                    return
+        finally:
+            if not finished:  # the consumer stopped reading (a disconnect): stop generating
+                self.engine.cancel(request_id)
+
+    async def _next_event(self, stream: EventStream, request_id: str):
+        """The request's next event; Cancelled becomes Failed(RequestCancelled). If the caller's task is
+        cancelled (its client went away), the generation is cancelled too."""
+        try:
             event = await stream.aget()
-            if isinstance(event, TextDelta):
-                yield sse(chunk_body(ids, {"content": event.text}))
-            elif isinstance(event, Finished):
-                yield sse(chunk_body(ids, {}, finish_reason=event.finish_reason, usage=event.usage))
-                yield sse("[DONE]")
-                return
-            elif isinstance(event, Failed):
-                yield sse(error_response(event.error).body)
-                return
+        except asyncio.CancelledError:
+            self.engine.cancel(request_id)
+            raise
+        if isinstance(event, Cancelled):
+            return Failed(RequestCancelled(f"request {request_id} was cancelled ({event.reason}); "
+                                           "its turn was rolled back"))
+        return event

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -46,6 +47,10 @@ class EngineConfig:
     host_budget_bytes: int = 2 << 30  # host-memory tier for demoted KV caches; 0 = none (demotion drops)
     max_session_tokens: int = 0  # per-session transcript cap; 0 = the context window
     journal_dir: str = ""  # crash-recovery journal (e.g. /dev/shm/resident-journal); "" = off
+    journal_max_bytes: int = 32 << 20  # the journal's cap (Docker's /dev/shm is 64 MiB); 0 = none
+    heartbeat_file: str = ""  # touched by the engine loop (at least every second) for the watchdog; "" = off
+    check_invariants: bool = False  # check the engine's invariant after every step (tests, load benchmark)
+    session_id_tag: str = ""  # letters/digits appended to every new session id ("<uuid4>-<tag>"): routing
     adapters_dir: str = ""  # PEFT LoRA adapters, one folder each (named by the folder); registered at start-up
     max_device_adapters: int = 8  # adapters resident on the device at once (LRU); 0 disables adapters
     max_host_adapters: int = 32  # loaded adapters kept in host memory behind the device LRU
@@ -93,7 +98,7 @@ class EngineConfig:
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
         for name in ("max_context_tokens", "threads", "device_budget_bytes", "host_budget_bytes",
-                     "max_session_tokens", "max_device_adapters", "max_host_adapters"):
+                     "max_session_tokens", "max_device_adapters", "max_host_adapters", "journal_max_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",
@@ -105,6 +110,9 @@ class EngineConfig:
         if self.default_max_tokens > self.max_new_tokens:
             raise ConfigError(f"{ENV_PREFIX}DEFAULT_MAX_TOKENS ({self.default_max_tokens}) must not exceed "
                               f"{ENV_PREFIX}MAX_NEW_TOKENS ({self.max_new_tokens})")
+        if not re.fullmatch(r"[A-Za-z0-9]{0,32}", self.session_id_tag):
+            raise ConfigError(f"{ENV_PREFIX}SESSION_ID_TAG must be at most 32 letters and digits, "
+                              f"got {self.session_id_tag!r}")
         if self.speculative not in ("auto", "draft", "ngram", "off"):
             raise ConfigError(f"{ENV_PREFIX}SPECULATIVE must be auto, draft, ngram or off, got {self.speculative!r}")
         if self.speculative == "draft" and not self.draft_model_path:

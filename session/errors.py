@@ -47,6 +47,13 @@ class SessionNotFound(ResidentError):
     type = "session_not_found"
 
 
+class SessionExists(ResidentError):
+    """An imported session's id is already live here."""
+
+    status = 409
+    type = "session_exists"
+
+
 class PayloadTooLarge(ResidentError):
     status = 413
     type = "payload_too_large"
@@ -60,6 +67,21 @@ class CapacityExceeded(ResidentError):
 
     def __init__(self, message: str, retry_after_s: int = 1):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class RequestCancelled(ResidentError):
+    """The request was cancelled before it finished (its session was closed, or a cancel named it)."""
+
+    status = 409
+    type = "request_cancelled"
+
+
+class ServiceStopping(ResidentError):
+    status = 503
+    type = "service_stopping"
+
+    def __init__(self, message: str = "the engine is stopping; retry on another instance"):
+        super().__init__(message, headers={"Retry-After": "1"})
 
 
 # ---------------------------------------------------------------- adapters (session/adapters.py)

@@ -48,8 +48,16 @@ class Failed:
     error: Exception
 
 
-Event = Started | TextDelta | Finished | Closed | AdminResult | Failed
-TERMINAL = (Finished, Closed, AdminResult, Failed)
+@dataclass(frozen=True)
+class Cancelled:
+    """The request was stopped before it finished (a cancel, a disconnect, its session closed); its turn
+    was rolled back, so the session is as it was before the request."""
+
+    reason: str
+
+
+Event = Started | TextDelta | Finished | Closed | AdminResult | Failed | Cancelled
+TERMINAL = (Finished, Closed, AdminResult, Failed, Cancelled)
 
 
 class EventStream:

@@ -24,6 +24,9 @@ INFERENCE_COMPONENT_HEADER = "X-Amzn-SageMaker-Inference-Component"
 ADMIN_TOKEN_HEADER = "X-Resident-Admin-Token"
 # Ours: which worker process answered ("<hostname>:<pid>"); lets clients and tests see stickiness.
 WORKER_HEADER = "X-Resident-Worker"
+REQUEST_ID_HEADER = "X-Resident-Request-Id"  # names a request, so that a cancel can name it too
+CANCEL_HEADER = "X-Resident-Cancel"  # a request carrying it cancels the request with that id
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 NEW_SESSION = "NEW_SESSION"
 CLOSE = "CLOSE"
 
@@ -31,9 +34,10 @@ SESSION_ID_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
 MAX_SESSION_ID_LEN = 256
 
 
-def new_session_id() -> str:
-    """A uuid4: matches SageMaker's id pattern (token_urlsafe would not: it has underscores)."""
-    return str(uuid.uuid4())
+def new_session_id(tag: str = "") -> str:
+    """A uuid4, then ``-<tag>`` when given (the backend's routing tag): matches SageMaker's id pattern
+    (token_urlsafe would not: it has underscores) and stays unguessable."""
+    return f"{uuid.uuid4()}-{tag}" if tag else str(uuid.uuid4())
 
 
 def validate_session_id(session_id: str) -> str:
@@ -202,6 +206,8 @@ def load_json_object(body: bytes | str | Mapping[str, Any] | None) -> dict:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     return data

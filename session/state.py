@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,13 +25,13 @@ class SessionState:
     token_ids: list[int] = field(default_factory=list)  # the transcript; kv.length <= len(token_ids)
     image_digests: list[str] = field(default_factory=list)  # one per image occurrence, in order (EmbeddingCache keys)
     ended_with_eos: bool = False  # did the last answer end with EOS (template end-of-turn already present)
-    busy: bool = False  # a request is running on this session
-    pending: deque = field(default_factory=deque)  # requests waiting for the running one, in arrival order
+    busy: bool = False  # a request is in flight on it (set and cleared by the scheduler only)
     num_turns: int = 0
     last_used_at: float = 0.0
     host_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # HOST tier: compact K, V [L, KVH, host_length, hd]
     host_length: int = 0
     draft_kv: KVCache | None = None  # the draft model's cache (speculative decoding), counted in device_bytes
+    recoverable: bool = True  # its journal entry is current (False after a failed journal write)
 
     @property
     def device_bytes(self) -> int:

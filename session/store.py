@@ -52,6 +52,10 @@ class SessionStore:
             raise SessionNotFound(f"session {session_id} {detail}; open a new one with NEW_SESSION")
         return state
 
+    def peek(self, session_id: str) -> SessionState | None:
+        """The live session (ephemeral ones too) with this id, or None."""
+        return self._sessions.get(session_id)
+
     def touch(self, state: SessionState) -> None:
         state.last_used_at = self.clock()
         state.expires_at = state.last_used_at + self.ttl_s
@@ -74,4 +78,4 @@ class SessionStore:
         """Idle sessions past their expiry; a session in a request never expires under it."""
         now = self.clock()
         return [sid for sid, s in self._sessions.items()
-                if not s.busy and not s.pending and not s.ephemeral and s.expires_at <= now]
+                if not s.busy and not s.ephemeral and s.expires_at <= now]

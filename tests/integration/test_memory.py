@@ -145,7 +145,7 @@ def test_journal_restores_sessions_after_a_crash(tiny_model_path, unlimited_answ
     (journal / "sessions" / "partial.json").write_text('{"version": 1, "session_id": "partial"}')
     restarted = engine_with(tiny_model_path, journal_dir=str(journal))
     try:
-        assert restarted.num_journal_restored == 2
+        assert restarted.sessions.num_journal_restored == 2
         assert restarted.journal.num_corrupt == 2
         assert sorted(p.name for p in (journal / "sessions").glob("*.corrupt")) == ["garbage.corrupt",
                                                                                    "partial.corrupt"]

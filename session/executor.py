@@ -1,0 +1,126 @@
+"""The executor: a step's model work. A turn's prefill (prompt in, first token out), one decode row
+for each running sequence, a speculative step. It keeps no bookkeeping of its own: the scheduler
+chose the sequences, the output processor records the tokens returned here.
+
+Who calls this: the engine loop thread, inside ``Engine.step``. Each method either returns its
+tokens or raises with the session left consistent (the engine rolls the turn back and fails the
+request).
+"""
+
+from __future__ import annotations
+
+import time
+
+from session.admin import registry_or_404
+from session.errors import BadRequest, ContextLengthExceeded
+from session.sampling import make_generator, sample_rows
+from session.sequence import Sequence
+from session.sessions import Sessions
+
+
+class Executor:
+    def __init__(self, *, runner, stepper, formatter, sessions: Sessions, adapters, speculator, config,
+                 max_context: int, pixel_digests):
+        self.runner = runner  # embeddings, images, model info
+        self.stepper = runner if stepper is None else stepper  # prefill/decode: dynamic or static shapes
+        self.formatter = formatter
+        self.sessions = sessions
+        self.adapters = adapters  # AdapterRegistry or None
+        self.speculator = speculator  # SpeculativeDecoder or None
+        self.config = config
+        self.max_context = max_context
+        self.pixel_digests = pixel_digests  # pixel_values -> content keys, for requests without image bytes
+        self.num_prefilled_tokens = 0
+        self.num_cached_tokens = 0
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, seq: Sequence) -> int:
+        """Prefill the turn's uncached tokens and commit it to the transcript; returns the first token."""
+        request, session = seq.request, seq.session
+        new_ids, num_images = self._prompt(seq)
+        given = 0 if request.pixel_values is None else request.pixel_values.shape[0]
+        if num_images != given:
+            raise BadRequest(f"the prompt has {num_images} image placeholders but {given} images were given")
+        seq.prompt_tokens = len(session.token_ids) + len(new_ids)
+        self._check_length(seq)
+        seq.generator = make_generator(request.sampling, self.config.seed, self.runner.device)
+        digests = list(request.image_digests) or self.pixel_digests(request.pixel_values)
+        if session.adapter is not None:  # resident for as long as the request runs
+            seq.adapter_slot = registry_or_404(self.adapters, session.adapter).acquire(session.adapter)
+        embeds = self.sessions.prepare_turn(seq, new_ids, digests, seq.prompt_tokens + request.sampling.max_tokens)
+        logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot)
+        self.sessions.commit_turn(seq, new_ids)
+        self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
+        self.num_cached_tokens += seq.cached_tokens
+        if self.speculator is not None and request.speculative:
+            from session.speculative import SpeculationController
+
+            k = self.config.num_speculative_tokens
+            seq.controller = SpeculationController(k_max=k, k=min(4, k))
+            self.speculator.sync_draft(session.token_ids, session.draft_kv)
+        return sample_rows(logits[None], [request.sampling], [seq.generator])[0]
+
+    def _prompt(self, seq: Sequence) -> tuple[list[int], int]:
+        request, session = seq.request, seq.session
+        if request.token_ids is not None:
+            return list(request.token_ids), self.count_images(request.token_ids)
+        if session.num_turns == 0:
+            piece = self.formatter.opening(request.messages)
+        else:
+            piece = self.formatter.followup(request.messages, session.ended_with_eos)
+        return piece.token_ids, piece.num_images
+
+    def _check_length(self, seq: Sequence) -> None:
+        prompt_tokens, max_tokens, session = seq.prompt_tokens, seq.request.sampling.max_tokens, seq.session
+        if prompt_tokens + max_tokens > self.max_context:
+            raise ContextLengthExceeded(
+                f"this turn needs {prompt_tokens} prompt tokens + max_tokens {max_tokens} = "
+                f"{prompt_tokens + max_tokens}, over the context window of {self.max_context}"
+                + (" (the session's history counts)" if session.num_turns else ""))
+        cap = self.config.max_session_tokens
+        if cap and not session.ephemeral and prompt_tokens + max_tokens > cap:
+            raise ContextLengthExceeded(
+                f"this session would hold {prompt_tokens + max_tokens} tokens (prompt {prompt_tokens} + max_tokens "
+                f"{max_tokens}), over the per-session cap of {cap}; close it and open a new one")
+
+    def count_images(self, token_ids: list[int]) -> int:
+        image_id, per_image = self.runner.info.image_token_id, self.runner.info.num_image_tokens
+        return 0 if image_id is None else token_ids.count(image_id) // per_image
+
+    # ------------------------------------------------------------------ decode
+
+    def speculating(self, rows: list[Sequence]) -> list[Sequence]:
+        """The rows that take a speculative step this time (only while few requests decode)."""
+        if self.speculator is None or len(rows) > self.config.speculative_max_batch:
+            return []
+        return [s for s in rows if s.controller is not None and s.controller.should_speculate()]
+
+    def decode(self, rows: list[Sequence]) -> list[int]:
+        """One batched decode step: feeds each row's last token, returns each row's next token."""
+        began = time.perf_counter()
+        logits = self.stepper.decode([s.session.kv for s in rows], [s.next_token for s in rows],
+                                     adapter_slots=[s.adapter_slot for s in rows])
+        tokens = sample_rows(logits, [s.request.sampling for s in rows], [s.generator for s in rows])
+        if len(rows) == 1 and rows[0].controller is not None:  # the cost speculation has to beat
+            rows[0].controller.observe_plain(time.perf_counter() - began)
+        return tokens
+
+    def speculate(self, seq: Sequence) -> list[int]:
+        """Draft (or look up) up to k tokens and verify them in one target pass; returns the accepted ones.
+        Both caches then hold the transcript extended by them, but its last token."""
+        session, sampling = seq.session, seq.request.sampling
+        try:
+            result = self.speculator.step(
+                session.token_ids, session.kv, session.draft_kv, seq.controller.k,
+                max_new=sampling.max_tokens - len(seq.generated), eos_token_ids=self.runner.info.eos_token_ids,
+                sampling=sampling, generator=seq.generator, adapter_slot=seq.adapter_slot)
+        except BaseException:
+            self.speculator.rewind(session.token_ids, session.kv, session.draft_kv)
+            raise
+        seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
+        return list(result.token_ids)
+
+    def rewind(self, seq: Sequence) -> None:
+        """Tokens of a speculative run after the one that ended the request were dropped: crop the caches."""
+        self.speculator.rewind(seq.session.token_ids, seq.session.kv, seq.session.draft_kv)
