@@ -29,13 +29,11 @@ from dataclasses import dataclass
 import aiohttp
 
 from session.errors import BackendError, ResidentError, SessionNotFound
-from session.protocol import ADMIN_TOKEN_HEADER
+from session.protocol import ADMIN_TOKEN_HEADER, CANCEL_HEADER
 from session.router import Backend
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "X-Resident-Request-Id"  # names a forwarded invocation, so that it can be cancelled
-CANCEL_HEADER = "X-Resident-Cancel"  # carries the request id to cancel
 JSON_CONTENT_TYPE = "application/json"
 
 

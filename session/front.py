@@ -58,7 +58,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from multidict import CIMultiDict
 
-from session.backend_admin import REQUEST_ID_HEADER, BackendAdmin
+from session.backend_admin import BackendAdmin
 from session.errors import (
     BackendError, BackendTimeout, BadRequest, ConfigError, PayloadTooLarge, ResidentError, SessionBackendUnavailable,
     SessionNotFound,
@@ -66,8 +66,8 @@ from session.errors import (
 from session.event_stream import CONTENT_TYPE as EVENT_STREAM, model_stream_error, payload_part
 from session.migration import Migrator
 from session.protocol import (
-    ADMIN_TOKEN_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, header, load_json_object, sse,
-    validate_session_id,
+    ADMIN_TOKEN_HEADER, NEW_SESSION, NEW_SESSION_HEADER, REQUEST_ID_HEADER, REQUEST_ID_RE, SESSION_HEADER, header,
+    load_json_object, sse, validate_session_id,
 )
 from session.router import Backend, Router
 
@@ -82,7 +82,6 @@ VARIANT_HEADER = "x-Amzn-Invoked-Production-Variant"
 VARIANT = "AllTraffic"  # SageMaker's default production variant name
 SSE_CONTENT_TYPE = "text/event-stream"
 JSON_CONTENT_TYPE = "application/json"
-REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")  # what a backend accepts as X-Resident-Request-Id
 TAG_RE = re.compile(r"^[A-Za-z0-9]+\*?$")
 # A session found nowhere is looked for once more after this: another front may be moving it.
 LOOKUP_RETRY_S = 0.25
@@ -699,7 +698,7 @@ def _session_id(request: web.Request) -> str | None:
 def _request_id(request: web.Request) -> str:
     """The client's X-Resident-Request-Id when it is valid, else a fresh one."""
     value = (header(request.headers, REQUEST_ID_HEADER) or "").strip()
-    return value if REQUEST_ID_RE.match(value) else uuid.uuid4().hex
+    return value if REQUEST_ID_RE.fullmatch(value) else uuid.uuid4().hex
 
 
 async def _write(response: web.StreamResponse, data: bytes) -> None:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from session.backend_admin import CANCEL_HEADER, REQUEST_ID_HEADER
-from session.protocol import ADMIN_TOKEN_HEADER, CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
+from session.protocol import (
+    ADMIN_TOKEN_HEADER, CANCEL_HEADER, CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, SESSION_HEADER,
+)
 
 TOKEN = "secret-admin-token"
 EXPIRES_AT = 4_000_000_000.0

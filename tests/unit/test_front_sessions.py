@@ -9,9 +9,8 @@ import contextlib
 import aiohttp
 import pytest
 
-from session.backend_admin import CANCEL_HEADER, REQUEST_ID_HEADER
 from session.front import Front, FrontConfig
-from session.protocol import ADMIN_TOKEN_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
+from session.protocol import ADMIN_TOKEN_HEADER, CANCEL_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, SESSION_HEADER
 from tests.fake_backend import TOKEN, SessionBackend
 
 pytestmark = pytest.mark.asyncio
