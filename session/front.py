@@ -570,12 +570,12 @@ class Front:
 
     def _cancel_later(self, backend: Backend, request_id: str) -> None:
         """Tell the backend to stop ``request_id``, in the background (the caller may be cancelled itself)."""
+        self.num_cancels_sent += 1
         task = asyncio.get_running_loop().create_task(self._cancel(backend, request_id))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
     async def _cancel(self, backend: Backend, request_id: str) -> None:
-        self.num_cancels_sent += 1
         cancelled = await self.admin.cancel(backend, request_id)
         logger.info("cancel of request %s on backend %d: %s", request_id, backend.index,
                     {True: "stopped", False: "already finished", None: "not delivered"}[cancelled])
