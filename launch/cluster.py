@@ -18,6 +18,11 @@ NEURON_RT_VISIBLE_CORES=<i mod #cores>; on CPU the cores are shared out with RES
 RESIDENT_DEVICE / RESIDENT_THREADS set by the caller is passed to every backend unchanged; a
 RESIDENT_JOURNAL_DIR becomes <dir>/backend-<i>, one journal per backend.
 
+The admin token the front and its backends share (RESIDENT_ADMIN_TOKEN, else a fresh one per run) is
+written to build/cluster-<PORT>/admin-token (mode 0600) for ``POST /backends/{i}/drain`` and
+``/restart`` (docs/ROUTING.md). ``python -m launch front`` takes it from RESIDENT_FRONT_ADMIN_TOKEN,
+else from RESIDENT_ADMIN_TOKEN.
+
 Ctrl-C or SIGTERM: the front stops listening and lets requests in flight finish
 (RESIDENT_FRONT_DRAIN_S, 10 s), then every backend's process group is stopped by PID, in parallel,
 within SageMaker's 30 s grace. Should every backend process exit, the front stops too (status 1), so
@@ -37,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,10 +169,58 @@ def stop_backends(backends: list[TorchServe]) -> None:
             list(pool.map(lambda b: b.stop(timeout_s=BACKEND_STOP_S), backends))
 
 
+class BackendRestarter:
+    """Restarts one backend of a running cluster, for the front's ``POST /backends/{i}/restart`` (which
+    drains it first and resumes it after). Its watchdog is stopped first, so that it does not restart
+    the backend too; a new one watches it once TorchServe is ready again (same ports and journal)."""
+
+    def __init__(self, backends: list[TorchServe], environ: Mapping[str, str]):
+        self.backends = backends
+        self.environ = environ
+        self.watchdogs = {i: watch(b, environ) for i, b in enumerate(backends)}  # index -> Watchdog | None
+        self._lock = threading.Lock()  # one restart at a time: a rolling restart, never two backends down
+
+    def restart(self, index: int) -> None:
+        """Blocking (minutes for a large model): the front runs it in a thread."""
+        with self._lock:
+            watchdog = self.watchdogs.pop(index, None)
+            if watchdog is not None:
+                watchdog.stop()
+            backend = self.backends[index]
+            try:
+                logger.info("restarting backend %d (%s)", index, backend.url)
+                backend.restart()
+                backend.wait_ready(timeout_s=float(self.environ.get("RESIDENT_STARTUP_TIMEOUT_S", "900")))
+            finally:
+                self.watchdogs[index] = watch(backend, self.environ)
+
+    @property
+    def restarting(self) -> bool:
+        return self._lock.locked()
+
+    def stop(self) -> None:
+        """Called before the backends are stopped: no watchdog restarts one after this."""
+        with self._lock:
+            for watchdog in self.watchdogs.values():
+                if watchdog is not None:
+                    watchdog.stop()
+
+
+def write_admin_token(run_root: Path, token: str) -> Path:
+    """The token where the operator (and only they) can read it: build/cluster-<PORT>/admin-token."""
+    run_root.mkdir(parents=True, exist_ok=True)
+    path = run_root / "admin-token"
+    path.unlink(missing_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    return path
+
+
 async def serve_front(config: FrontConfig, host: str, port: int,
-                      backends_alive: Callable[[], bool] = lambda: True) -> bool:
+                      backends_alive: Callable[[], bool] = lambda: True,
+                      restart_backend: Callable[[int], None] | None = None) -> bool:
     """Run the front until SIGTERM or SIGINT (True), or until no backend process is left (False)."""
-    front = Front(config)
+    front = Front(config, restart_backend=restart_backend)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -185,10 +239,11 @@ async def serve_front(config: FrontConfig, host: str, port: int,
         await front.stop()
 
 
-def _serve(config: FrontConfig, host: str, port: int, backends_alive: Callable[[], bool] = lambda: True) -> int:
+def _serve(config: FrontConfig, host: str, port: int, backends_alive: Callable[[], bool] = lambda: True,
+           restart_backend: Callable[[int], None] | None = None) -> int:
     """The front in the foreground; the exit status."""
     try:
-        return 0 if asyncio.run(serve_front(config, host, port, backends_alive)) else 1
+        return 0 if asyncio.run(serve_front(config, host, port, backends_alive, restart_backend)) else 1
     except OSError as exc:  # the port is taken, most often
         print(f"error: the front cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 1
@@ -203,7 +258,7 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
     _configure_logging()
     signal.signal(signal.SIGTERM, _interrupt)
     backends: list[TorchServe] = []
-    watchdogs: list = []
+    restarter: BackendRestarter | None = None
     try:
         model = Path(environ["MODEL"]) if environ.get("MODEL") else DEFAULT_MODEL
         if not environ.get("MODEL"):
@@ -213,14 +268,17 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
         devices = visible_devices()
         num = num_backends(environ.get("BACKENDS", "2"), devices)
         backends = start_backends(num, devices, front_port=port, model=model, environ=environ)
-        watchdogs = [w for w in (watch(b, environ) for b in backends) if w is not None]
+        restarter = BackendRestarter(backends, environ)
+        token_file = write_admin_token(REPO / "build" / f"cluster-{port}", admin_token(environ))
         config = FrontConfig.from_env(environ, backends=tuple(b.url for b in backends),
                                       management_urls=tuple(b.management_url for b in backends),
                                       model_name=MODEL_NAME, admin_token=admin_token(environ),
                                       backend_tags=tuple(session_id_tag(i, environ) for i in range(num)))
         host = environ.get("HOST", "127.0.0.1")
-        print(f"front on http://{host}:{port} before {num} backend(s) serving {model}; Ctrl-C stops", flush=True)
-        return _serve(config, host, port, lambda: any(b.process.poll() is None for b in backends))
+        print(f"front on http://{host}:{port} before {num} backend(s) serving {model} (admin token in "
+              f"{token_file}); Ctrl-C stops", flush=True)
+        alive = lambda: restarter.restarting or any(b.process.poll() is None for b in backends)  # noqa: E731
+        return _serve(config, host, port, alive, restarter.restart)
     except KeyboardInterrupt:
         return 0
     except ConfigError as exc:
@@ -229,8 +287,8 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):  # a second Ctrl-C must not cut the clean-up short
             signal.signal(signum, signal.SIG_IGN)
-        for watchdog in watchdogs:
-            watchdog.stop()
+        if restarter is not None:
+            restarter.stop()
         stop_backends(backends)
         logger.info("stopped")
 
@@ -238,8 +296,10 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
 def run_front(port: int, environ: Mapping[str, str] = os.environ) -> int:
     """Called by ``python -m launch front``: the front alone, backends from RESIDENT_FRONT_BACKENDS."""
     _configure_logging()
+    shared = {"admin_token": environ["RESIDENT_ADMIN_TOKEN"]} \
+        if environ.get("RESIDENT_ADMIN_TOKEN") and not environ.get("RESIDENT_FRONT_ADMIN_TOKEN") else {}
     try:
-        config = FrontConfig.from_env(environ)
+        config = FrontConfig.from_env(environ, **shared)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

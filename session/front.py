@@ -7,6 +7,7 @@ device; or, in docker/compose.yaml, other fronts standing in for SageMaker insta
   GET  /backends                                        each backend's health and counters (JSON)
   POST /backends/{i}/drain, /backends/{i}/resume        move every session off backend i (admin token),
                                                         put it back into rotation (session/migration.py)
+  POST /backends/{i}/restart                            drain, restart (make cluster only), resume
   POST /invocations, /predictions/{model}               forwarded as they are (SSE streams relayed)
   POST /v1/chat/completions, GET /v1/models             the OpenAI API (the openai client), sessions by
                                                         the same SageMaker headers
@@ -51,7 +52,7 @@ import os
 import re
 import uuid
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -206,8 +207,10 @@ class Front:
     and begins health checks, ``stop`` stops listening, lets requests in flight finish (up to
     ``drain_s``) and closes the connections to the backends."""
 
-    def __init__(self, config: FrontConfig):
+    def __init__(self, config: FrontConfig, restart_backend: Callable[[int], None] | None = None):
         self.config = config
+        # Blocking: restarts backend i and returns once it is ready (launch/cluster.py); None: not ours to restart.
+        self._restart_backend = restart_backend
         management = config.management_urls or (None,) * len(config.backends)
         self.router = Router([Backend(index=i, url=url, management_url=mgmt, tag=tag)
                               for i, (url, mgmt, tag) in enumerate(zip(config.backends, management,
@@ -219,6 +222,7 @@ class Front:
         self.app.router.add_get("/backends", self.describe_backends)
         self.app.router.add_post("/backends/{index}/drain", self.drain_backend)
         self.app.router.add_post("/backends/{index}/resume", self.resume_backend)
+        self.app.router.add_post("/backends/{index}/restart", self.restart_backend)
         self.app.router.add_post("/invocations", self.invoke)
         self.app.router.add_post("/predictions/{model}", self.invoke)
         self.app.router.add_post("/v1/chat/completions", self.invoke)
@@ -320,6 +324,26 @@ class Front:
         backend = self._backend_at(request)
         self.router.resume(backend)
         return web.json_response({"backend": backend.index, "draining": False})
+
+    async def restart_backend(self, request: web.Request) -> web.Response:
+        """A step of a rolling restart: drain backend i, restart it, put it back. 409 (and no restart)
+        when a session could not be moved off it."""
+        self._check_admin(request)
+        backend = self._backend_at(request)
+        if self._restart_backend is None:
+            raise BadRequest("this front does not own its backends' processes (only make cluster's does): drain, "
+                             "restart the backend yourself, then POST /backends/{i}/resume")
+        report = await self.migrator.drain(backend)
+        if report.num_remaining:
+            return web.json_response({"error": {"type": "sessions_remaining", "message": (
+                f"{report.num_remaining} session(s) could not be moved off backend {backend.index}; not restarted "
+                "(it stays drained: POST /backends/{i}/resume to undo)")}, "drain": report.to_body()}, status=409)
+        started = asyncio.get_running_loop().time()
+        await asyncio.get_running_loop().run_in_executor(None, self._restart_backend, backend.index)
+        await self._probe(backend)
+        self.router.resume(backend)
+        return web.json_response({"backend": backend.index, "drain": report.to_body(), "healthy": backend.healthy,
+                                  "restart_s": round(asyncio.get_running_loop().time() - started, 3)})
 
     def _check_admin(self, request: web.Request) -> None:
         if not self.config.admin_token:

@@ -6,7 +6,10 @@ import os
 
 import pytest
 
-from launch.cluster import Devices, backend_base_port, backend_env, num_backends, session_id_tag
+from launch import cluster
+from launch.cluster import (
+    Devices, backend_base_port, backend_env, num_backends, session_id_tag, write_admin_token,
+)
 from session.errors import ConfigError
 
 CUDA, NEURON, CPU = Devices("cuda", 2), Devices("neuron", 4), Devices("cpu", 1)
@@ -56,3 +59,20 @@ def test_each_backend_tags_the_session_ids_it_creates():
     assert session_id_tag(1, {"RESIDENT_INSTANCE_TAG": "ia"}) == "iab1"
     with pytest.raises(ConfigError, match="RESIDENT_INSTANCE_TAG"):
         session_id_tag(0, {"RESIDENT_INSTANCE_TAG": "a-b"})
+
+
+def test_the_admin_token_is_written_for_the_operator_only(tmp_path):
+    path = write_admin_token(tmp_path / "cluster-8080", "s3cret")
+    assert path.read_text() == "s3cret\n"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert write_admin_token(tmp_path / "cluster-8080", "other").read_text() == "other\n"
+
+
+def test_a_front_alone_shares_the_backends_admin_token(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cluster, "_serve", lambda config, host, port: seen.append(config.admin_token) or 0)
+    env = {"RESIDENT_FRONT_BACKENDS": "http://127.0.0.1:1"}
+    assert cluster.run_front(8080, {**env, "RESIDENT_ADMIN_TOKEN": "shared"}) == 0
+    assert cluster.run_front(8080, {**env, "RESIDENT_ADMIN_TOKEN": "shared", "RESIDENT_FRONT_ADMIN_TOKEN": "own"}) == 0
+    assert cluster.run_front(8080, env) == 0
+    assert seen == ["shared", "own", ""]

@@ -231,3 +231,38 @@ async def test_a_finished_answer_sends_no_cancel():
             await asyncio.sleep(0.1)
             assert backends[0].cancels == [] and front.num_cancels_sent == 0
             assert CANCEL_HEADER not in str(backends[0].requests)
+
+
+async def test_restart_drains_restarts_and_resumes_the_backend():
+    async with fake_backends(2) as backends:
+        restarted: list[tuple[int, int]] = []  # (backend index, its sessions when restarted)
+
+        def restart(index: int) -> None:  # stands in for launch/cluster.py's BackendRestarter (a thread)
+            restarted.append((index, len(backends[index].sessions)))
+
+        config = FrontConfig.from_env({}, backends=tuple(b.url for b in backends), health_interval_s=3600.0,
+                                      admin_token=TOKEN)
+        front = Front(config, restart_backend=restart)
+        await front.start("127.0.0.1", 0)
+        await front.check_health()
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{front.port}") as client:
+            sid, _ = await open_session(client)
+            done = await client.post("/backends/0/restart", headers={ADMIN_TOKEN_HEADER: TOKEN})
+            body = await done.json()
+            assert done.status == 200, body
+            assert (body["backend"], body["drain"]["moved"], body["healthy"]) == (0, 1, True)
+            assert restarted == [(0, 0)]  # restarted only once empty
+            assert front.router.backends[0].draining is False
+            assert await follow(client, sid) == (200, "backend 1 turn 2", "1")
+            backends[0].refuse_imports = True
+            await open_session(client)  # on backend 0 again (resumed, least busy)
+            refused = await client.post("/backends/1/restart", headers={ADMIN_TOKEN_HEADER: TOKEN})
+            assert refused.status == 409
+            assert (await refused.json())["drain"]["remaining"] == 1
+            assert restarted == [(0, 0)]
+        await front.stop()
+    async with fake_backends(1) as backends:
+        async with fronts(backends) as [(front, client)]:
+            plain = await client.post("/backends/0/restart", headers={ADMIN_TOKEN_HEADER: TOKEN})
+            assert plain.status == 400
+            assert "does not own its backends" in (await plain.json())["error"]["message"]
