@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from launch.cluster import run_cluster, run_front
-from launch.torchserve import DEFAULT_MODEL, REPO, ensure_demo_models, start_torchserve
+from launch.torchserve import DEFAULT_MODEL, REPO, PortInUse, ensure_demo_models, start_torchserve
 from launch.watchdog import watch
 
 
@@ -36,12 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     port = serve_port()
 
     def shutdown(signum, frame):
+        # Ignore further signals first: Ctrl-C in a terminal or a supervisor's group signal often comes
+        # twice (make forwards it too), and a second SystemExit would cut the clean-up below short.
+        for other in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(other, signal.SIG_IGN)
         raise SystemExit(0)  # unwinds through the finally below, whatever the launcher was doing
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
-    server = start_torchserve(port, run_dir=REPO / "build" / f"serve-{port}", model_path=model,
-                              host=os.environ.get("HOST", "127.0.0.1"))
+    try:
+        server = start_torchserve(port, run_dir=REPO / "build" / f"serve-{port}", model_path=model,
+                                  host=os.environ.get("HOST", "127.0.0.1"))
+    except PortInUse as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     watchdog = None
     try:
         server.wait_ready(timeout_s=float(os.environ.get("RESIDENT_STARTUP_TIMEOUT_S", "900")))

@@ -5,6 +5,11 @@ directory: its config.properties (addresses on 127.0.0.1 by default), logs, and 
 TorchServe keeps a pid file in the temp directory and refuses to start a second instance that
 shares it. Stopping kills the instance's whole process group by PID: TorchServe's async workers
 can outlive ``torchserve --stop``.
+
+No instance outlives its launcher: a guard process (launch/guard.py) stops the group as soon as the
+launcher is gone, even after SIGKILL. A clean stop removes the instance's journal (the default one
+under /dev/shm); a watchdog restart keeps it, so the sessions come back. A port already in use
+fails the start at once, naming the port and, where it can be seen, the process holding it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,41 @@ def build_archive(store: Path, config_file: Path = REPO / "model_store" / "model
     return store / MODEL_NAME
 
 
+STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+def check_ports_free(host: str, port: int, count: int = 5) -> None:
+    """Raise PortInUse naming the first of ``port .. port+count-1`` that cannot be bound."""
+    import socket
+
+    for candidate in range(port, port + count):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, candidate))
+            except OSError as exc:
+                role = ("inference", "management", "metrics", "gRPC inference", "gRPC management")[candidate - port]
+                raise PortInUse(f"port {candidate} on {host} ({role}, PORT={port} uses {port}..{port + count - 1}) "
+                                f"is already in use{_holder(candidate)}: {exc.strerror}; stop that process or set "
+                                "PORT to a free range") from None
+
+
+def _holder(port: int) -> str:
+    try:
+        import psutil
+
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                return f" by pid {conn.pid} ({' '.join(psutil.Process(conn.pid).cmdline()[:3])})"
+    except Exception:  # best effort: the message names the port either way
+        pass
+    return ""
+
+
 @dataclass
 class TorchServe:
     """A running instance. ``port`` serves inference; management, metrics and gRPC use port+1 .. port+4."""
@@ -64,6 +104,8 @@ class TorchServe:
     cmd: list[str] = field(default_factory=list)
     stdout: object = None
     num_restarts: int = 0
+    guard: subprocess.Popen | None = None  # launch/guard.py: stops this instance if the launcher dies
+    journal_dir: str = ""  # removed on a clean stop (the launcher chose it)
 
     @property
     def url(self) -> str:
@@ -107,20 +149,50 @@ class TorchServe:
         except psutil.Error:
             return []
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the instance's process group, then SIGKILL what is left. Idempotent."""
+    @property
+    def heartbeat_file(self) -> Path:
+        return self.run_dir / "heartbeat"
+
+    def heartbeat_age_s(self) -> float | None:
+        """Seconds since the engine loop last touched its heartbeat file (None: not yet)."""
+        try:
+            return time.time() - self.heartbeat_file.stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM the instance's process group, then SIGKILL what is left; remove its journal. Idempotent."""
         _stop_group(self.process, timeout_s)
+        self._release_guard(keep_journal=False)
 
     def restart(self) -> None:
         """Stop everything and start the same instance again (same ports, run dir and journal)."""
-        self.stop()
+        _stop_group(self.process, STOP_TIMEOUT_S)
+        self._release_guard(keep_journal=True)
+        self.heartbeat_file.unlink(missing_ok=True)
         self.process = _launch(self.cmd, self.run_dir, self.env, self.stdout)
+        self.guard = _guard(self.process, self.journal_dir)
         self.num_restarts += 1
+
+    def _release_guard(self, keep_journal: bool) -> None:
+        guard, self.guard = self.guard, None
+        if guard is None:
+            return
+        try:
+            guard.stdin.write(b"keep" if keep_journal else b"stop")
+            guard.stdin.close()
+        except OSError:
+            pass
+        try:
+            guard.wait(10)
+        except subprocess.TimeoutExpired:
+            guard.kill()
 
 
 def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAULT_MODEL, host: str = "127.0.0.1",
                      extra_env: dict[str, str] | None = None, config_file: Path | None = None,
                      stdout=None) -> TorchServe:
+    check_ports_free(host, port)
     run_dir = Path(run_dir).resolve()
     (run_dir / "tmp").mkdir(parents=True, exist_ok=True)
     store = run_dir / "model_store"
@@ -130,8 +202,10 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
     env = {**os.environ, **(extra_env or {})}
     # Journal per instance, kept across restarts of that instance (crash recovery); /dev/shm is RAM.
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else run_dir
+    own_journal = "RESIDENT_JOURNAL_DIR" not in env
     env.setdefault("RESIDENT_JOURNAL_DIR", str(shm / f"resident-journal-{port}"))
     env.update({
+        "RESIDENT_HEARTBEAT_FILE": str(run_dir / "heartbeat"),  # the watchdog's liveness signal
         "TMPDIR": str(run_dir / "tmp"),  # TorchServe's pid file lives here: one per instance
         "LOG_LOCATION": str(run_dir / "logs"), "METRICS_LOCATION": str(run_dir / "logs"),
         "RESIDENT_MODEL_PATH": str(Path(model_path).resolve()),
@@ -140,8 +214,18 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
     })
     cmd = [bin_path("torchserve"), "--start", "--foreground", "--ncs", "--disable-token-auth",
            "--ts-config", str(props), "--model-store", str(store), "--models", f"{MODEL_NAME}={MODEL_NAME}"]
-    return TorchServe(process=_launch(cmd, run_dir, env, stdout), port=port, run_dir=run_dir, host=host, env=env,
-                      cmd=cmd, stdout=stdout)
+    (run_dir / "heartbeat").unlink(missing_ok=True)
+    process = _launch(cmd, run_dir, env, stdout)
+    journal_dir = env["RESIDENT_JOURNAL_DIR"] if own_journal else ""
+    return TorchServe(process=process, port=port, run_dir=run_dir, host=host, env=env, cmd=cmd, stdout=stdout,
+                      guard=_guard(process, journal_dir), journal_dir=journal_dir)
+
+
+def _guard(process: subprocess.Popen, journal_dir: str) -> subprocess.Popen:
+    """launch/guard.py for this instance: its own session, our pipe on its stdin."""
+    return subprocess.Popen([sys.executable, "-m", "launch.guard", str(process.pid), str(STOP_TIMEOUT_S), journal_dir],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def _launch(cmd: list[str], run_dir: Path, env: dict, stdout) -> subprocess.Popen:

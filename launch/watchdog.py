@@ -1,35 +1,35 @@
-"""Keeps a TorchServe instance answering: restart it when its worker stops serving.
+"""Keeps a TorchServe instance answering: restart it when its worker is dead or stuck, never when busy.
 
-TorchServe 0.12 does not restart an ``asyncCommunication`` worker that died (DESIGN §5): the
-model stays "UNLOADING" and requests hang. Re-registering the model brings a worker back but
-loses TorchServe's default model for ``/invocations``, so the watchdog restarts the whole
-instance instead (same ports, same journal): live sessions come back from the journal and
-their next follow-up is recomputed. The probe is a real inference (stateless, one token); a
-503 from our admission control counts as alive, so load never triggers a restart.
+TorchServe 0.12 does not restart an ``asyncCommunication`` worker that died (the model stays
+"UNLOADING" and requests hang). Re-registering the model brings a worker back but loses
+TorchServe's default model for ``/invocations``, so the watchdog restarts the whole instance
+instead (same ports, same journal): live sessions come back from the journal and their next
+follow-up is recomputed.
+
+Liveness is read out of band, never by queueing behind requests: the worker must be READY in the
+management API and the engine loop's heartbeat file (touched every iteration, at least once a
+second, see session/engine.py) must be fresher than ``stall_s``. A saturated engine still turns its
+loop every step, so load never looks like a failure; a dead worker (no READY) or a loop stuck in
+one step for longer than ``stall_s`` does.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-import urllib.error
-import urllib.request
 
-from launch.torchserve import MODEL_NAME, TorchServe
+from launch.torchserve import TorchServe
 
 logger = logging.getLogger(__name__)
-
-PROBE_BODY = json.dumps({"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}).encode()
 
 
 class Watchdog:
     def __init__(self, server: TorchServe, *, interval_s: float = 5.0, failures_to_restart: int = 3,
-                 probe_timeout_s: float = 30.0, ready_timeout_s: float = 600.0):
+                 stall_s: float = 60.0, ready_timeout_s: float = 600.0):
         self.server = server
         self.interval_s = interval_s
         self.failures_to_restart = failures_to_restart
-        self.probe_timeout_s = probe_timeout_s
+        self.stall_s = stall_s
         self.ready_timeout_s = ready_timeout_s
         self.num_failures = 0  # consecutive failed probes
         self._stop = threading.Event()
@@ -49,18 +49,11 @@ class Watchdog:
         self._thread.join(2.0)
 
     def probe(self) -> bool:
-        """True when the worker is READY and answers a real inference (200, or 503 when busy)."""
+        """True when the worker is READY and its engine loop turned within ``stall_s``."""
         if self.server.worker_statuses() != ["READY"]:
             return False
-        request = urllib.request.Request(f"{self.server.url}/predictions/{MODEL_NAME}", data=PROBE_BODY,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.probe_timeout_s) as response:
-                return response.status == 200
-        except urllib.error.HTTPError as exc:
-            return exc.code == 503
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
+        age = self.server.heartbeat_age_s()
+        return age is not None and age <= self.stall_s
 
     def _run(self) -> None:
         try:  # a model still loading is not a failure
@@ -87,10 +80,12 @@ class Watchdog:
 
 
 def watch(server: TorchServe, environ) -> Watchdog | None:
-    """A started watchdog for ``server`` per RESIDENT_WATCHDOG_INTERVAL_S (default 5; 0 disables)
-    and RESIDENT_WATCHDOG_FAILURES (consecutive failed probes before a restart, default 3)."""
+    """A started watchdog for ``server`` per RESIDENT_WATCHDOG_INTERVAL_S (default 5; 0 disables),
+    RESIDENT_WATCHDOG_FAILURES (consecutive failed probes before a restart, default 3) and
+    RESIDENT_WATCHDOG_STALL_S (a heartbeat older than this is a stuck loop, default 60)."""
     interval = float(environ.get("RESIDENT_WATCHDOG_INTERVAL_S", "5"))
     if interval <= 0:
         return None
     return Watchdog(server, interval_s=interval,
-                    failures_to_restart=int(environ.get("RESIDENT_WATCHDOG_FAILURES", "3"))).start()
+                    failures_to_restart=int(environ.get("RESIDENT_WATCHDOG_FAILURES", "3")),
+                    stall_s=float(environ.get("RESIDENT_WATCHDOG_STALL_S", "60"))).start()

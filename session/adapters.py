@@ -299,7 +299,8 @@ class AdapterRegistry:
             self.num_loads_to_device += 1
         self._device_lru[name] = None
         self._device_lru.move_to_end(name)
-        self._host_lru.move_to_end(name)
+        if name in self._host_lru:  # its host copy may have left the host LRU while it sat on the device
+            self._host_lru.move_to_end(name)
         info.num_running += 1
         return info.slot
 

@@ -476,7 +476,8 @@ class Engine:
         active = self.scheduler.active.get(session.session_id)
         if active is not None:
             self._end(active, Cancelled(f"session {session.session_id} was closed while this request ran"))
-        self.sessions.forget(session, "closed")
+        if self.store.peek(session.session_id) is session:  # (a cancelled opening turn forgot it already)
+            self.sessions.forget(session, "closed")
         request.stream.put(Closed(request.session_id))
         for later in queued:
             later.stream.put(Failed(SessionNotFound(f"session {request.session_id} was closed")))

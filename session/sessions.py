@@ -140,7 +140,9 @@ class Sessions:
 
     def _crop_to_transcript(self, session: SessionState) -> None:
         session.kv.crop(len(session.token_ids))
-        if session.draft_kv is not None:
+        if session.tier is Tier.DEVICE and len(session.token_ids) - session.kv.length > 1:
+            self.memory.drop(session)  # a recompute failed part-way: the next turn recomputes again
+        elif session.draft_kv is not None:
             session.draft_kv.crop(max(0, self.draft_text_tokens(session.token_ids) - 1))
 
     def release_images(self, seq: Sequence) -> None:

@@ -53,7 +53,7 @@ def test_kill_9_mid_conversation_loses_nothing(tiny_model_path, tmp_path):
         ask(server, session, QUESTIONS[1])
         assert len(list((tmp_path / "journal" / "sessions").glob("*.json"))) == 2
 
-        watchdog = Watchdog(server, interval_s=1.0, failures_to_restart=2, probe_timeout_s=5).start()
+        watchdog = Watchdog(server, interval_s=1.0, failures_to_restart=2, stall_s=5).start()
         [worker] = server.worker_pids()
         os.kill(worker, signal.SIGKILL)
         deadline = time.monotonic() + 240

@@ -1,0 +1,119 @@
+"""A model runner with the engine's interface and no model: fast, deterministic, and able to fail.
+
+Its KV caches are real ``KVCache`` objects (1 layer, 1 head, head_dim 1) that store each position's
+token id as its "key", so a test can check that a session's cache holds exactly its transcript. The
+next token is a hash of everything in the cache (and the adapter slot): a cache that lost or
+duplicated a position, or a turn that was not rolled back, answers differently, as a real model would.
+Faults: ``fail["prefill"|"decode"|"encode"] = n`` makes the next n such calls raise.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from session.kv_cache import KVCache
+from session.model_runner import ModelInfo
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def next_token(context: list[int], vocab_size: int, salt: int = 0) -> int:
+    """The fake model: a position-weighted hash of the whole context (and of the adapter's name)."""
+    return (sum((i + 1) * t for i, t in enumerate(context)) * 2654435761 + 97 * salt) % vocab_size
+
+
+def greedy_answer(context: list[int], max_tokens: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                  adapter: str | None = None) -> list[int]:
+    """What the engine must answer for a turn whose whole prompt (transcript + new tokens) is ``context``."""
+    context, out = list(context), []
+    while len(out) < max_tokens:
+        token = next_token(context, vocab_size, adapter_salt(adapter))
+        out.append(token)
+        context.append(token)
+        if token in eos_token_ids:
+            break
+    return out
+
+
+def adapter_salt(name: str | None) -> int:
+    return zlib.crc32(name.encode()) if name else 0
+
+
+@dataclass
+class FakeBank:
+    slot_names: dict[int, str] = field(default_factory=dict)  # device slot -> adapter loaded there
+
+    def load(self, slot: int, adapter) -> None:
+        self.slot_names[slot] = adapter.name
+
+
+class FakeRunner:
+    is_multimodal = True
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], image_token_id: int,
+                 num_image_tokens: int = 3, max_positions: int = 4096):
+        self.device = torch.device("cpu")
+        self.info = ModelInfo(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, hidden_size=1,
+                              vocab_size=vocab_size, max_positions=max_positions, eos_token_ids=eos_token_ids,
+                              image_token_id=image_token_id, num_image_tokens=num_image_tokens)
+        self.fail: dict[str, int] = {"prefill": 0, "decode": 0, "encode": 0}
+        self.num_decode_rows = 0
+        self.bank = FakeBank()
+
+    def _maybe_fail(self, kind: str) -> None:
+        if self.fail[kind] > 0:
+            self.fail[kind] -= 1
+            raise InjectedFault(f"injected {kind} fault")
+
+    def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
+        return KVCache(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64, device=self.device,
+                       block_tokens=block_tokens, max_tokens=max_tokens, static=static)
+
+    def enable_lora(self, num_slots: int, max_rank: int):
+        return self.bank, {(0, "q_proj"): (1, 1)}
+
+    def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        self._maybe_fail("encode")
+        return [torch.zeros(self.info.num_image_tokens, 1) for _ in pixel_values]
+
+    def embed(self, token_ids: list[int], image_embeds: list[torch.Tensor]) -> torch.Tensor:
+        # Image placeholders keep their id: the images' content does not steer the fake model.
+        return torch.tensor(token_ids, dtype=torch.float64)[:, None]
+
+    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False, adapter_slot: int = 0):
+        self._maybe_fail("prefill")
+        start, count = kv.length, embeds.shape[0]
+        kv.ensure_capacity(start + count)
+        kv.write(0, start, embeds.T[:, :, None], embeds.T[:, :, None])
+        kv.length = start + count
+        return self._logits(kv, adapter_slot)
+
+    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None):
+        self._maybe_fail("decode")
+        slots = adapter_slots or [0] * len(kvs)
+        rows = []
+        for kv, token in zip(kvs, token_ids):
+            kv.ensure_capacity(kv.length + 1)
+            value = torch.tensor([[[float(token)]]], dtype=torch.float64)
+            kv.write(0, kv.length, value, value)
+        for kv in kvs:  # lengths advance only after the whole step, as in the real runner
+            kv.length += 1
+        rows = [self._logits(kv, slot) for kv, slot in zip(kvs, slots)]
+        self.num_decode_rows += len(kvs)
+        return torch.stack(rows)
+
+    def _logits(self, kv: KVCache, adapter_slot: int) -> torch.Tensor:
+        context = [int(x) for x in kv.k[0, 0, : kv.length, 0].tolist()]
+        logits = torch.zeros(self.info.vocab_size)
+        name = self.bank.slot_names.get(adapter_slot) if adapter_slot else None
+        logits[next_token(context, self.info.vocab_size, adapter_salt(name))] = 1.0
+        return logits
+
+
+def cache_tokens(kv: KVCache) -> list[int]:
+    return [int(x) for x in kv.k[0, 0, : kv.length, 0].tolist()]

@@ -1,0 +1,251 @@
+"""Randomized schedules against the engine's invariant (docs/ENGINE.md), on a fake runner.
+
+Each schedule is drawn from a seeded generator: arrivals of stateless requests, new sessions and
+follow-ups (with images, with adapters), random ``max_tokens``, closes (also of busy sessions),
+cancels, expiry (a fake clock), a device budget that forces demotion, and faults injected in the
+runner (prefill, decode, image encoding), the journal (ENOSPC / EIO on entries and on images) and
+adapter loads. More requests run than one step takes (max_batch_size 1..3), so rows finish
+mid-batch while others wait: the state the rotation bug needed. After every step:
+
+- the scheduler's and the sessions' own checks pass, and no session is busy without a request;
+- every device-resident session's cache holds exactly its transcript (the fake stores token ids);
+- no request has more than one final event.
+At the end every request has exactly one final event, and every Finished answer equals the fake
+model's greedy answer over the session's transcript as the test itself tracked it (so rolled-back
+turns, recomputed and restored sessions all answer exactly).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import hashlib
+import os
+import io
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from PIL import Image
+
+import session.adapters
+import session.engine
+from session.adapters import AdapterWeights
+from session.config import EngineConfig
+from session.engine import CloseRequest, Engine, GenerationRequest
+from session.events import Cancelled, Closed, EventStream, Failed, Finished, Started, TERMINAL
+from session.memory import Tier
+from session.protocol import SamplingParams
+from tests.fake_runner import FakeRunner, cache_tokens, greedy_answer
+
+NUM_SCHEDULES = 500
+ADAPTERS = ("ad-a", "ad-b", "ad-c")
+CURRENT: dict = {}  # "faults": the running schedule's Faults (read by the patched adapter loader)
+
+
+@dataclass
+class Sent:
+    request: GenerationRequest | CloseRequest
+    events: list = field(default_factory=list)
+    context: list[int] | None = None  # transcript + prompt when its turn was prefilled (from Started)
+
+    @property
+    def finals(self) -> list:
+        return [e for e in self.events if isinstance(e, TERMINAL)]
+
+
+class Faults:
+    """Counters of faults to inject next, shared by the patched journal and adapter loader."""
+
+    def __init__(self):
+        self.journal_entry = 0
+        self.journal_image = 0
+        self.adapter_load = 0
+
+    def take(self, name: str) -> bool:
+        if getattr(self, name) > 0:
+            setattr(self, name, getattr(self, name) - 1)
+            return True
+        return False
+
+
+@pytest.fixture(scope="module")
+def processing(tiny_model_path):
+    return functools.lru_cache(maxsize=None)(session.engine._load_processing)
+
+
+def _png(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (8 + seed, 8), (seed * 40 % 256, 7, 9)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults) -> Engine:
+    runner = FakeRunner(vocab_size=500, eos_token_ids=(2,), image_token_id=499)
+    config = EngineConfig(
+        model_path=str(tiny_model_path), max_batch_size=rng.choice([1, 2, 3]), max_queue=64,
+        kv_block_tokens=8, device_budget_bytes=rng.choice([0, 1024, 2048]),
+        host_budget_bytes=rng.choice([0, 512, 4096]), session_ttl_s=50.0, reaper_interval_s=0.001,
+        journal_dir=str(tmp_path), max_device_adapters=2, max_host_adapters=1, speculative="off",
+        max_new_tokens=24, default_max_tokens=8, check_invariants=True, max_sessions=64,
+    )
+    engine = Engine(config, runner=runner, clock=clock)
+    journal = engine.journal
+    write, write_image = journal.write, journal.write_image
+
+    def faulty(original, name):
+        def call(*args, **kwargs):
+            if faults.take(name):
+                raise OSError(rng.choice([errno.ENOSPC, errno.EIO]), "injected journal fault")
+            return original(*args, **kwargs)
+        return call
+
+    journal.write, journal.write_image = faulty(write, "journal_entry"), faulty(write_image, "journal_image")
+    return engine
+
+
+def _check_step(engine: Engine, sent: list[Sent]) -> None:
+    problems = engine.scheduler.check() + engine.sessions.check()
+    assert problems == []
+    for session in engine.store.all_sessions():
+        assert session.busy == (session.session_id in engine.scheduler.active), session.session_id
+        if session.tier is Tier.DEVICE:
+            assert cache_tokens(session.kv) == session.token_ids[: session.kv.length], session.session_id
+    assert all(len(s.finals) <= 1 for s in sent)
+
+
+def _drain(stream: EventStream, into: list) -> None:
+    while True:
+        try:
+            into.append(stream.get_nowait())
+        except Exception:
+            return
+
+
+def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
+    rng = random.Random(seed)
+    now = [1000.0]
+    faults = CURRENT["faults"] = Faults()
+    engine = _engine(rng, tiny_model_path, tmp_path / f"journal-{seed}", lambda: now[0], faults)
+    runner: FakeRunner = engine.runner
+    for name in ADAPTERS:
+        engine.adapters.register(name, f"/nonexistent/{name}")
+    images = [_png(i) for i in range(3)]
+    pixels = [engine.preprocess_images([Image.open(io.BytesIO(raw)).convert("RGB")]) for raw in images]
+    sent: list[Sent] = []
+    sessions: dict[str, dict] = {}  # session id -> {"tokens": transcript as the test tracks it, "adapter"}
+    counter = 0
+
+    def submit(request) -> Sent:
+        item = Sent(request)
+        sent.append(item)
+        try:
+            engine.submit(request)
+        except Exception as exc:  # queue full: a final answer too
+            item.events.append(Failed(exc))
+        return item
+
+    def generation(session_id=None, open_session=False, adapter=None) -> GenerationRequest:
+        nonlocal counter
+        counter += 1
+        prompt = [rng.randrange(3, 498) for _ in range(rng.randrange(1, 6))]
+        request = dict(pixel_values=None, image_digests=(), image_bytes=())
+        if rng.random() < 0.3:
+            which = rng.randrange(len(images))
+            prompt += [499] * runner.info.num_image_tokens
+            request = dict(pixel_values=pixels[which], image_bytes=(images[which],),
+                           image_digests=(hashlib.sha256(images[which]).hexdigest(),))
+        return GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=rng.randrange(1, 24)),
+                                 stream=EventStream(), session_id=session_id, open_session=open_session,
+                                 token_ids=prompt, request_id=f"r{counter}", adapter=adapter, **request)
+
+    for _ in range(rng.randrange(20, 60)):
+        action = rng.random()
+        live = [sid for sid in sessions if sessions[sid]["open"]]
+        if action < 0.25:
+            submit(generation())
+        elif action < 0.45:
+            sid = f"s{seed}-{len(sessions)}"
+            adapter = rng.choice((None, *ADAPTERS))
+            sessions[sid] = {"tokens": [], "adapter": adapter, "open": True}
+            submit(generation(sid, open_session=True, adapter=adapter))
+        elif action < 0.7 and live:
+            sid = rng.choice(live)
+            submit(generation(sid, adapter=sessions[sid]["adapter"]))
+        elif action < 0.75 and live:
+            sid = rng.choice(live)
+            submit(CloseRequest(session_id=sid, stream=EventStream()))
+        elif action < 0.82:
+            candidates = [s for s in sent if isinstance(s.request, GenerationRequest) and not s.finals]
+            if candidates:
+                engine.cancel(rng.choice(candidates).request.request_id)
+        elif action < 0.85:
+            now[0] += rng.choice([1.0, 60.0])  # 60: every idle session expires
+        else:
+            kind = rng.choice(["prefill", "decode", "encode", "journal_entry", "journal_image", "adapter_load"])
+            if kind in runner.fail:
+                runner.fail[kind] += 1
+            else:
+                setattr(faults, kind, getattr(faults, kind) + 1)
+        for _ in range(rng.randrange(0, 4)):
+            engine.step()
+            _collect(sent, sessions)
+            _check_step(engine, sent)
+    for _ in range(2000):  # run to quiescence
+        if not engine.scheduler.active and all(s.finals for s in sent):
+            break
+        engine.step()
+        _collect(sent, sessions)
+        _check_step(engine, sent)
+    engine.step()  # admit stray cancels
+    _collect(sent, sessions)
+    assert [s.request.request_id for s in sent if len(s.finals) != 1] == []
+    assert engine.num_invariant_violations == 0
+    kinds = [type(s.finals[0]).__name__ for s in sent]
+    return {k: kinds.count(k) for k in set(kinds)}
+
+
+def _collect(sent: list[Sent], sessions: dict[str, dict]) -> None:
+    """Read new events; check each Finished answer against the fake model over the tracked transcript."""
+    for item in sent:
+        before = len(item.events)
+        _drain(item.request.stream, item.events)
+        request = item.request
+        for event in item.events[before:]:
+            if isinstance(request, CloseRequest):
+                if isinstance(event, Closed):
+                    sessions[request.session_id]["open"] = False
+                continue
+            tracked = sessions.get(request.session_id) if request.session_id else None
+            if isinstance(event, Started):
+                item.context = (tracked["tokens"] if tracked else []) + list(request.token_ids)
+                assert event.prompt_tokens == len(item.context)
+            elif isinstance(event, Finished):
+                adapter = tracked["adapter"] if tracked else request.adapter
+                expected = greedy_answer(item.context, request.sampling.max_tokens, 500, (2,), adapter)
+                assert list(event.token_ids) == expected, request.request_id
+                if tracked:
+                    tracked["tokens"] = item.context + expected
+            elif isinstance(event, (Failed, Cancelled)) and tracked is not None and request.open_session:
+                tracked["open"] = False  # a failed opening turn leaves no session
+            if isinstance(event, Failed) and "was expired" in str(event.error) and tracked:
+                tracked["open"] = False
+
+
+def test_random_schedules_keep_the_invariant(tiny_model_path, tmp_path, processing, monkeypatch):
+    monkeypatch.setattr(session.engine, "_load_processing", processing)
+    def fake_load_adapter(name, path, shapes, max_rank):
+        if CURRENT["faults"].take("adapter_load"):
+            raise OSError(errno.EIO, "injected adapter load fault")
+        return AdapterWeights(name=name, rank=1, weights={})
+
+    monkeypatch.setattr(session.adapters, "load_adapter", fake_load_adapter)
+    totals: dict[str, int] = {}
+    num = int(os.environ.get("RESIDENT_TEST_SCHEDULES", NUM_SCHEDULES))
+    for seed in range(num):
+        counts = run_schedule(seed, tiny_model_path, tmp_path)
+        for kind, count in counts.items():
+            totals[kind] = totals.get(kind, 0) + count
+    # Every kind of ending happened, many times over.
+    assert totals.get("Finished", 0) > 5 * num and totals.get("Cancelled", 0) > num and \
+        totals.get("Failed", 0) > num and totals.get("Closed", 0) > num // 2, totals
