@@ -130,8 +130,8 @@ def measure(url: str, token: str, args: argparse.Namespace) -> dict:
         "next follow-up after the move (KV resident)": stats_ms([second[s][0] for s in moved]),
         "first follow-up, sessions not moved": stats_ms([first[s][0] for s in kept]) if kept else None,
     }
-    return {"rows": rows, "drain": {k: report[k] for k in ("moved", "failed", "remaining", "seconds", "per_session_ms")},
-            "transcript_tokens": mean([first[s][1] for s in moved])}
+    drain = {k: report[k] for k in ("moved", "failed", "remaining", "seconds", "per_session_ms")}
+    return {"rows": rows, "drain": drain, "transcript_tokens": mean([first[s][1] for s in moved])}
 
 
 def main(argv: list[str] | None = None) -> int:

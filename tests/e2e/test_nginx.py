@@ -25,7 +25,7 @@ from launch.nginx import main as nginx_main, render_http, render_main, site_from
 from session.front import FrontConfig
 from session.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 from tests.conftest import free_port
-from tests.fake_backend import TOKEN, LoopThread, SessionBackend
+from tests.fake_backend import LoopThread, SessionBackend
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
