@@ -45,6 +45,7 @@ Settings: ``FrontConfig`` from ``RESIDENT_FRONT_*`` environment variables. Never
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -450,12 +451,14 @@ class Front:
             return await self._exchange_counted(request, backend, call, look_elsewhere=self.admin.enabled)
         except (_Missing, _Unreachable) as exc:
             elsewhere = await self._look_up(session_id, exclude=(backend,))
-            if elsewhere is not None:
-                return await self._exchange_counted(request, elsewhere, call)
-            if isinstance(exc, _Missing):
+            if elsewhere is None and isinstance(exc, _Missing):
                 return exc.response
-            self.router.route(session_id)  # raises 410: its backend is down and no other holds it
-            raise SessionBackendUnavailable(f"the backend holding session {session_id} is unavailable") from None
+            if elsewhere is not None:
+                with contextlib.suppress(_Unreachable):
+                    return await self._exchange_counted(request, elsewhere, call)
+        raise SessionBackendUnavailable(
+            f"the backend holding session {session_id} is unavailable and the session's state was held there; "
+            "open a new session with NEW_SESSION")
 
     async def _look_up(self, session_id: str, exclude: tuple[Backend, ...]) -> Backend | None:
         """Where the session lives now, by asking the backends; pinned here when found. A session this

@@ -166,6 +166,24 @@ async def test_a_request_during_the_move_waits_for_it():
             assert (await (await drain).json())["moved"] == 1
 
 
+async def test_a_session_whose_home_is_down_is_found_where_it_moved_else_410():
+    async with fake_backends(2) as backends:
+        async with fronts(backends, num_fronts=2) as [(a, client_a), (b, client_b)]:
+            moved, _ = await open_session(client_a)
+            stranded, _ = await open_session(client_a)  # on backend 1
+            await client_a.post("/backends/0/drain", headers={ADMIN_TOKEN_HEADER: TOKEN})
+            assert moved.endswith("-b0") and moved in backends[1].sessions
+            await backends[0].stop()  # drained, then stopped: b still routes "-b0" there first
+            assert await follow(client_b, moved) == (200, "backend 1 turn 2", "1")
+            assert not b.router.backends[0].healthy  # refused at once
+            await backends[1].stop()
+            await b.check_health()
+            for _ in range(3):
+                await b.check_health()
+            assert await follow(client_b, stranded) == (410, "session_backend_unavailable", "-")
+            backends[:] = []  # stopped already
+
+
 # ------------------------------------------------------------ request ids and cancels
 
 
