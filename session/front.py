@@ -221,9 +221,9 @@ class Front:
         self.app = web.Application(client_max_size=config.max_request_bytes + 1, middlewares=[self._errors])
         self.app.router.add_get("/ping", self.ping)
         self.app.router.add_get("/backends", self.describe_backends)
-        self.app.router.add_post("/backends/{index}/drain", self.drain_backend)
+        self.app.router.add_post("/backends/{index}/drain", self._to_completion(self.drain_backend))
         self.app.router.add_post("/backends/{index}/resume", self.resume_backend)
-        self.app.router.add_post("/backends/{index}/restart", self.restart_backend)
+        self.app.router.add_post("/backends/{index}/restart", self._to_completion(self.restart_backend))
         self.app.router.add_post("/invocations", self.invoke)
         self.app.router.add_post("/predictions/{model}", self.invoke)
         self.app.router.add_post("/v1/chat/completions", self.invoke)
@@ -231,15 +231,15 @@ class Front:
         self.app.router.add_post("/endpoints/{endpoint}/invocations", self.invoke)
         self.app.router.add_post("/endpoints/{endpoint}/invocations-response-stream", self.invoke_stream)
         self.app.router.add_get("/adapters", self.list_adapters)
-        self.app.router.add_post("/adapters", self.register_adapter)
-        self.app.router.add_delete("/adapters/{name}", self.unregister_adapter)
+        self.app.router.add_post("/adapters", self._to_completion(self.register_adapter))
+        self.app.router.add_delete("/adapters/{name}", self._to_completion(self.unregister_adapter))
         self._http: aiohttp.ClientSession | None = None  # requests to backends, kept alive
         self._probe_http: aiohttp.ClientSession | None = None  # health probes, a fresh connection each
         self.admin: BackendAdmin | None = None  # admin calls and cancels to backends (set by start)
         self.migrator: Migrator | None = None  # drains (set by start)
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task | None = None
-        self._cancels: set[asyncio.Task] = set()  # cancels on their way to backends
+        self._tasks: set[asyncio.Task] = set()  # cancels on their way to backends, drains, adapter fan-outs
         self.num_cancels_sent = 0
 
     async def start(self, host: str, port: int) -> None:
@@ -268,11 +268,25 @@ class Front:
             await asyncio.gather(self._health_task, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._cancels:
-            await asyncio.wait(self._cancels, timeout=self.config.cancel_timeout_s)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=max(self.config.drain_s, self.config.cancel_timeout_s))
         for client in (self._http, self._probe_http):
             if client is not None:
                 await client.close()
+
+    def _in_background(self, coroutine) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _to_completion(self, handler):
+        """Wraps a handler whose work must not stop halfway when its client leaves (a drain would lose
+        the session in transit, an adapter fan-out leave backends unlike): it runs as a task of its own,
+        and a client that disconnects (handler cancellation) cancels only the wait for it."""
+        async def run(request: web.Request) -> web.StreamResponse:
+            return await asyncio.shield(self._in_background(handler(request)))
+        return run
 
     # ------------------------------------------------------------ handlers
 
@@ -598,9 +612,7 @@ class Front:
     def _cancel_later(self, backend: Backend, request_id: str) -> None:
         """Tell the backend to stop ``request_id``, in the background (the caller may be cancelled itself)."""
         self.num_cancels_sent += 1
-        task = asyncio.get_running_loop().create_task(self._cancel(backend, request_id))
-        self._cancels.add(task)
-        task.add_done_callback(self._cancels.discard)
+        self._in_background(self._cancel(backend, request_id))
 
     async def _cancel(self, backend: Backend, request_id: str) -> None:
         cancelled = await self.admin.cancel(backend, request_id)

@@ -166,6 +166,24 @@ async def test_a_request_during_the_move_waits_for_it():
             assert (await (await drain).json())["moved"] == 1
 
 
+async def test_a_drain_whose_client_leaves_still_finishes():
+    async with fake_backends(2) as backends:
+        async with fronts(backends) as [(front, client)]:
+            sid, _ = await open_session(client)
+            original = front.admin.import_session
+
+            async def slow_import(backend, exported):
+                await asyncio.sleep(0.5)
+                await original(backend, exported)
+
+            front.admin.import_session = slow_import
+            with pytest.raises(asyncio.TimeoutError):
+                await client.post("/backends/0/drain", headers={ADMIN_TOKEN_HEADER: TOKEN},
+                                  timeout=aiohttp.ClientTimeout(total=0.2))  # gone while the session is in transit
+            await wait_for(lambda: sid in backends[1].sessions)
+            assert await follow(client, sid) == (200, "backend 1 turn 2", "1")
+
+
 async def test_a_session_whose_home_is_down_is_found_where_it_moved_else_410():
     async with fake_backends(2) as backends:
         async with fronts(backends, num_fronts=2) as [(a, client_a), (b, client_b)]:
