@@ -66,6 +66,7 @@ from session.errors import (
     SessionNotFound,
 )
 from session.event_stream import CONTENT_TYPE as EVENT_STREAM, model_stream_error, payload_part
+from session.locator import SessionLocator
 from session.migration import Migrator
 from session.protocol import (
     ADMIN_TOKEN_HEADER, NEW_SESSION, NEW_SESSION_HEADER, REQUEST_ID_HEADER, REQUEST_ID_RE, SESSION_HEADER, header,
@@ -85,8 +86,6 @@ VARIANT = "AllTraffic"  # SageMaker's default production variant name
 SSE_CONTENT_TYPE = "text/event-stream"
 JSON_CONTENT_TYPE = "application/json"
 TAG_RE = re.compile(r"^[A-Za-z0-9]+\*?$")
-# A session found nowhere is looked for once more after this: another front may be moving it.
-LOOKUP_RETRY_S = 0.25
 
 
 class Forbidden(ResidentError):
@@ -237,6 +236,7 @@ class Front:
         self._probe_http: aiohttp.ClientSession | None = None  # health probes, a fresh connection each
         self.admin: BackendAdmin | None = None  # admin calls and cancels to backends (set by start)
         self.migrator: Migrator | None = None  # drains (set by start)
+        self.locator: SessionLocator | None = None  # finds sessions no pin or tag places (set by start)
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # cancels on their way to backends, drains, adapter fan-outs
@@ -249,6 +249,7 @@ class Front:
                                   timeout_s=self.config.timeout_s + self.config.health_timeout_s,
                                   cancel_timeout_s=self.config.cancel_timeout_s)
         self.migrator = Migrator(self.router, self.admin)
+        self.locator = SessionLocator(self.admin, lambda: self.router.healthy_backends)
         # handler_cancellation: a client that disconnects cancels its handler, which then cancels the backend's work.
         self._runner = web.AppRunner(self.app, access_log_class=AccessLogger, access_log=access_logger,
                                      handler_cancellation=True)
@@ -299,7 +300,9 @@ class Front:
 
     async def describe_backends(self, request: web.Request) -> web.Response:
         return web.json_response({"backends": [asdict(b) for b in self.router.backends],
-                                  "num_sessions": len(self.router.pins), "num_cancels_sent": self.num_cancels_sent})
+                                  "num_sessions": len(self.router.pins), "num_cancels_sent": self.num_cancels_sent,
+                                  "num_lookups": self.locator.num_lookups,
+                                  "num_lookup_fan_outs": self.locator.num_fan_outs})
 
     async def invoke(self, request: web.Request) -> web.StreamResponse:
         """``/invocations``, ``/predictions/{model}``, ``/v1/chat/completions`` and InvokeEndpoint: one body,
@@ -475,9 +478,8 @@ class Front:
             "open a new session with NEW_SESSION")
 
     async def _look_up(self, session_id: str, exclude: tuple[Backend, ...]) -> Backend | None:
-        """Where the session lives now, by asking the backends; pinned here when found. A session this
-        front is moving is waited for; one found nowhere is looked for once more (another front may be
-        moving it). None without the admin token."""
+        """Where the session lives now, by asking the backends (``session/locator.py``); remembered here
+        when found. A session this front is moving is waited for. None without the admin token."""
         if self.migrator.is_moving(session_id):
             await self.migrator.wait_moved(session_id, self.config.timeout_s)
             pin = self.router.pins.get(session_id)
@@ -485,21 +487,13 @@ class Front:
                 return pin.backend
         if not self.admin.enabled:
             return None
-        for attempt in range(2):
-            if attempt:
-                await asyncio.sleep(LOOKUP_RETRY_S)
-            candidates = [b for b in self.router.healthy_backends if b not in exclude]
-            listed = await asyncio.gather(*(self.admin.list_sessions(b) for b in candidates), return_exceptions=True)
-            for backend, sessions in zip(candidates, listed):
-                if isinstance(sessions, BaseException):
-                    logger.warning("backend %d could not list its sessions: %r", backend.index, sessions)
-                    continue
-                for info in sessions:
-                    if info.session_id == session_id:
-                        self.router.pin(session_id, backend, info.expires_at)
-                        logger.info("session %s found on backend %d", session_id, backend.index)
-                        return backend
-        return None
+        found = await self.locator.find(session_id, exclude)
+        if found is None:
+            return None
+        backend, expires_at = found
+        self.router.pin(session_id, backend, expires_at)
+        logger.info("session %s found on backend %d", session_id, backend.index)
+        return backend
 
     async def _exchange_counted(self, request: web.Request, backend: Backend, call: _Call,
                                 look_elsewhere: bool = False) -> web.StreamResponse:
