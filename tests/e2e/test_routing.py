@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import openai
 import pytest
 import requests
 
@@ -192,6 +193,28 @@ def test_a_client_that_leaves_or_a_timeout_cancels_the_turn(cluster):
         assert all(a[1] > 0 for a in after)
     described = requests.get(front_a.url + "/backends", timeout=TIMEOUT).json()
     assert described["num_cancels_sent"] == 1  # the stream the client left
+
+
+def test_the_openai_client_through_the_front(cluster):
+    backends, (front_a, front_b) = cluster
+    expected = reference(front_a.url, 64)
+    client = openai.OpenAI(base_url=front_a.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    opening = chat("What is in this image?", image_seed=64)
+    raw = client.chat.completions.with_raw_response.create(
+        model="llava", messages=opening["messages"], max_tokens=8, extra_headers={SESSION_HEADER: "NEW_SESSION"})
+    session_id = raw.headers[NEW_SESSION_HEADER].split(";")[0]
+    assert raw.parse().model_extra["session_id"] == session_id
+    follow = client.chat.completions.create(model="llava", messages=chat(QUESTIONS[0])["messages"], max_tokens=8,
+                                            extra_headers={SESSION_HEADER: session_id})
+    assert (follow.choices[0].message.content, follow.usage.prompt_tokens) == (expected[0][0], expected[0][2])
+    assert follow.usage.prompt_tokens_details.cached_tokens == expected[0][1]
+    stream = client.chat.completions.create(model="llava", messages=chat(QUESTIONS[1])["messages"], max_tokens=8,
+                                            stream=True, extra_headers={SESSION_HEADER: session_id})
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected[1][0]
+    assert [m.id for m in client.models.list()][0] == "llava"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="llava", messages=chat("x")["messages"],
+                                       extra_headers={SESSION_HEADER: session_id[:-2] + "b7"})
 
 
 def test_drain_moves_every_session_and_backend_0_stops_with_none_lost(cluster):
