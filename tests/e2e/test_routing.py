@@ -5,8 +5,9 @@
   a second front serves interleaved follow-ups of the same sessions;
 - a client that leaves, or a front timeout, cancels the turn on the backend (rolled back);
 - drain backend 0: its sessions move to backend 1 under the same ids, answers equal those of
-  sessions never moved, both fronts follow them, and backend 0 then stops with no session lost.
-Runs in file order; the last test stops backend 0."""
+  sessions never moved, both fronts follow them, and backend 0 then stops with no session lost;
+- the generated nginx before the same backends finds the moved sessions, skips the stopped backend.
+Runs in file order; the drain test stops backend 0."""
 
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ from launch.torchserve import REPO, start_torchserve
 from session.front import BACKEND_HEADER, FrontConfig
 from session.protocol import ADMIN_TOKEN_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, SESSION_HEADER
 from tests.conftest import free_port, image_url
+from launch.nginx import render_main, site_from_config
 from tests.e2e.test_front import FrontThread
+from tests.e2e.test_nginx import running_nginx
 
 pytestmark = pytest.mark.e2e
 
 TOKEN = "e2e-admin-token"
+MOVED: list[str] = []  # sessions the drain test moved off backend 0 (the nginx test follows them)
 TIMEOUT = 120
 QUESTIONS = ["What colour is it?", "Is it large?"]
 
@@ -251,3 +255,30 @@ def test_drain_moves_every_session_and_backend_0_stops_with_none_lost(cluster):
         assert turn(front_b.url, session_id, "And now?")[2] == "1"
     new_id, opened = open_session(front_a.url, 74)
     assert opened.headers[BACKEND_HEADER] == "1" and new_id.endswith("-b1")
+    MOVED.extend(sid for sid, _, backend in sessions if backend == "0")
+
+
+def test_nginx_before_the_real_backends_finds_the_moved_sessions(cluster, tmp_path):
+    """Runs after the drain: backend 0 is stopped, its sessions live on backend 1 under their "-b0" ids."""
+    if not MOVED:
+        pytest.skip("needs the sessions the drain test moved")
+    backends, (front_a, front_b) = cluster
+    port = free_port()
+    config = FrontConfig.from_env({}, backends=tuple(b.url for b in backends), timeout_s=TIMEOUT)
+    tmp_path.chmod(0o755)
+    with running_nginx(render_main(site_from_config(config, f"127.0.0.1:{port}"), tmp_path), tmp_path, port):
+        url = f"http://127.0.0.1:{port}"
+        alive = backends[1].url.split("//")[1]
+        for session_id in MOVED:  # tagged b0, whose backend is gone: nginx searches and finds them on b1
+            response = post(url, chat("Still there?"), session=session_id)
+            assert response.status_code == 200, response.text
+            assert response.headers["X-Resident-Upstream"].endswith(alive)
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        new_id, opened = open_session(url, 75)  # the dead backend is skipped
+        assert new_id.endswith("-b1") and opened.headers["X-Resident-Upstream"].endswith(alive)
+        via_front = turn(front_b.url, new_id, QUESTIONS[0])  # fronts and nginx serve the same sessions
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+        stream = client.chat.completions.create(model="llava", messages=chat(QUESTIONS[1])["messages"], max_tokens=8,
+                                                stream=True, extra_headers={SESSION_HEADER: new_id})
+        assert "".join(c.choices[0].delta.content or "" for c in stream)
+        assert via_front[2] == "1"
