@@ -277,7 +277,10 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
         host = environ.get("HOST", "127.0.0.1")
         print(f"front on http://{host}:{port} before {num} backend(s) serving {model} (admin token in "
               f"{token_file}); Ctrl-C stops", flush=True)
-        alive = lambda: restarter.restarting or any(b.process.poll() is None for b in backends)  # noqa: E731
+
+        def alive() -> bool:  # a backend being restarted counts as alive
+            return restarter.restarting or any(b.process.poll() is None for b in backends)
+
         return _serve(config, host, port, alive, restarter.restart)
     except KeyboardInterrupt:
         return 0
