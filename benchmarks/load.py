@@ -7,6 +7,11 @@ restored. Prints throughput, p50/p99 latency per turn kind, errors (and 503s), a
 server's own counters (demotions, restores) read from its Prometheus metrics; writes JSON.
 
 Run: python -m benchmarks.load --start-server [--sessions 24] [--turns 4] [--concurrency 8]
+
+``--mixed``: the mixed workload of benchmarks/mixed_load.py instead (64 clients for 2 minutes:
+sessions and stateless, max_tokens 1..128, disconnects, closes while busy), reporting completed,
+failed, cancelled and lost requests, p50/p99, and the server's invariant violations.
+Run: python -m benchmarks.load --start-server --mixed [--clients 64] [--duration 120]
 """
 
 from __future__ import annotations
@@ -76,12 +81,12 @@ async def run_load(url: str, sessions: int, turns: int, concurrency: int, max_to
     return {"samples": samples, "errors": errors, "wall_s": wall}
 
 
-def server_counters(metrics_url: str) -> dict[str, float]:
+def server_counters(metrics_url: str, metric: str = "SessionEvents", label: str = "Event") -> dict[str, float]:
     import urllib.request
 
     text = urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10).read().decode()
     out = {}
-    for match in re.finditer(r'^SessionEvents\{.*Event="(\w+)".*\} (\S+)$', text, re.M):
+    for match in re.finditer(rf'^{metric}\{{.*{label}="(\w+)".*\}} (\S+)$', text, re.M):
         out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(2))
     return out
 
@@ -101,8 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--mixed", action="store_true", help="the mixed workload (benchmarks/mixed_load.py)")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=120.0)
+    parser.add_argument("--timeout", type=float, default=180.0, help="a request without an answer by then is lost")
     args = parser.parse_args(argv)
-    args.budget_bytes = args.budget_bytes or (args.concurrency + 2) * 2 * 64 * 512
+    # Room for every request in flight (mixed: 6 blocks of 64 tokens each, image and answer included) but
+    # not for the idle sessions, which are demoted and restored.
+    args.budget_bytes = args.budget_bytes or (args.clients * 6 if args.mixed else (args.concurrency + 2) * 2) * 64 * 512
     server = None
     url, metrics_url = args.url, args.metrics_url
     if url is None:
@@ -117,12 +128,15 @@ def main(argv: list[str] | None = None) -> int:
                                   stdout=open(run_dir / "torchserve.log", "w"),
                                   extra_env={"RESIDENT_DEVICE_BUDGET_BYTES": str(args.budget_bytes),
                                              "RESIDENT_HOST_BUDGET_BYTES": str(args.host_budget_bytes),
-                                             "RESIDENT_KV_BLOCK_TOKENS": "64",
+                                             "RESIDENT_KV_BLOCK_TOKENS": "64", "RESIDENT_CHECK_INVARIANTS": "true",
+                                             "RESIDENT_MAX_QUEUE": "512",
                                              "RESIDENT_JOURNAL_DIR": str(run_dir / "journal")})
         url, metrics_url = f"{server.url}/predictions/llava", server.metrics_url
     try:
         if server is not None:
             server.wait_ready(600)
+        if args.mixed:
+            return report_mixed(args, url, metrics_url)
         before = server_counters(metrics_url) if metrics_url else {}
         result = asyncio.run(run_load(url, args.sessions, args.turns, args.concurrency, args.max_tokens))
         after = server_counters(metrics_url) if metrics_url else {}
@@ -151,6 +165,24 @@ def main(argv: list[str] | None = None) -> int:
         "samples": samples,
     })
     return 1 if any(e["status"] != 503 for e in errors) else 0
+
+
+def report_mixed(args, url: str, metrics_url: str | None) -> int:
+    from benchmarks.mixed_load import run_mixed
+
+    result = asyncio.run(run_mixed(url, args.clients, args.duration, args.timeout))
+    time.sleep(1.0)  # TorchServe fills its metrics from the worker's log asynchronously
+    server = server_counters(metrics_url, "RequestOutcomes", "Kind") if metrics_url else {}
+    outcomes = result["outcomes"]
+    rows = [[kind, count] for kind, count in sorted(outcomes.items())]
+    rows.append(["server: invariant violations", int(server.get("invariant_violations", 0))])
+    rows.append(["server: cancelled / failed", f"{int(server.get('cancelled', 0))} / {int(server.get('failed', 0))}"])
+    print(format_table(["outcome", "count"], rows))
+    print(f"\n{args.clients} clients for {args.duration:.0f} s: {sum(outcomes.values())} requests in "
+          f"{result['wall_s']:.1f} s; completed p50 {result['p50_s']:.3f} s, p99 {result['p99_s']:.3f} s")
+    write_json(args.out / "load_mixed.json", {**result, "server": server, "clients": args.clients,
+                                              "duration_s": args.duration})
+    return 1 if outcomes.get("lost", 0) or server.get("invariant_violations", 0) else 0
 
 
 if __name__ == "__main__":

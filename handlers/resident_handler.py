@@ -20,6 +20,7 @@ from ts.metrics.metric_type_enum import MetricTypes
 
 from session.api import ApiResponse, ChatService, error_response
 from session.config import EngineConfig
+from session.protocol import form_body_error, header
 from session.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,11 @@ class ResidentHandler:
         try:
             row = data[0]
             body = row.get("body") if row.get("body") is not None else row.get("data")
-            response = await self.service.invoke(context.get_all_request_header(0), body)
+            headers = context.get_all_request_header(0)
+            form_error = form_body_error(header(headers, "Content-Type"))
+            if body is None and form_error is not None:  # TorchServe decoded it as a form: the JSON is lost
+                return self._plain(error_response(form_error), context)
+            response = await self.service.invoke(headers, body)
             kind = response.kind
             return await self._send(response, context)
         except Exception as exc:  # our fault; answer this request only
@@ -87,12 +92,14 @@ class ResidentHandler:
             self._metric("LiveSessions", MetricTypes.GAUGE).add_or_update(stats.live_sessions, dims)
             self._metric("RunningRequests", MetricTypes.GAUGE).add_or_update(stats.running_requests, dims)
             self._metric("DeviceBudgetBytes", MetricTypes.GAUGE).add_or_update(stats.device_budget_bytes, dims)
+            self._metric("NotRecoverableSessions", MetricTypes.GAUGE).add_or_update(stats.not_recoverable_sessions,
+                                                                                    dims)
             for tier, count in stats.sessions_by_tier.items():
                 self._metric("SessionsByTier", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
             for tier, count in stats.resident_bytes.items():
                 self._metric("ResidentBytes", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
             for name, counts in (("SessionEvents", stats.events), ("Tokens", stats.tokens),
-                                 ("Speculation", stats.speculation)):
+                                 ("Speculation", stats.speculation), ("RequestOutcomes", stats.requests)):
                 for key, total in counts.items():
                     delta = total - self._emitted.get((name, key), 0)
                     if delta:

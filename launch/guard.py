@@ -26,15 +26,27 @@ def stop_group(pgid: int, timeout_s: float) -> None:
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        if not group_alive(pgid):
             return
         time.sleep(0.1)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Any process of the group that is not a zombie (an exited child nobody reaped yet: in a
+    container whose init does not reap, those linger, and signalling them succeeds)."""
+    import psutil
+
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
 
 
 def main(argv: list[str]) -> int:

@@ -196,6 +196,24 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
                        speculative=speculative)
 
 
+FORM_CONTENT_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def form_body_error(content_type: str | None) -> BadRequest | None:
+    """The error for a body TorchServe decoded as an HTML form before we could read it (None if not one).
+
+    curl's ``-d`` labels a body application/x-www-form-urlencoded; TorchServe 0.12 then splits it into
+    form fields and drops a field without ``=``, so a JSON body arrives empty or cut. The front (make
+    cluster, the container) forwards every body as JSON, so this only happens talking to TorchServe
+    directly.
+    """
+    if not content_type or not content_type.split(";")[0].strip().lower() in FORM_CONTENT_TYPES:
+        return None
+    return BadRequest(f"the body was sent as a form (Content-Type: {content_type.split(';')[0].strip()}; curl -d "
+                      "does that), which TorchServe decodes into form fields, losing the JSON; send it with "
+                      "Content-Type: application/json (curl -H 'Content-Type: application/json' --data-binary ...)")
+
+
 def load_json_object(body: bytes | str | Mapping[str, Any] | None) -> dict:
     """A request body as a JSON object, else BadRequest. Used by parse_request and the front."""
     if isinstance(body, Mapping):  # TorchServe already decoded an application/json body

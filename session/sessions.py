@@ -280,11 +280,14 @@ class Sessions:
 
     # ------------------------------------------------------------------ invariant
 
-    def check(self) -> list[str]:
+    def check(self, active_ids) -> list[str]:
         """Violations of the sessions' invariant: on the device, the KV holds the transcript but at most
-        its last token (sampled, fed by the next step); elsewhere no device bytes are held."""
+        its last token (sampled, fed by the next step); elsewhere no device bytes are held; a session is
+        busy only with a request in flight (``active_ids``: the scheduler's)."""
         problems = []
         for session in self.store.all_sessions():
+            if session.busy and session.session_id not in active_ids:
+                problems.append(f"session {session.session_id}: busy without a request in flight")
             gap = len(session.token_ids) - session.kv.length
             if session.tier is Tier.DEVICE and not 0 <= gap <= 1:
                 problems.append(f"session {session.session_id}: KV holds {session.kv.length} tokens, "

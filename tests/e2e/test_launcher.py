@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,3 +57,112 @@ def test_sigterm_stops_everything(tiny_model_path, moment):
             os.killpg(launcher.pid, signal.SIGKILL)
         for pid in leftovers(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def _ports_free(port: int, count: int) -> bool:
+    import socket
+
+    for candidate in range(port, port + count):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", candidate))
+            except OSError:
+                return False
+    return True
+
+
+def _traffic(url: str, num_sessions: int = 8, num_turns: int = 3) -> None:
+    """Real traffic first: sessions with several turns, concurrently (a light test did not reproduce
+    TorchServe outliving the launcher)."""
+    import requests
+    from concurrent.futures import ThreadPoolExecutor
+
+    def converse(i: int) -> int:
+        headers = {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION", "Content-Type": "application/json"}
+        for turn in range(num_turns):
+            body = {"messages": [{"role": "user", "content": f"question {i}.{turn}"}], "max_tokens": 16}
+            answer = requests.post(f"{url}/invocations", json=body, headers=headers, timeout=120)
+            assert answer.status_code == 200, answer.text
+            if turn == 0:
+                headers["X-Amzn-SageMaker-Session-Id"] = answer.headers["X-Amzn-SageMaker-New-Session-Id"].split(";")[0]
+        return num_turns
+
+    with ThreadPoolExecutor(num_sessions) as pool:
+        assert sum(pool.map(converse, range(num_sessions))) == num_sessions * num_turns
+
+
+def _wait_healthy(url: str, timeout_s: float = 120.0) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/ping", timeout=5).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"{url} never became healthy")
+
+
+STOP_CASES = [("SIGINT", "group"), ("SIGTERM", "group"), ("SIGINT", "launcher"), ("SIGTERM", "launcher"),
+              ("SIGKILL", "launcher")]
+
+
+@pytest.mark.parametrize("target", ["serve", "cluster"])
+@pytest.mark.parametrize("signame,whom", STOP_CASES)
+def test_stop_matrix_after_traffic(tiny_model_path, tmp_path, target, signame, whom):
+    """`make serve` / `make cluster`: whatever signal reaches the process group or the launcher alone,
+    no TorchServe outlives the launcher by more than its stop timeout, the ports are free and the
+    instances' journals are gone."""
+    from launch.torchserve import STOP_TIMEOUT_S
+
+    port = free_port(5) if target == "serve" else free_port(20)
+    backend_port = port + 10
+    env = {**os.environ, "PORT": str(port), "BACKENDS": "1", "RESIDENT_WATCHDOG_INTERVAL_S": "0"}
+    marker = f"serve-{port}" if target == "serve" else f"cluster-{port}"
+    log = tmp_path / "launcher.log"  # a file, not a pipe: TorchServe's logs must never block on a reader
+    with open(log, "w") as out:
+        make = subprocess.Popen(["make", "-s", target], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    ts_port = port if target == "serve" else backend_port
+    journal = f"/dev/shm/resident-journal-{ts_port}"
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}")
+        _traffic(f"http://127.0.0.1:{port}")
+        assert leftovers(marker) and os.path.isdir(journal)
+        launcher = next(p for p in psutil.Process(make.pid).children(recursive=True)
+                        if "launch" in " ".join(p.cmdline()))
+        sig = getattr(signal, signame)
+        if whom == "group":
+            os.killpg(make.pid, sig)
+        else:
+            launcher.send_signal(sig)
+        deadline = time.monotonic() + STOP_TIMEOUT_S + 15
+        while (leftovers(marker) or not _ports_free(ts_port, 5) or os.path.exists(journal)) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert leftovers(marker) == [], f"{target}: TorchServe outlived {signame} to the {whom}"
+        assert _ports_free(ts_port, 5) and _ports_free(port, 1)
+        assert not os.path.exists(journal)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(make.pid, signal.SIGKILL)
+        for pid in leftovers(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_port_in_use_fails_start_up_naming_it(tiny_model_path):
+    import socket
+
+    port = free_port(5)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", port + 1))
+        squatter.listen()
+        done = subprocess.run([sys.executable, "-m", "launch", "serve"], cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "PORT": str(port)}, timeout=120)
+    assert done.returncode == 1
+    assert f"port {port + 1} on 127.0.0.1 (management" in done.stderr and "already in use" in done.stderr
+    assert f"by pid {os.getpid()}" in done.stderr
+    assert leftovers(f"serve-{port}") == []

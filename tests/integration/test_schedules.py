@@ -29,7 +29,7 @@ import pytest
 from PIL import Image
 
 import session.adapters
-import session.engine
+import session.assembly
 from session.adapters import AdapterWeights
 from session.config import EngineConfig
 from session.engine import CloseRequest, Engine, GenerationRequest
@@ -71,7 +71,7 @@ class Faults:
 
 @pytest.fixture(scope="module")
 def processing(tiny_model_path):
-    return functools.lru_cache(maxsize=None)(session.engine._load_processing)
+    return functools.lru_cache(maxsize=None)(session.assembly._load_processing)
 
 
 def _png(seed: int) -> bytes:
@@ -105,12 +105,12 @@ def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults
 
 
 def _check_step(engine: Engine, sent: list[Sent]) -> None:
-    problems = engine.scheduler.check() + engine.sessions.check()
+    problems = engine.scheduler.check() + engine.sessions.check(engine.scheduler.active)
     assert problems == []
-    for session in engine.store.all_sessions():
-        assert session.busy == (session.session_id in engine.scheduler.active), session.session_id
-        if session.tier is Tier.DEVICE:
-            assert cache_tokens(session.kv) == session.token_ids[: session.kv.length], session.session_id
+    for state in engine.store.all_sessions():
+        assert state.busy == (state.session_id in engine.scheduler.active), state.session_id
+        if state.tier is Tier.DEVICE:
+            assert cache_tokens(state.kv) == state.token_ids[: state.kv.length], state.session_id
     assert all(len(s.finals) <= 1 for s in sent)
 
 
@@ -233,7 +233,7 @@ def _collect(sent: list[Sent], sessions: dict[str, dict]) -> None:
 
 
 def test_random_schedules_keep_the_invariant(tiny_model_path, tmp_path, processing, monkeypatch):
-    monkeypatch.setattr(session.engine, "_load_processing", processing)
+    monkeypatch.setattr(session.assembly, "_load_processing", processing)
     def fake_load_adapter(name, path, shapes, max_rank):
         if CURRENT["faults"].take("adapter_load"):
             raise OSError(errno.EIO, "injected adapter load fault")
