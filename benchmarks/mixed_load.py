@@ -42,9 +42,9 @@ async def one_request(http, url, body, headers, tally: Tally, rng: random.Random
         async with asyncio.timeout(timeout_s):
             async with http.post(url, data=json.dumps(body), headers=headers) as response:
                 if response.status != 200:
-                    error = await response.read()
-                    cancelled = b"request_cancelled" in error  # its session was closed under it
-                    tally.outcomes["cancelled (closed)" if cancelled else f"failed-{response.status}"] += 1
+                    error = json.loads(await response.read() or b"{}").get("error", {}).get("type", "?")
+                    cancelled = error == "request_cancelled"  # its session was closed under it
+                    tally.outcomes["cancelled (closed)" if cancelled else f"failed-{response.status} {error}"] += 1
                     return response
                 if disconnect:
                     await response.content.readline()
@@ -95,8 +95,8 @@ async def client(index: int, http, url: str, deadline: float, tally: Tally, time
             session_id = None
         elif response is not None and response.status == 200 and headers.get(SESSION) == "NEW_SESSION":
             session_id = response.headers[NEW_SESSION_ID].split(";")[0]
-        elif response is not None and response.status == 404:
-            session_id = None  # expired or closed: open another
+        elif response is not None and response.status in (400, 404):
+            session_id = None  # full (context_length_exceeded), expired or closed: open another
         if session_id is not None and rng.random() < 0.05:
             await _close_later(http, url, session_id, 0.0)
             session_id = None

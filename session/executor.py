@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from session.admin import registry_or_404
 from session.errors import BadRequest, ContextLengthExceeded
 from session.sampling import make_generator, sample_rows
@@ -59,7 +61,7 @@ class Executor:
             k = self.config.num_speculative_tokens
             seq.controller = SpeculationController(k_max=k, k=min(4, k))
             self.speculator.sync_draft(session.token_ids, session.draft_kv)
-        return sample_rows(logits[None], [request.sampling], [seq.generator])[0]
+        return sample_rows(self._never_image(logits[None]), [request.sampling], [seq.generator])[0]
 
     def _prompt(self, seq: Sequence) -> tuple[list[int], int]:
         request, session = seq.request, seq.session
@@ -84,6 +86,14 @@ class Executor:
                 f"this session would hold {prompt_tokens + max_tokens} tokens (prompt {prompt_tokens} + max_tokens "
                 f"{max_tokens}), over the per-session cap of {cap}; close it and open a new one")
 
+    def _never_image(self, logits):
+        """logits [B, V] with the image placeholder made impossible: a generated placeholder would
+        read as an image position on the next turn (and break the recount on a recompute)."""
+        image_id = self.runner.info.image_token_id
+        if image_id is None:
+            return logits
+        return logits.index_fill(-1, torch.tensor([image_id], device=logits.device), float("-inf"))
+
     def count_images(self, token_ids: list[int]) -> int:
         image_id, per_image = self.runner.info.image_token_id, self.runner.info.num_image_tokens
         return 0 if image_id is None else token_ids.count(image_id) // per_image
@@ -101,7 +111,7 @@ class Executor:
         began = time.perf_counter()
         logits = self.stepper.decode([s.session.kv for s in rows], [s.next_token for s in rows],
                                      adapter_slots=[s.adapter_slot for s in rows])
-        tokens = sample_rows(logits, [s.request.sampling for s in rows], [s.generator for s in rows])
+        tokens = sample_rows(self._never_image(logits), [s.request.sampling for s in rows], [s.generator for s in rows])
         if len(rows) == 1 and rows[0].controller is not None:  # the cost speculation has to beat
             rows[0].controller.observe_plain(time.perf_counter() - began)
         return tokens

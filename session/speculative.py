@@ -344,6 +344,9 @@ class SpeculativeDecoder:
         logits = self.target.prefill(target_kv, self.target.embed(fed, []), all_logits=True,
                                      adapter_slot=adapter_slot)
         logits = logits[-(len(proposals) + 1):]  # [k+1, V]: after the last transcript token, then each proposal
+        if self.target.info.image_token_id is not None:  # as in plain decoding: never emit a placeholder
+            banned = torch.tensor([self.target.info.image_token_id], device=logits.device)
+            logits = logits.index_fill(-1, banned, float("-inf"))
         emitted = _accept(proposals, draft_probs, logits, sampling, generator)
         num_accepted = len(emitted) - 1
         emitted = _cut(emitted, max_new, eos_token_ids)

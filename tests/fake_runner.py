@@ -28,11 +28,14 @@ def next_token(context: list[int], vocab_size: int, salt: int = 0) -> int:
 
 
 def greedy_answer(context: list[int], max_tokens: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                  adapter: str | None = None) -> list[int]:
-    """What the engine must answer for a turn whose whole prompt (transcript + new tokens) is ``context``."""
+                  adapter: str | None = None, image_token_id: int | None = None) -> list[int]:
+    """What the engine must answer for a turn whose whole prompt (transcript + new tokens) is ``context``.
+    The engine never emits the image placeholder: its one-hot logit is masked, and argmax of the
+    remaining zeros is token 0."""
     context, out = list(context), []
     while len(out) < max_tokens:
         token = next_token(context, vocab_size, adapter_salt(adapter))
+        token = 0 if token == image_token_id else token
         out.append(token)
         context.append(token)
         if token in eos_token_ids:

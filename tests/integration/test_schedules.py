@@ -222,7 +222,7 @@ def _collect(sent: list[Sent], sessions: dict[str, dict]) -> None:
                 assert event.prompt_tokens == len(item.context)
             elif isinstance(event, Finished):
                 adapter = tracked["adapter"] if tracked else request.adapter
-                expected = greedy_answer(item.context, request.sampling.max_tokens, 500, (2,), adapter)
+                expected = greedy_answer(item.context, request.sampling.max_tokens, 500, (2,), adapter, image_token_id=499)
                 assert list(event.token_ids) == expected, request.request_id
                 if tracked:
                     tracked["tokens"] = item.context + expected
