@@ -9,10 +9,19 @@ Environment (besides RESIDENT_FRONT_* for the front, session/front.py, and RESID
   MODEL                         a Hugging Face checkpoint directory (default: the demo LLaVA)
   RESIDENT_BACKEND_PORT         backend i listens on this + 10*i (using 5 ports from there) on
                                 127.0.0.1; default: the start of SAGEMAKER_SAFE_PORT_RANGE, else PORT+10
+  RESIDENT_INSTANCE_TAG         letters/digits put before every backend's session id tag, so that a
+                                router before several instances can tell them apart (docker/compose.yaml)
+Backend i creates session ids ``<uuid4>-<instance tag>b<i>`` (RESIDENT_SESSION_ID_TAG), so that any
+front, restarted or a replica, routes a session by its id alone (docs/ROUTING.md).
 On a CUDA machine backend i gets RESIDENT_DEVICE=cuda:<i mod #GPUs>; on a Neuron one
 NEURON_RT_VISIBLE_CORES=<i mod #cores>; on CPU the cores are shared out with RESIDENT_THREADS. A
 RESIDENT_DEVICE / RESIDENT_THREADS set by the caller is passed to every backend unchanged; a
 RESIDENT_JOURNAL_DIR becomes <dir>/backend-<i>, one journal per backend.
+
+The admin token the front and its backends share (RESIDENT_ADMIN_TOKEN, else a fresh one per run) is
+written to build/cluster-<PORT>/admin-token (mode 0600) for ``POST /backends/{i}/drain`` and
+``/restart`` (docs/ROUTING.md). ``python -m launch front`` takes it from RESIDENT_FRONT_ADMIN_TOKEN,
+else from RESIDENT_ADMIN_TOKEN.
 
 Ctrl-C or SIGTERM: the front stops listening and lets requests in flight finish
 (RESIDENT_FRONT_DRAIN_S, 10 s), then every backend's process group is stopped by PID, in parallel,
@@ -27,11 +36,13 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,10 +111,19 @@ def admin_token(environ: Mapping[str, str]) -> str:
 _ADMIN_TOKEN: str | None = None
 
 
+def session_id_tag(index: int, environ: Mapping[str, str]) -> str:
+    """Backend ``index``'s RESIDENT_SESSION_ID_TAG: ``<RESIDENT_INSTANCE_TAG>b<index>``."""
+    prefix = environ.get("RESIDENT_INSTANCE_TAG", "")
+    if not re.fullmatch(r"[A-Za-z0-9]*", prefix):
+        raise ConfigError(f"RESIDENT_INSTANCE_TAG must be letters and digits, got {prefix!r}")
+    return f"{prefix}b{index}"
+
+
 def backend_env(index: int, num: int, devices: Devices, environ: Mapping[str, str]) -> dict[str, str]:
-    """Settings for backend ``index`` of ``num``: its device, or its share of the CPU cores, and its
-    own crash-recovery journal (a restarted backend must restore its own sessions, not all of them)."""
-    env: dict[str, str] = {}
+    """Settings for backend ``index`` of ``num``: the tag its session ids carry, its device, or its
+    share of the CPU cores, and its own crash-recovery journal (a restarted backend must restore its
+    own sessions, not all of them)."""
+    env: dict[str, str] = {"RESIDENT_SESSION_ID_TAG": session_id_tag(index, environ)}
     if environ.get("RESIDENT_JOURNAL_DIR"):
         env["RESIDENT_JOURNAL_DIR"] = str(Path(environ["RESIDENT_JOURNAL_DIR"]) / f"backend-{index}")
     if devices.kind == "cuda" and "RESIDENT_DEVICE" not in environ:
@@ -149,10 +169,58 @@ def stop_backends(backends: list[TorchServe]) -> None:
             list(pool.map(lambda b: b.stop(timeout_s=BACKEND_STOP_S), backends))
 
 
+class BackendRestarter:
+    """Restarts one backend of a running cluster, for the front's ``POST /backends/{i}/restart`` (which
+    drains it first and resumes it after). Its watchdog is stopped first, so that it does not restart
+    the backend too; a new one watches it once TorchServe is ready again (same ports and journal)."""
+
+    def __init__(self, backends: list[TorchServe], environ: Mapping[str, str]):
+        self.backends = backends
+        self.environ = environ
+        self.watchdogs = {i: watch(b, environ) for i, b in enumerate(backends)}  # index -> Watchdog | None
+        self._lock = threading.Lock()  # one restart at a time: a rolling restart, never two backends down
+
+    def restart(self, index: int) -> None:
+        """Blocking (minutes for a large model): the front runs it in a thread."""
+        with self._lock:
+            watchdog = self.watchdogs.pop(index, None)
+            if watchdog is not None:
+                watchdog.stop()
+            backend = self.backends[index]
+            try:
+                logger.info("restarting backend %d (%s)", index, backend.url)
+                backend.restart()
+                backend.wait_ready(timeout_s=float(self.environ.get("RESIDENT_STARTUP_TIMEOUT_S", "900")))
+            finally:
+                self.watchdogs[index] = watch(backend, self.environ)
+
+    @property
+    def restarting(self) -> bool:
+        return self._lock.locked()
+
+    def stop(self) -> None:
+        """Called before the backends are stopped: no watchdog restarts one after this."""
+        with self._lock:
+            for watchdog in self.watchdogs.values():
+                if watchdog is not None:
+                    watchdog.stop()
+
+
+def write_admin_token(run_root: Path, token: str) -> Path:
+    """The token where the operator (and only they) can read it: build/cluster-<PORT>/admin-token."""
+    run_root.mkdir(parents=True, exist_ok=True)
+    path = run_root / "admin-token"
+    path.unlink(missing_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    return path
+
+
 async def serve_front(config: FrontConfig, host: str, port: int,
-                      backends_alive: Callable[[], bool] = lambda: True) -> bool:
+                      backends_alive: Callable[[], bool] = lambda: True,
+                      restart_backend: Callable[[int], None] | None = None) -> bool:
     """Run the front until SIGTERM or SIGINT (True), or until no backend process is left (False)."""
-    front = Front(config)
+    front = Front(config, restart_backend=restart_backend)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -171,10 +239,11 @@ async def serve_front(config: FrontConfig, host: str, port: int,
         await front.stop()
 
 
-def _serve(config: FrontConfig, host: str, port: int, backends_alive: Callable[[], bool] = lambda: True) -> int:
+def _serve(config: FrontConfig, host: str, port: int, backends_alive: Callable[[], bool] = lambda: True,
+           restart_backend: Callable[[int], None] | None = None) -> int:
     """The front in the foreground; the exit status."""
     try:
-        return 0 if asyncio.run(serve_front(config, host, port, backends_alive)) else 1
+        return 0 if asyncio.run(serve_front(config, host, port, backends_alive, restart_backend)) else 1
     except OSError as exc:  # the port is taken, most often
         print(f"error: the front cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 1
@@ -189,7 +258,7 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
     _configure_logging()
     signal.signal(signal.SIGTERM, _interrupt)
     backends: list[TorchServe] = []
-    watchdogs: list = []
+    restarter: BackendRestarter | None = None
     try:
         model = Path(environ["MODEL"]) if environ.get("MODEL") else DEFAULT_MODEL
         if not environ.get("MODEL"):
@@ -199,13 +268,20 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
         devices = visible_devices()
         num = num_backends(environ.get("BACKENDS", "2"), devices)
         backends = start_backends(num, devices, front_port=port, model=model, environ=environ)
-        watchdogs = [w for w in (watch(b, environ) for b in backends) if w is not None]
+        restarter = BackendRestarter(backends, environ)
+        token_file = write_admin_token(REPO / "build" / f"cluster-{port}", admin_token(environ))
         config = FrontConfig.from_env(environ, backends=tuple(b.url for b in backends),
                                       management_urls=tuple(b.management_url for b in backends),
-                                      model_name=MODEL_NAME, admin_token=admin_token(environ))
+                                      model_name=MODEL_NAME, admin_token=admin_token(environ),
+                                      backend_tags=tuple(session_id_tag(i, environ) for i in range(num)))
         host = environ.get("HOST", "127.0.0.1")
-        print(f"front on http://{host}:{port} before {num} backend(s) serving {model}; Ctrl-C stops", flush=True)
-        return _serve(config, host, port, lambda: any(b.process.poll() is None for b in backends))
+        print(f"front on http://{host}:{port} before {num} backend(s) serving {model} (admin token in "
+              f"{token_file}); Ctrl-C stops", flush=True)
+
+        def alive() -> bool:  # a backend being restarted counts as alive
+            return restarter.restarting or any(b.process.poll() is None for b in backends)
+
+        return _serve(config, host, port, alive, restarter.restart)
     except KeyboardInterrupt:
         return 0
     except ConfigError as exc:
@@ -214,8 +290,8 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):  # a second Ctrl-C must not cut the clean-up short
             signal.signal(signum, signal.SIG_IGN)
-        for watchdog in watchdogs:
-            watchdog.stop()
+        if restarter is not None:
+            restarter.stop()
         stop_backends(backends)
         logger.info("stopped")
 
@@ -223,8 +299,10 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
 def run_front(port: int, environ: Mapping[str, str] = os.environ) -> int:
     """Called by ``python -m launch front``: the front alone, backends from RESIDENT_FRONT_BACKENDS."""
     _configure_logging()
+    shared = {"admin_token": environ["RESIDENT_ADMIN_TOKEN"]} \
+        if environ.get("RESIDENT_ADMIN_TOKEN") and not environ.get("RESIDENT_FRONT_ADMIN_TOKEN") else {}
     try:
-        config = FrontConfig.from_env(environ)
+        config = FrontConfig.from_env(environ, **shared)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

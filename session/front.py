@@ -5,7 +5,12 @@ device; or, in docker/compose.yaml, other fronts standing in for SageMaker insta
 
   GET  /ping                                            200 while a backend is healthy, else 503
   GET  /backends                                        each backend's health and counters (JSON)
+  POST /backends/{i}/drain, /backends/{i}/resume        move every session off backend i (admin token),
+                                                        put it back into rotation (session/migration.py)
+  POST /backends/{i}/restart                            drain, restart (make cluster only), resume
   POST /invocations, /predictions/{model}               forwarded as they are (SSE streams relayed)
+  POST /v1/chat/completions, GET /v1/models             the OpenAI API (the openai client), sessions by
+                                                        the same SageMaker headers
   POST /endpoints/{name}/invocations                    SageMaker InvokeEndpoint
   GET  /adapters, POST /adapters {"name", "src"}, DELETE /adapters/{name}
                                                         LoRA adapters on every backend at once (below)
@@ -13,15 +18,21 @@ device; or, in docker/compose.yaml, other fronts standing in for SageMaker insta
        forwarded with "stream": true; each SSE chunk becomes a PayloadPart event as it arrives.
        It continues an existing session or serves a stateless request; it never opens a session.
 
-Routing is ``session/router.py``. ``X-Amzn-SageMaker-*`` headers pass both ways; answers carry
-``X-Resident-Backend: <backend index>``. Errors are ``{"error": {"type", "message"}}`` with their
+Routing is ``session/router.py``: a follow-up goes to the backend its pin, else its id's tag, names;
+when that backend does not hold the session (a 404, or it is down) the front asks every backend
+(``{"sessions": "list"}``) before it answers 404 or 410, so no front keeps state another needs.
+``X-Amzn-SageMaker-*`` headers pass both ways; answers carry ``X-Resident-Backend: <backend index>``
+and ``X-Resident-Request-Id``. Errors are ``{"error": {"type", "message"}}`` with their
 status; on the ``/endpoints/...`` paths they also carry ``X-Amzn-ErrorType`` and a top-level
 ``message``, so that botocore's ClientError shows the type and message. A session whose backend is
 down gets 410 ``session_backend_unavailable`` (open a new session); a stateless or new-session
 request goes to another healthy backend when the first refuses the connection.
 
-A request abandoned by the front on timeout keeps running on the backend (TorchServe's async mode
-does not signal disconnects); the backend's own queue limit bounds that.
+Every forwarded invocation carries ``X-Resident-Request-Id`` (the client's, when it sent a valid
+one). TorchServe's async mode does not tell the backend when a client goes away, so when the client
+disconnects before its answer is complete, or the front's timeout fires, the front sends the
+backend a cancel for that id (``session/backend_admin.py``), best effort: the engine stops the
+request and rolls its session's turn back.
 
 Adapters: the front sends an admin request (``X-Resident-Admin-Token``, a secret shared with its
 backends) to every backend. Registering validates on each and rolls back where it succeeded if
@@ -34,23 +45,32 @@ Settings: ``FrontConfig`` from ``RESIDENT_FRONT_*`` environment variables. Never
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
 import logging
 import os
+import re
+import uuid
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from multidict import CIMultiDict
 
+from session.backend_admin import BackendAdmin
 from session.errors import (
-    BackendError, BackendTimeout, BadRequest, ConfigError, PayloadTooLarge, ResidentError,
+    BackendError, BackendTimeout, BadRequest, ConfigError, PayloadTooLarge, ResidentError, SessionBackendUnavailable,
+    SessionNotFound,
 )
 from session.event_stream import CONTENT_TYPE as EVENT_STREAM, model_stream_error, payload_part
+from session.locator import SessionLocator
+from session.migration import Migrator
 from session.protocol import (
-    ADMIN_TOKEN_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, header, load_json_object, sse, validate_session_id,
+    ADMIN_TOKEN_HEADER, NEW_SESSION, NEW_SESSION_HEADER, REQUEST_ID_HEADER, REQUEST_ID_RE, SESSION_HEADER, header,
+    load_json_object, sse, validate_session_id,
 )
 from session.router import Backend, Router
 
@@ -65,6 +85,14 @@ VARIANT_HEADER = "x-Amzn-Invoked-Production-Variant"
 VARIANT = "AllTraffic"  # SageMaker's default production variant name
 SSE_CONTENT_TYPE = "text/event-stream"
 JSON_CONTENT_TYPE = "application/json"
+TAG_RE = re.compile(r"^[A-Za-z0-9]+\*?$")
+
+
+class Forbidden(ResidentError):
+    """An admin request to the front without the right X-Resident-Admin-Token."""
+
+    status = 403
+    type = "forbidden"
 
 
 @dataclass(frozen=True)
@@ -81,7 +109,10 @@ class FrontConfig:
     unhealthy_after: int = 3  # failed probes in a row before a backend is taken out
     drain_s: float = 10.0  # on shutdown, how long requests in flight may finish (SIGKILL comes at 30 s)
     default_session_ttl_s: float = 1200.0  # pin lifetime when a backend's New-Session-Id has no Expires
-    admin_token: str = ""  # shared with the backends (RESIDENT_ADMIN_TOKEN) for the /adapters API
+    admin_token: str = ""  # shared with the backends (RESIDENT_ADMIN_TOKEN): adapters, session look-up, drain
+    # Each backend's RESIDENT_SESSION_ID_TAG, same order; empty: b0, b1, ...; "none": ids carry no tag.
+    backend_tags: tuple[str, ...] = ()
+    cancel_timeout_s: float = 2.0  # a cancel sent to a backend (best effort)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "FrontConfig":
@@ -105,12 +136,26 @@ class FrontConfig:
         if self.management_urls and len(self.management_urls) != len(self.backends):
             raise ConfigError(f"{ENV_PREFIX}MANAGEMENT_URLS has {len(self.management_urls)} URLs for "
                               f"{len(self.backends)} backends; give one per backend or none")
+        tags = self.session_tags()
+        if len(tags) != len(self.backends):
+            raise ConfigError(f"{ENV_PREFIX}BACKEND_TAGS has {len(tags)} tags for {len(self.backends)} backends; "
+                              "give one per backend, or 'none'")
+        for tag in tags:
+            if tag and not TAG_RE.match(tag):
+                raise ConfigError(f"session id tag {tag!r} in {ENV_PREFIX}BACKEND_TAGS: use letters and digits, "
+                                  "optionally ending in * (a prefix)")
         for name in ("timeout_s", "max_request_bytes", "health_interval_s", "health_timeout_s", "unhealthy_after",
-                     "default_session_ttl_s"):
+                     "default_session_ttl_s", "cancel_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")
         if self.drain_s < 0:
             raise ConfigError(f"{ENV_PREFIX}DRAIN_S must be >= 0, got {self.drain_s}")
+
+    def session_tags(self) -> tuple[str, ...]:
+        """The session id tag of each backend ("" where ids carry none)."""
+        if self.backend_tags == ("none",):
+            return ("",) * len(self.backends)
+        return self.backend_tags or tuple(f"b{i}" for i in range(len(self.backends)))
 
 
 def _parse_setting(kind: str, raw: str, name: str) -> Any:
@@ -132,37 +177,82 @@ class _Unreachable(Exception):
     """The backend is not listening (refused, or reset and then failed a fresh probe)."""
 
 
+class _Missing(Exception):
+    """The backend a follow-up was sent to answered 404 ``session_not_found``: look elsewhere first.
+    ``response`` is that 404, for the client if the session is nowhere."""
+
+    def __init__(self, response: web.Response):
+        super().__init__("session not on this backend")
+        self.response = response
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while its answer was being relayed."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One invocation to forward: what every attempt on a backend sends."""
+
+    path: str  # on the backend: /invocations or /predictions/<model>
+    body: bytes
+    headers: dict[str, str]  # X-Amzn-SageMaker-*, Content-Type, X-Resident-Request-Id
+    session_id: str | None  # None (stateless), NEW_SESSION or an id
+    request_id: str
+    events: bool  # answer as AWS event-stream PayloadParts (the response-stream path)
+
+
 class Front:
     """The front door. Built once by the launcher (``launch/cluster.py``) or a test; ``start`` binds
     and begins health checks, ``stop`` stops listening, lets requests in flight finish (up to
     ``drain_s``) and closes the connections to the backends."""
 
-    def __init__(self, config: FrontConfig):
+    def __init__(self, config: FrontConfig, restart_backend: Callable[[int], None] | None = None):
         self.config = config
+        # Blocking: restarts backend i and returns once it is ready (launch/cluster.py); None: not ours to restart.
+        self._restart_backend = restart_backend
         management = config.management_urls or (None,) * len(config.backends)
-        self.router = Router([Backend(index=i, url=url, management_url=mgmt)
-                              for i, (url, mgmt) in enumerate(zip(config.backends, management))],
+        self.router = Router([Backend(index=i, url=url, management_url=mgmt, tag=tag)
+                              for i, (url, mgmt, tag) in enumerate(zip(config.backends, management,
+                                                                       config.session_tags()))],
                              unhealthy_after=config.unhealthy_after, default_ttl_s=config.default_session_ttl_s)
         # aiohttp refuses a body of client_max_size bytes or more; we allow exactly max_request_bytes.
         self.app = web.Application(client_max_size=config.max_request_bytes + 1, middlewares=[self._errors])
         self.app.router.add_get("/ping", self.ping)
         self.app.router.add_get("/backends", self.describe_backends)
+        self.app.router.add_post("/backends/{index}/drain", self._to_completion(self.drain_backend))
+        self.app.router.add_post("/backends/{index}/resume", self.resume_backend)
+        self.app.router.add_post("/backends/{index}/restart", self._to_completion(self.restart_backend))
         self.app.router.add_post("/invocations", self.invoke)
         self.app.router.add_post("/predictions/{model}", self.invoke)
+        self.app.router.add_post("/v1/chat/completions", self.invoke)
+        self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_post("/endpoints/{endpoint}/invocations", self.invoke)
         self.app.router.add_post("/endpoints/{endpoint}/invocations-response-stream", self.invoke_stream)
         self.app.router.add_get("/adapters", self.list_adapters)
-        self.app.router.add_post("/adapters", self.register_adapter)
-        self.app.router.add_delete("/adapters/{name}", self.unregister_adapter)
+        self.app.router.add_post("/adapters", self._to_completion(self.register_adapter))
+        self.app.router.add_delete("/adapters/{name}", self._to_completion(self.unregister_adapter))
         self._http: aiohttp.ClientSession | None = None  # requests to backends, kept alive
         self._probe_http: aiohttp.ClientSession | None = None  # health probes, a fresh connection each
+        self.admin: BackendAdmin | None = None  # admin calls and cancels to backends (set by start)
+        self.migrator: Migrator | None = None  # drains (set by start)
+        self.locator: SessionLocator | None = None  # finds sessions no pin or tag places (set by start)
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # cancels on their way to backends, drains, adapter fan-outs
+        self.num_cancels_sent = 0
 
     async def start(self, host: str, port: int) -> None:
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
         self._probe_http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-        self._runner = web.AppRunner(self.app, access_log_class=AccessLogger, access_log=access_logger)
+        self.admin = BackendAdmin(self._http, model_name=self.config.model_name, token=self.config.admin_token,
+                                  timeout_s=self.config.timeout_s + self.config.health_timeout_s,
+                                  cancel_timeout_s=self.config.cancel_timeout_s)
+        self.migrator = Migrator(self.router, self.admin)
+        self.locator = SessionLocator(self.admin, lambda: self.router.healthy_backends)
+        # handler_cancellation: a client that disconnects cancels its handler, which then cancels the backend's work.
+        self._runner = web.AppRunner(self.app, access_log_class=AccessLogger, access_log=access_logger,
+                                     handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port, shutdown_timeout=self.config.drain_s).start()
         self._health_task = asyncio.create_task(self._health_loop())
@@ -179,9 +269,25 @@ class Front:
             await asyncio.gather(self._health_task, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=max(self.config.drain_s, self.config.cancel_timeout_s))
         for client in (self._http, self._probe_http):
             if client is not None:
                 await client.close()
+
+    def _in_background(self, coroutine) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _to_completion(self, handler):
+        """Wraps a handler whose work must not stop halfway when its client leaves (a drain would lose
+        the session in transit, an adapter fan-out leave backends unlike): it runs as a task of its own,
+        and a client that disconnects (handler cancellation) cancels only the wait for it."""
+        async def run(request: web.Request) -> web.StreamResponse:
+            return await asyncio.shield(self._in_background(handler(request)))
+        return run
 
     # ------------------------------------------------------------ handlers
 
@@ -194,9 +300,13 @@ class Front:
 
     async def describe_backends(self, request: web.Request) -> web.Response:
         return web.json_response({"backends": [asdict(b) for b in self.router.backends],
-                                  "num_sessions": len(self.router.pins)})
+                                  "num_sessions": len(self.router.pins), "num_cancels_sent": self.num_cancels_sent,
+                                  "num_lookups": self.locator.num_lookups,
+                                  "num_lookup_fan_outs": self.locator.num_fan_outs})
 
     async def invoke(self, request: web.Request) -> web.StreamResponse:
+        """``/invocations``, ``/predictions/{model}``, ``/v1/chat/completions`` and InvokeEndpoint: one body,
+        the same OpenAI chat shape, forwarded to the backend's ``/invocations`` (or the named model)."""
         body = await self._read_body(request)
         path = request.path if request.path.startswith("/predictions/") else "/invocations"
         return await self._forward(request, body, path, events=False)
@@ -208,6 +318,64 @@ class Front:
                              f"({SESSION_HEADER}: {NEW_SESSION}), then stream within it")
         body = json.dumps({**data, "stream": True}).encode()
         return await self._forward(request, body, "/invocations", events=True)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        """OpenAI ``GET /v1/models``: the base model, and the registered adapters when the front may ask."""
+        names = [self.config.model_name]
+        if self.admin.enabled and self.router.healthy_backends:
+            [(status, body)] = await self._admin_all({"adapters": "list"}, self.router.healthy_backends[:1])
+            if status == 200:
+                names += [a["name"] for a in body.get("adapters", [])]
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "resident"} for name in names]})
+
+    # ------------------------------------------------------------ drain
+
+    async def drain_backend(self, request: web.Request) -> web.Response:
+        """Move every session off backend i (it then may stop with none lost); the report times each move."""
+        self._check_admin(request)
+        report = await self.migrator.drain(self._backend_at(request))
+        return web.json_response(report.to_body())
+
+    async def resume_backend(self, request: web.Request) -> web.Response:
+        self._check_admin(request)
+        backend = self._backend_at(request)
+        self.router.resume(backend)
+        return web.json_response({"backend": backend.index, "draining": False})
+
+    async def restart_backend(self, request: web.Request) -> web.Response:
+        """A step of a rolling restart: drain backend i, restart it, put it back. 409 (and no restart)
+        when a session could not be moved off it."""
+        self._check_admin(request)
+        backend = self._backend_at(request)
+        if self._restart_backend is None:
+            raise BadRequest("this front does not own its backends' processes (only make cluster's does): drain, "
+                             "restart the backend yourself, then POST /backends/{i}/resume")
+        report = await self.migrator.drain(backend)
+        if report.num_remaining:
+            return web.json_response({"error": {"type": "sessions_remaining", "message": (
+                f"{report.num_remaining} session(s) could not be moved off backend {backend.index}; not restarted "
+                "(it stays drained: POST /backends/{i}/resume to undo)")}, "drain": report.to_body()}, status=409)
+        started = asyncio.get_running_loop().time()
+        await asyncio.get_running_loop().run_in_executor(None, self._restart_backend, backend.index)
+        await self._probe(backend)
+        self.router.resume(backend)
+        return web.json_response({"backend": backend.index, "drain": report.to_body(), "healthy": backend.healthy,
+                                  "restart_s": round(asyncio.get_running_loop().time() - started, 3)})
+
+    def _check_admin(self, request: web.Request) -> None:
+        if not self.config.admin_token:
+            raise Forbidden(f"the admin API is off: set {ENV_PREFIX}ADMIN_TOKEN and the backends' "
+                            "RESIDENT_ADMIN_TOKEN to one secret (make cluster does)")
+        token = header(request.headers, ADMIN_TOKEN_HEADER) or ""
+        if not hmac.compare_digest(token.encode(), self.config.admin_token.encode()):
+            raise Forbidden(f"send the cluster's admin token in {ADMIN_TOKEN_HEADER}")
+
+    def _backend_at(self, request: web.Request) -> Backend:
+        raw = request.match_info["index"]
+        if not raw.isdigit() or int(raw) >= len(self.router.backends):
+            raise web.HTTPNotFound()
+        return self.router.backends[int(raw)]
 
     # ------------------------------------------------------------ adapters
 
@@ -243,20 +411,12 @@ class Front:
 
     async def _admin_all(self, payload: dict, backends: list[Backend]) -> list[tuple[int, dict]]:
         """One admin request to each backend, in parallel: [(status, JSON body)] in backend order."""
-        if not self.config.admin_token:
+        if not self.admin.enabled:
             raise BadRequest(f"the adapter API is off: set {ENV_PREFIX}ADMIN_TOKEN and the backends' "
                              "RESIDENT_ADMIN_TOKEN to one secret (make cluster does)")
         if not backends:
             raise BackendError("no healthy backend to manage adapters on")
-        headers = {"Content-Type": JSON_CONTENT_TYPE, ADMIN_TOKEN_HEADER: self.config.admin_token}
-        body = json.dumps(payload).encode()
-
-        async def one(backend: Backend) -> tuple[int, dict]:
-            async with await self._send(backend, f"/predictions/{self.config.model_name}", body, headers) as upstream:
-                payload = await upstream.read()
-                return upstream.status, (json.loads(payload) if upstream.status == 200 else {"error": _error_of(payload)})
-
-        return list(await asyncio.gather(*(one(b) for b in backends)))
+        return list(await asyncio.gather(*(self.admin.call(b, payload) for b in backends)))
 
     # ------------------------------------------------------------ forwarding
 
@@ -273,49 +433,111 @@ class Front:
 
     async def _forward(self, request: web.Request, body: bytes, path: str, *, events: bool) -> web.StreamResponse:
         session_id = _session_id(request)
-        pinned = session_id not in (None, NEW_SESSION)
+        request_id = _request_id(request)
         headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-amzn-sagemaker-")}
         headers["Content-Type"] = JSON_CONTENT_TYPE if events else request.headers.get("Content-Type",
                                                                                       JSON_CONTENT_TYPE)
+        headers[REQUEST_ID_HEADER] = request_id
+        call = _Call(path=path, body=body, headers=headers, session_id=session_id, request_id=request_id,
+                     events=events)
+        if session_id in (None, NEW_SESSION):
+            return await self._forward_anywhere(request, call)
+        return await self._forward_to_session(request, call)
+
+    async def _forward_anywhere(self, request: web.Request, call: _Call) -> web.StreamResponse:
+        """A new session or a stateless request: the least busy backend; the next one if it refuses."""
         refused: list[Backend] = []
         while True:
-            # A pinned session whose backend just went down makes route() raise SessionBackendUnavailable;
-            # other requests try the next healthy backend until none is left (BackendUnavailable).
-            backend = self.router.route(session_id) if pinned else self.router.pick(exclude=refused)
-            self.router.acquire(backend)
+            backend = self.router.pick(exclude=refused)  # BackendUnavailable when none is left
             try:
-                return await self._exchange(request, backend, path, body, headers, session_id, events)
+                return await self._exchange_counted(request, backend, call)
             except _Unreachable:
                 refused.append(backend)
-            finally:
-                self.router.release(backend)
 
-    async def _exchange(self, request: web.Request, backend: Backend, path: str, body: bytes,
-                        headers: dict[str, str], session_id: str | None, events: bool) -> web.StreamResponse:
-        """One request to one backend, its answer relayed to the client; raises _Unreachable."""
+    async def _forward_to_session(self, request: web.Request, call: _Call) -> web.StreamResponse:
+        """A follow-up: to the backend its pin or its id's tag names; when that backend does not hold the
+        session (404) or is down, to the one the backends say holds it; else that 404, or 410."""
+        session_id = call.session_id
+        try:
+            backend = self.router.route(session_id)
+        except (SessionNotFound, SessionBackendUnavailable) as exc:
+            backend = await self._look_up(session_id, exclude=())
+            if backend is None:
+                raise exc
+        try:
+            return await self._exchange_counted(request, backend, call, look_elsewhere=self.admin.enabled)
+        except (_Missing, _Unreachable) as exc:
+            elsewhere = await self._look_up(session_id, exclude=(backend,))
+            if elsewhere is None and isinstance(exc, _Missing):
+                return exc.response
+            if elsewhere is not None:
+                with contextlib.suppress(_Unreachable):
+                    return await self._exchange_counted(request, elsewhere, call)
+        raise SessionBackendUnavailable(
+            f"the backend holding session {session_id} is unavailable and the session's state was held there; "
+            "open a new session with NEW_SESSION")
+
+    async def _look_up(self, session_id: str, exclude: tuple[Backend, ...]) -> Backend | None:
+        """Where the session lives now, by asking the backends (``session/locator.py``); remembered here
+        when found. A session this front is moving is waited for. None without the admin token."""
+        if self.migrator.is_moving(session_id):
+            await self.migrator.wait_moved(session_id, self.config.timeout_s)
+            pin = self.router.pins.get(session_id)
+            if pin is not None:
+                return pin.backend
+        if not self.admin.enabled:
+            return None
+        found = await self.locator.find(session_id, exclude)
+        if found is None:
+            return None
+        backend, expires_at = found
+        self.router.pin(session_id, backend, expires_at)
+        logger.info("session %s found on backend %d", session_id, backend.index)
+        return backend
+
+    async def _exchange_counted(self, request: web.Request, backend: Backend, call: _Call,
+                                look_elsewhere: bool = False) -> web.StreamResponse:
+        self.router.acquire(backend)
+        try:
+            return await self._exchange(request, backend, call, look_elsewhere)
+        finally:
+            self.router.release(backend)
+
+    async def _exchange(self, request: web.Request, backend: Backend, call: _Call,
+                        look_elsewhere: bool) -> web.StreamResponse:
+        """One request to one backend, its answer relayed to the client. Raises _Unreachable; _Missing
+        when ``look_elsewhere`` and the backend does not hold the session. On timeout or a client gone,
+        the backend is told to cancel the request."""
         deadline = asyncio.get_running_loop().time() + self.config.timeout_s
-        async with await self._send(backend, path, body, headers) as upstream:
-            if upstream.status == 200 and upstream.content_type == SSE_CONTENT_TYPE:
-                self.router.record_answer(backend, session_id, upstream.status, upstream.headers)
-                return await self._relay_stream(request, upstream, backend, events)
-            payload = await self._read_answer(upstream, backend, deadline)
-            error = _error_of(payload) if upstream.status >= 400 else None
-            self.router.record_answer(backend, session_id, upstream.status, upstream.headers,
-                                      error["type"] if error else None)
-            out_headers = self._answer_headers(request, upstream, backend)
-            if error is not None:
-                return self._error_response(request, upstream.status, {"error": error}, out_headers)
-            if events and upstream.status == 200:  # a JSON answer on the stream path (a CLOSE): one part
-                return await self._single_part(request, payload, out_headers, upstream.content_type)
-            return web.Response(status=upstream.status, body=payload, headers=out_headers)
+        try:
+            async with await self._send(backend, call) as upstream:
+                if upstream.status == 200 and upstream.content_type == SSE_CONTENT_TYPE:
+                    self.router.record_answer(backend, call.session_id, upstream.status, upstream.headers)
+                    return await self._relay_stream(request, upstream, backend, call)
+                payload = await self._read_answer(upstream, backend, deadline)
+        except (BackendTimeout, asyncio.CancelledError):
+            self._cancel_later(backend, call.request_id)
+            raise
+        error = _error_of(payload) if upstream.status >= 400 else None
+        self.router.record_answer(backend, call.session_id, upstream.status, upstream.headers,
+                                  error["type"] if error else None)
+        out_headers = self._answer_headers(request, upstream, backend, call)
+        if error is not None:
+            response = self._error_response(request, upstream.status, {"error": error}, out_headers)
+            if look_elsewhere and upstream.status == 404 and error["type"] == SessionNotFound.type:
+                raise _Missing(response)
+            return response
+        if call.events and upstream.status == 200:  # a JSON answer on the stream path (a CLOSE): one part
+            return await self._single_part(request, payload, out_headers, upstream.content_type)
+        return web.Response(status=upstream.status, body=payload, headers=out_headers)
 
-    async def _send(self, backend: Backend, path: str, body: bytes,
-                    headers: dict[str, str]) -> aiohttp.ClientResponse:
+    async def _send(self, backend: Backend, call: _Call) -> aiohttp.ClientResponse:
         """POST to the backend; returns once its status and headers are in."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.health_timeout_s,
                                         sock_read=self.config.timeout_s)
         try:
-            return await self._http.post(backend.url + path, data=body, headers=headers, timeout=timeout)
+            return await self._http.post(backend.url + call.path, data=call.body, headers=call.headers,
+                                         timeout=timeout)
         except asyncio.TimeoutError:
             raise BackendTimeout(f"backend {backend.index} did not answer within {self.config.timeout_s:g} s") \
                 from None
@@ -339,35 +561,57 @@ class Front:
             raise BackendError(f"backend {backend.index} broke off its answer: {exc}") from None
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Backend,
-                            events: bool) -> web.StreamResponse:
+                            call: _Call) -> web.StreamResponse:
         """Relay an SSE answer chunk by chunk: as SSE, or as one PayloadPart event per SSE event."""
-        headers = self._answer_headers(request, upstream, backend)
-        if events:
+        headers = self._answer_headers(request, upstream, backend, call)
+        if call.events:
             headers["Content-Type"] = EVENT_STREAM
             headers[PAYLOAD_CONTENT_TYPE_HEADER] = SSE_CONTENT_TYPE
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
-        rest = b""
         try:
-            async for chunk in upstream.content.iter_any():
-                if not events:
-                    await response.write(chunk)
-                    continue
-                parts, rest = split_sse(rest + chunk)
-                for part in parts:
-                    await response.write(payload_part(part))
-            if rest:
-                await response.write(payload_part(rest))
+            await self._relay_chunks(upstream, response, call.events)
+        except _ClientGone:
+            logger.info("client left during the stream of request %s; cancelling it on backend %d",
+                        call.request_id, backend.index)
+            self._cancel_later(backend, call.request_id)
+            raise ConnectionResetError("client disconnected") from None
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             # The status line is gone already: end the stream with an error in its own format.
-            error = (BackendTimeout(f"backend {backend.index} sent nothing for {self.config.timeout_s:g} s")
-                     if isinstance(exc, asyncio.TimeoutError)
-                     else BackendError(f"backend {backend.index} broke off its stream: {exc}"))
+            if isinstance(exc, asyncio.TimeoutError):
+                error = BackendTimeout(f"backend {backend.index} sent nothing for {self.config.timeout_s:g} s")
+                self._cancel_later(backend, call.request_id)
+            else:
+                error = BackendError(f"backend {backend.index} broke off its stream: {exc}")
             logger.warning("stream from backend %d ended early: %s", backend.index, error.message)
-            await response.write(model_stream_error(error.message, error.type) if events
+            await response.write(model_stream_error(error.message, error.type) if call.events
                                  else sse(error.to_body()).encode())
         await response.write_eof()
         return response
+
+    @staticmethod
+    async def _relay_chunks(upstream: aiohttp.ClientResponse, response: web.StreamResponse, events: bool) -> None:
+        """Copy the upstream SSE body to the client as it arrives. Raises _ClientGone when a write fails."""
+        rest = b""
+        async for chunk in upstream.content.iter_any():
+            if not events:
+                await _write(response, chunk)
+                continue
+            parts, rest = split_sse(rest + chunk)
+            for part in parts:
+                await _write(response, payload_part(part))
+        if rest:
+            await _write(response, payload_part(rest))
+
+    def _cancel_later(self, backend: Backend, request_id: str) -> None:
+        """Tell the backend to stop ``request_id``, in the background (the caller may be cancelled itself)."""
+        self.num_cancels_sent += 1
+        self._in_background(self._cancel(backend, request_id))
+
+    async def _cancel(self, backend: Backend, request_id: str) -> None:
+        cancelled = await self.admin.cancel(backend, request_id)
+        logger.info("cancel of request %s on backend %d: %s", request_id, backend.index,
+                    {True: "stopped", False: "already finished", None: "not delivered"}[cancelled])
 
     async def _single_part(self, request: web.Request, payload: bytes, headers: CIMultiDict,
                            content_type: str) -> web.StreamResponse:
@@ -379,11 +623,12 @@ class Front:
         await response.write_eof()
         return response
 
-    def _answer_headers(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                        backend: Backend) -> CIMultiDict:
+    def _answer_headers(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Backend,
+                        call: _Call) -> CIMultiDict:
         headers = CIMultiDict((k, v) for k, v in upstream.headers.items() if _passes_back(k))
         headers["Content-Type"] = upstream.headers.get("Content-Type", JSON_CONTENT_TYPE)
         headers[BACKEND_HEADER] = str(backend.index)  # replaces an inner front's, in a front of fronts
+        headers[REQUEST_ID_HEADER] = call.request_id
         if _is_sagemaker_path(request):
             headers[VARIANT_HEADER] = VARIANT
         return headers
@@ -481,6 +726,19 @@ def _session_id(request: web.Request) -> str | None:
         return None
     value = value.strip()
     return value if value == NEW_SESSION else validate_session_id(value)
+
+
+def _request_id(request: web.Request) -> str:
+    """The client's X-Resident-Request-Id when it is valid, else a fresh one."""
+    value = (header(request.headers, REQUEST_ID_HEADER) or "").strip()
+    return value if REQUEST_ID_RE.fullmatch(value) else uuid.uuid4().hex
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError too
+        raise _ClientGone() from exc
 
 
 def _passes_back(name: str) -> bool:

@@ -104,6 +104,19 @@ async def test_config_from_env_and_its_errors():
         FrontConfig.from_env({"RESIDENT_FRONT_BACKENDS": "a:1"})
 
 
+async def test_backend_tags_default_to_b_i_and_are_checked():
+    two = {"RESIDENT_FRONT_BACKENDS": "http://a:1,http://b:2"}
+    assert FrontConfig.from_env(two).session_tags() == ("b0", "b1")
+    assert FrontConfig.from_env({**two, "RESIDENT_FRONT_BACKEND_TAGS": "ia*, ib*"}).session_tags() == ("ia*", "ib*")
+    assert FrontConfig.from_env({**two, "RESIDENT_FRONT_BACKEND_TAGS": "none"}).session_tags() == ("", "")
+    with pytest.raises(ConfigError, match="1 tags for 2 backends"):
+        FrontConfig.from_env({**two, "RESIDENT_FRONT_BACKEND_TAGS": "x"})
+    with pytest.raises(ConfigError, match="letters and digits"):
+        FrontConfig.from_env({**two, "RESIDENT_FRONT_BACKEND_TAGS": "b-0,b1"})
+    front = Front(FrontConfig.from_env({**two, "RESIDENT_FRONT_BACKEND_TAGS": "ia*,ib*"}))
+    assert [b.tag for b in front.router.backends] == ["ia*", "ib*"]
+
+
 async def test_split_sse():
     assert split_sse(b"data: 1\n\ndata: 2\n\ndata: 3") == ([b"data: 1\n\n", b"data: 2\n\n"], b"data: 3")
     assert split_sse(b"") == ([], b"")

@@ -8,7 +8,7 @@ import pytest
 
 from session.errors import BackendUnavailable, SessionBackendUnavailable, SessionNotFound
 from session.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, format_expiry, new_session_header_value
-from session.router import EXPIRY_GRACE_S, Backend, Router, parse_new_session_header
+from session.router import EXPIRY_GRACE_S, Backend, Router, parse_new_session_header, session_tag
 
 T0 = 1_800_000_000.0  # a whole second, so that Expires (whole seconds) round-trips exactly
 TTL = 600.0
@@ -159,7 +159,7 @@ def test_pins_expire_after_the_backends_expiry_and_grace():
     clock.now = T0 + 300 + TTL + EXPIRY_GRACE_S
     with pytest.raises(SessionNotFound) as info:  # a request finds it expired before the reaper does
         router.route(B)
-    assert "expired" in info.value.message
+    assert "unknown to this endpoint" in info.value.message  # the front then asks the backends
     assert router.pins == {}
     assert b1.num_sessions == 0
 
@@ -230,3 +230,84 @@ def test_constructor_refuses_nonsense():
         Router([])
     with pytest.raises(ValueError, match="unhealthy_after"):
         Router([Backend(0, "http://x")], unhealthy_after=0)
+
+
+U = "1b4e28ba-2fa1-41d2-883f-0016d3cca427"  # a uuid4
+
+
+def tagged_router(num: int = 3) -> tuple[Router, Clock]:
+    clock = Clock()
+    router = Router([Backend(index=i, url=f"http://127.0.0.1:{9000 + 10 * i}", tag=f"b{i}") for i in range(num)],
+                    clock=clock)
+    for backend in router.backends:
+        router.record_probe(backend, True)
+    return router, clock
+
+
+def test_session_tag_is_the_suffix_after_a_uuid4():
+    assert session_tag(f"{U}-b0") == "b0"
+    assert session_tag(f"{U}-instA7") == "instA7"
+    assert session_tag(U) is None  # a plain uuid4: no tag
+    assert session_tag(f"{U}-") is None
+    assert session_tag(f"{U}-b_0") is None
+    assert session_tag("b0") is None
+    assert session_tag(f"x{U}-b0") is None
+
+
+def test_a_tagged_id_routes_to_its_backend_with_no_pin():
+    router, clock = tagged_router(3)
+    b0, b1, b2 = router.backends
+    assert router.route(f"{U}-b2") is b2  # what a restarted front, or a second one, does
+    assert router.route(f"{U}-b0") is b0
+    assert router.pins == {}
+    with pytest.raises(SessionNotFound):
+        router.route(f"{U}-b9")  # no such backend
+    with pytest.raises(SessionNotFound):
+        router.route(U)
+    router.mark_down(b1)
+    with pytest.raises(SessionBackendUnavailable):
+        router.route(f"{U}-b1")
+
+
+def test_a_pin_wins_over_the_tag_and_an_expired_pin_falls_back_to_it():
+    router, clock = tagged_router(2)
+    b0, b1 = router.backends
+    sid = f"{U}-b0"
+    router.pin(sid, b1, clock() + TTL)  # moved off its home by a drain
+    assert router.route(sid) is b1
+    clock.now += TTL + EXPIRY_GRACE_S
+    assert router.route(sid) is b0  # the pin is gone; the backends decide whether the session lives
+    assert router.pins == {} and b1.num_sessions == 0
+
+
+def test_a_draining_backend_serves_its_sessions_but_gets_no_new_ones():
+    router, clock = tagged_router(2)
+    b0, b1 = router.backends
+    router.drain(b0)
+    assert router.pick() is b1
+    assert router.route(f"{U}-b0") is b0
+    with pytest.raises(BackendUnavailable):
+        router.pick(exclude=[b1])
+    router.resume(b0)
+    assert router.pick() is b0
+
+
+def test_two_backends_cannot_share_a_tag():
+    with pytest.raises(ValueError, match="share the session id tag 'b0'"):
+        Router([Backend(0, "http://x", tag="b0"), Backend(1, "http://y", tag="b0")])
+
+
+def test_a_prefix_tag_matches_every_backend_of_an_instance():
+    router = Router([Backend(0, "http://a", tag="ia*"), Backend(1, "http://b", tag="ib*"),
+                     Backend(2, "http://c", tag="b0")])
+    for backend in router.backends:
+        router.record_probe(backend, True)
+    assert router.route(f"{U}-iab0") is router.backends[0]
+    assert router.route(f"{U}-iab1") is router.backends[0]
+    assert router.route(f"{U}-ibb0") is router.backends[1]
+    assert router.route(f"{U}-b0") is router.backends[2]
+    assert router.home(f"{U}-icb0") is None
+    with pytest.raises(ValueError, match="share the session id tag"):
+        Router([Backend(0, "http://a", tag="i*"), Backend(1, "http://b", tag="ib*")])
+    with pytest.raises(ValueError, match="share the session id tag"):
+        Router([Backend(0, "http://a", tag="ib0"), Backend(1, "http://b", tag="ib*")])
