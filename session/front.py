@@ -435,8 +435,9 @@ class Front:
         session_id = _session_id(request)
         request_id = _request_id(request)
         headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-amzn-sagemaker-")}
-        headers["Content-Type"] = JSON_CONTENT_TYPE if events else request.headers.get("Content-Type",
-                                                                                      JSON_CONTENT_TYPE)
+        # The body is JSON whatever the client's Content-Type says (SageMaker clients send all sorts, curl -d
+        # says form): forwarded as a form, TorchServe would decode it into fields and lose it.
+        headers["Content-Type"] = JSON_CONTENT_TYPE
         headers[REQUEST_ID_HEADER] = request_id
         call = _Call(path=path, body=body, headers=headers, session_id=session_id, request_id=request_id,
                      events=events)

@@ -262,3 +262,13 @@ def test_killed_backend_sessions_get_410_others_carry_on(cluster):
     ping = requests.get(url(cluster) + "/ping", timeout=TIMEOUT)
     assert (ping.status_code, ping.json()["healthy_backends"]) == (200, 1)
     assert [b.healthy for b in front.front.router.backends] == [True, False]
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_is_json_whatever_its_content_type_says(cluster, content_type):
+    """curl -d labels JSON a form; SageMaker clients send all sorts: the front forwards it as JSON."""
+    body = '{"messages": [{"role": "user", "content": "a=b & c+d"}], "max_tokens": 3}'
+    headers = {"Content-Type": content_type} if content_type else {}
+    answer = requests.post(url(cluster) + "/invocations", data=body.encode(), headers=headers, timeout=TIMEOUT)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 3
