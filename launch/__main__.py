@@ -18,6 +18,8 @@ from pathlib import Path
 from launch.cluster import run_cluster, run_front
 from launch.torchserve import DEFAULT_MODEL, REPO, PortInUse, ensure_demo_models, start_torchserve
 from launch.watchdog import watch
+from session.errors import ConfigError
+from session.support import check_checkpoint
 
 
 def serve_port() -> int:
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(os.environ["MODEL"]) if os.environ.get("MODEL") else DEFAULT_MODEL
     if not os.environ.get("MODEL"):
         ensure_demo_models()
+    try:  # a checkpoint the engine cannot serve stops here, named, not in a TorchServe worker's crash loop
+        check_checkpoint(model)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     port = serve_port()
 
     def shutdown(signum, frame):

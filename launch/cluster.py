@@ -51,6 +51,7 @@ from typing import Callable, Mapping
 from launch.torchserve import DEFAULT_MODEL, MODEL_NAME, REPO, TorchServe, ensure_demo_models, start_torchserve
 from launch.watchdog import watch
 from session.errors import ConfigError
+from session.support import check_checkpoint
 from session.front import Front, FrontConfig
 
 logger = logging.getLogger("resident.cluster")
@@ -263,8 +264,7 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
         model = Path(environ["MODEL"]) if environ.get("MODEL") else DEFAULT_MODEL
         if not environ.get("MODEL"):
             ensure_demo_models()
-        if not (model / "config.json").exists():  # fail here, not in a TorchServe worker's crash loop
-            raise ConfigError(f"MODEL={model} is not a Hugging Face checkpoint directory (no config.json)")
+        check_checkpoint(model)  # fail here, naming the feature, not in a TorchServe worker's crash loop
         devices = visible_devices()
         num = num_backends(environ.get("BACKENDS", "2"), devices)
         backends = start_backends(num, devices, front_port=port, model=model, environ=environ)

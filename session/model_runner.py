@@ -19,12 +19,10 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from session.config import EngineConfig
-from session.errors import ConfigError
 from session.kv_cache import KVCache
+from session.support import check_supported
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -61,11 +59,9 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         hf_config = AutoConfig.from_pretrained(model_path)
+        check_supported(hf_config)  # refuse, naming the feature, before any weight is read
         self.is_multimodal = hf_config.model_type == "llava"
         text_config = hf_config.text_config if self.is_multimodal else hf_config
-        if text_config.model_type not in SUPPORTED_TEXT_MODELS:
-            raise ConfigError(f"language model type {text_config.model_type!r} is not supported; "
-                              f"supported: {SUPPORTED_TEXT_MODELS}")
         self.model = self._load(model_path, hf_config)
         if self.is_multimodal:
             self.lm = self.model.model.language_model

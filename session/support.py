@@ -1,0 +1,99 @@
+"""What the engine can serve, decided from a checkpoint's config.json alone (no weights loaded).
+
+Who calls this: ``ModelRunner`` before it loads weights, and the launchers (``make serve``,
+``make cluster``) before they start TorchServe, so that a checkpoint with a feature the engine does
+not implement is refused at once with a message naming the feature, never served wrongly and never
+left to a worker crash loop.
+"""
+
+from __future__ import annotations
+
+from session.errors import ConfigError
+
+SUPPORTED_VLMS = ("llava",)  # LLaVA-1.5: a CLIP tower (CLS token), a projector, a decoder-only LM
+SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
+SUPPORTED_VISION_TOWERS = ("clip_vision_model",)
+
+# Model types people try, and what about them the engine does not implement yet.
+KNOWN_UNSUPPORTED = {
+    "llava_next": "LLaVA-NeXT (llava-v1.6): anyres image tiling and image_newline",
+    "llava_onevision": "LLaVA-OneVision: anyres tiling",
+    "qwen2_vl": "Qwen2-VL: dynamic-resolution images and M-RoPE (3-D positions)",
+    "qwen2_5_vl": "Qwen2.5-VL: dynamic-resolution images and M-RoPE (3-D positions)",
+    "mllama": "Llama 3.2 Vision: cross-attention to the image, not image tokens in the prompt",
+    "idefics2": "Idefics2: a perceiver resampler",
+    "idefics3": "Idefics3: image splitting",
+    "paligemma": "PaliGemma: a Gemma decoder with prefix attention",
+    "qwen3": "Qwen3: per-head q/k norms",
+    "gemma": "Gemma", "gemma2": "Gemma 2: sliding-window layers and logit soft-capping",
+}
+
+
+class UnsupportedModel(ConfigError):
+    pass
+
+
+def check_supported(hf_config) -> None:
+    """Raise UnsupportedModel naming the first feature of ``hf_config`` the engine does not implement."""
+    model_type = hf_config.model_type
+    if model_type in KNOWN_UNSUPPORTED:
+        raise UnsupportedModel(f"model type {model_type!r} is not supported yet ({KNOWN_UNSUPPORTED[model_type]}); "
+                               f"{_supported()}")
+    if model_type in SUPPORTED_VLMS:
+        _check_vision(hf_config)
+        _check_text(hf_config.text_config, where="its language model ")
+    elif model_type in SUPPORTED_TEXT_MODELS:
+        _check_text(hf_config, where="")
+    else:
+        raise UnsupportedModel(f"model type {model_type!r} is not supported; {_supported()}")
+
+
+def _check_vision(hf_config) -> None:
+    tower = hf_config.vision_config.model_type
+    if tower not in SUPPORTED_VISION_TOWERS:
+        raise UnsupportedModel(f"vision tower {tower!r} is not supported (the image-token count assumes a CLIP "
+                               f"tower with a CLS token); supported: {SUPPORTED_VISION_TOWERS}")
+    if not isinstance(hf_config.vision_feature_layer, int):
+        raise UnsupportedModel(f"vision_feature_layer {hf_config.vision_feature_layer!r}: features from several "
+                               "layers are not supported, only one layer")
+    if hf_config.vision_feature_select_strategy not in ("default", "full"):
+        raise UnsupportedModel(f"vision_feature_select_strategy {hf_config.vision_feature_select_strategy!r} "
+                               "is not supported (default or full)")
+
+
+def _check_text(text_config, where: str) -> None:
+    model_type = text_config.model_type
+    if model_type not in SUPPORTED_TEXT_MODELS:
+        reason = KNOWN_UNSUPPORTED.get(model_type, "")
+        raise UnsupportedModel(f"{where}type {model_type!r} is not supported{f' ({reason})' if reason else ''}; "
+                               f"{_supported()}")
+    window = getattr(text_config, "sliding_window", None)
+    uses_window = getattr(text_config, "use_sliding_window", model_type == "mistral")
+    if window and uses_window and window < text_config.max_position_embeddings:
+        raise UnsupportedModel(f"{where}uses sliding-window attention (sliding_window={window} < "
+                               f"max_position_embeddings={text_config.max_position_embeddings}), which the engine "
+                               "does not implement yet: it would attend to the whole context and answer wrongly")
+    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise UnsupportedModel(f"{where}has attention layer types {sorted(layer_types)}; only full_attention "
+                               "is implemented")
+
+
+def _supported() -> str:
+    return (f"supported: {', '.join(SUPPORTED_VLMS)} (LLaVA-1.5 with a CLIP tower) and the text-only "
+            f"{', '.join(SUPPORTED_TEXT_MODELS)} (full attention)")
+
+
+def check_checkpoint(model_dir) -> None:
+    """The launchers' check: read config.json only. Raises UnsupportedModel or ConfigError."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    if not (Path(model_dir) / "config.json").exists():
+        raise ConfigError(f"MODEL={model_dir} is not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, KeyError, OSError) as exc:
+        raise UnsupportedModel(f"cannot read {model_dir}/config.json: {exc}") from None
+    check_supported(hf_config)

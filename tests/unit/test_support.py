@@ -1,0 +1,62 @@
+"""Checkpoints the engine cannot serve are refused from config.json alone, naming the feature; and
+`make serve` / `make cluster` exit at once with that message instead of a worker crash loop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from transformers import AutoConfig, LlamaConfig, LlavaConfig, MistralConfig, Qwen2Config
+
+from session.support import UnsupportedModel, check_checkpoint, check_supported
+from tests.conftest import REPO, free_port
+
+
+@pytest.mark.parametrize("config", [LlamaConfig(), MistralConfig(sliding_window=None), Qwen2Config(),
+                                    LlavaConfig()], ids=lambda c: c.model_type)
+def test_supported_configs_pass(config):
+    check_supported(config)
+
+
+@pytest.mark.parametrize("config,feature", [
+    (AutoConfig.for_model("llava_next"), "anyres image tiling"),
+    (AutoConfig.for_model("qwen2_vl"), "M-RoPE"),
+    (AutoConfig.for_model("qwen2_5_vl"), "M-RoPE"),
+    (AutoConfig.for_model("mllama"), "cross-attention"),
+    (AutoConfig.for_model("gpt2"), "model type 'gpt2' is not supported"),
+    (MistralConfig(), "sliding-window attention (sliding_window=4096"),
+    (Qwen2Config(use_sliding_window=True), "sliding-window attention"),
+    (LlavaConfig(vision_config={"model_type": "siglip_vision_model"}), "vision tower 'siglip_vision_model'"),
+    (LlavaConfig(vision_feature_layer=[-2, -5]), "features from several layers"),
+    (LlavaConfig(text_config={"model_type": "mistral"}), "its language model uses sliding-window attention"),
+], ids=lambda x: x if isinstance(x, str) else x.model_type)
+def test_unsupported_features_are_named(config, feature):
+    with pytest.raises(UnsupportedModel) as caught:
+        check_supported(config)
+    assert feature in str(caught.value)
+
+
+def _checkpoint(tmp_path, config) -> str:
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("target", ["serve", "cluster"])
+def test_launchers_exit_at_once_naming_the_feature(tmp_path, target):
+    model = _checkpoint(tmp_path, AutoConfig.for_model("llava_next"))
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "launch", target], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "MODEL": model, "PORT": str(free_port(20)), "BACKENDS": "1"},
+                          timeout=120)
+    assert done.returncode == 2
+    assert "model type 'llava_next' is not supported yet (LLaVA-NeXT (llava-v1.6): anyres" in done.stderr
+    assert time.monotonic() - began < 60  # not the 900 s start-up timeout
+
+
+def test_a_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(Exception) as caught:
+        check_checkpoint(tmp_path)
+    assert "no config.json" in str(caught.value)
