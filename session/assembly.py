@@ -131,7 +131,8 @@ def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):
 
     size = config.max_batch_size
     buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < size) + (size,)
-    return StaticShapeRunner(runner, max_context, batch_buckets=buckets, compile=config.compile)
+    return StaticShapeRunner(runner, max_context, batch_buckets=buckets, compile=config.compile,
+                             compile_backend=config.compile_backend)
 
 
 def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):

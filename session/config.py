@@ -39,6 +39,7 @@ class EngineConfig:
     kv_block_tokens: int = 256  # KV buffers grow in whole blocks of this many tokens
     static_kv: bool = False  # fixed-capacity KV + bucketed shapes (session/static_shapes.py), as NeuronCores need
     compile: bool = False  # torch.compile the static-shape step functions (needs static_kv)
+    compile_backend: str = "inductor"  # its backend: inductor, aot_eager, or neuron (NeuronCores, Neuron SDK)
     max_image_bytes: int = 6 * 1024 * 1024  # encoded image size (SageMaker's payload limit)
     max_image_pixels: int = 4096 * 4096  # decoded width*height; guards decompression bombs
     max_images_per_request: int = 4

@@ -44,11 +44,14 @@ def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
     return buckets[index]
 
 
-def compile_step(fn, device: torch.device, enabled: bool):
-    """``torch.compile`` with static shapes where asked; NeuronCore builds use torch_neuronx.trace instead."""
+def compile_step(fn, device: torch.device, enabled: bool, backend: str = "inductor"):
+    """``torch.compile`` with static shapes where asked: one whole graph per bucket (``fullgraph``: a
+    graph break is an error, not a silent slow path). ``backend`` is any torch.compile backend:
+    inductor on CPU/CUDA, aot_eager in tests, the Neuron SDK's ``neuron`` on NeuronCores
+    (RESIDENT_COMPILE_BACKEND; docker/Dockerfile.neuron sets it)."""
     if not enabled:
         return fn
-    return torch.compile(fn, dynamic=False, fullgraph=False)
+    return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
 
 
 class StaticShapeRunner:
@@ -59,14 +62,14 @@ class StaticShapeRunner:
     """
 
     def __init__(self, runner: ModelRunner, capacity: int, *, batch_buckets=DEFAULT_BATCH_BUCKETS,
-                 compile: bool = False):
+                 compile: bool = False, compile_backend: str = "inductor"):
         self.runner = runner
         self.capacity = capacity
         self.batch_buckets = tuple(batch_buckets)
         self.prompt_buckets = prompt_buckets(capacity)
         self.scratch = runner.new_kv_cache(block_tokens=capacity, max_tokens=capacity, static=True)
-        self._decode = compile_step(self._decode_graph, runner.device, compile)
-        self._prefill = compile_step(self._prefill_graph, runner.device, compile)
+        self._decode = compile_step(self._decode_graph, runner.device, compile, compile_backend)
+        self._prefill = compile_step(self._prefill_graph, runner.device, compile, compile_backend)
         self.graph_shapes: set[tuple] = set()  # (kind, bucket) seen: one compiled graph each
 
     # ------------------------------------------------------------------ prefill

@@ -107,3 +107,42 @@ def test_new_request_starts_while_eight_are_decoding(tiny_model_path):
         assert engine.max_batch_seen == 9
     finally:
         engine.stop()
+
+
+def test_compiled_static_path_has_one_graph_per_bucket_and_never_recompiles(tiny_model_path):
+    """The NeuronCore shape: torch.compile over static shapes with a configurable backend (aot_eager
+    here; `neuron` with the Neuron SDK), fullgraph, one graph per bucket, zero recompiles once warm."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from session.config import EngineConfig
+    from session.events import EventStream, Finished
+    from session.protocol import SamplingParams
+
+    config = EngineConfig(model_path=str(tiny_model_path), static_kv=True, compile=True, compile_backend="aot_eager",
+                          max_batch_size=4, speculative="off", max_context_tokens=256)
+    engine = Engine(config).start()
+
+    def workload(offset: int) -> None:
+        streams = []
+        for i in range(4):  # prompts of 4..7 tokens: one prefill bucket; 1..4 rows: decode buckets 1, 2, 4
+            stream = EventStream()
+            engine.submit(GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=3 + i), stream=stream,
+                                            token_ids=[1] + [offset + i] * (3 + i)))
+            streams.append(stream)
+        for stream in streams:
+            while not isinstance(event := stream.get(timeout=600), Finished):
+                assert not hasattr(event, "error"), event
+
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        workload(5)  # warm-up: compiles what the workload needs
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == len(engine.stepper.graph_shapes) == 4  # prefill 16; decode 1, 2, 4
+        workload(40)  # other tokens, same buckets
+        workload(90)
+        assert counters["stats"]["unique_graphs"] == graphs  # not one recompile
+        assert sum(counters["recompiles"].values()) == 0
+    finally:
+        engine.stop()
