@@ -101,18 +101,29 @@ class LoraBank:
     def __init__(self, shapes: dict[tuple[int, str], tuple[int, int]], num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device):
         self.max_rank = max_rank
-        # (layer, target) -> A^T [slots, in, r_max], B^T [slots, r_max, out]
-        self.at = {k: torch.zeros(num_slots + 1, fin, max_rank, dtype=dtype, device=device)
-                   for k, (fin, fout) in shapes.items()}
-        self.bt = {k: torch.zeros(num_slots + 1, max_rank, fout, dtype=dtype, device=device)
-                   for k, (fin, fout) in shapes.items()}
+        self.shapes, self.num_slots = shapes, num_slots
+        # (layer, target) -> A^T [slots, in, r_max], B^T [slots, r_max, out]; allocated when the first
+        # adapter is loaded, so a server that never uses an adapter holds no device memory for them.
+        self.at: dict[tuple[int, str], torch.Tensor] = {}
+        self.bt: dict[tuple[int, str], torch.Tensor] = {}
         self.ranks = [0] * (num_slots + 1)  # slot -> its adapter's rank: only that much is computed
         self.dtype, self.device = dtype, device
         self.single: tuple[int, int] | None = None  # this forward: (slot, rank) shared by every row
         self.mixed: tuple[tuple, torch.Tensor] | None = None  # this forward: (adapters present, row mask)
         self._cat_cache: dict = {}  # ((layer, target), adapters present) -> (A^T cat, B^T cat)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.at.values(), *self.bt.values()))
+
+    def _allocate(self) -> None:
+        slots, rank, dtype, device = self.num_slots + 1, self.max_rank, self.dtype, self.device
+        self.at = {k: torch.zeros(slots, fin, rank, dtype=dtype, device=device) for k, (fin, _) in self.shapes.items()}
+        self.bt = {k: torch.zeros(slots, rank, fout, dtype=dtype, device=device) for k, (_, fout) in self.shapes.items()}
+
     def load(self, slot: int, adapter: AdapterWeights) -> None:
+        if not self.at:
+            self._allocate()
         for key in self.at:
             self.at[key][slot].zero_()
             self.bt[key][slot].zero_()

@@ -66,7 +66,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
         image_token_id=info.image_token_id, num_image_tokens=info.num_image_tokens, eos_token_ids=info.eos_token_ids)
     store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time)
     embeddings = EmbeddingCache()
-    memory = MemoryManager(device_budget_bytes=_device_budget(config, runner),
+    memory = MemoryManager(device_budget_bytes=device_budget(config, runner),
                            host_budget_bytes=config.host_budget_bytes, store=store)
     journal = Journal(config.journal_dir, config.journal_max_bytes) if config.journal_dir else None
     adapters = admin.build_adapter_registry(config, runner, journal)
@@ -153,14 +153,20 @@ def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):
     return SpeculativeDecoder(runner, draft)
 
 
-def _device_budget(config: EngineConfig, runner: ModelRunner) -> int:
-    if config.device_budget_fraction <= 0:
+DEFAULT_CUDA_BUDGET_FRACTION = 0.9  # of the memory free after loading, when no budget is configured
+
+
+def device_budget(config: EngineConfig, runner) -> int:
+    """The device bytes sessions' KV may hold. On CUDA never unlimited: a full GPU must demote
+    sessions, not fail with an out-of-memory error (0.9 of what is free after loading, by default)."""
+    fraction = config.device_budget_fraction
+    if fraction <= 0 and (config.device_budget_bytes or runner.device.type != "cuda"):
         return config.device_budget_bytes
     if runner.device.type != "cuda":
         raise ConfigError("RESIDENT_DEVICE_BUDGET_FRACTION needs a CUDA device; on CPU set "
                           "RESIDENT_DEVICE_BUDGET_BYTES")
     free, _ = torch.cuda.mem_get_info(runner.device)
-    return int(free * config.device_budget_fraction)
+    return int(free * (fraction if fraction > 0 else DEFAULT_CUDA_BUDGET_FRACTION))
 
 
 def _load_processing(model_path: str, multimodal: bool):

@@ -43,7 +43,7 @@ class EngineConfig:
     max_image_bytes: int = 6 * 1024 * 1024  # encoded image size (SageMaker's payload limit)
     max_image_pixels: int = 4096 * 4096  # decoded width*height; guards decompression bombs
     max_images_per_request: int = 4
-    device_budget_bytes: int = 0  # device bytes for session KV caches; 0 = unlimited
+    device_budget_bytes: int = 0  # device bytes for session KV caches; 0 = unlimited on CPU, 0.9 of free on CUDA
     device_budget_fraction: float = 0.0  # CUDA: this fraction of the memory free after loading (wins if > 0)
     host_budget_bytes: int = 2 << 30  # host-memory tier for demoted KV caches; 0 = none (demotion drops)
     max_session_tokens: int = 0  # per-session transcript cap; 0 = the context window
