@@ -127,6 +127,9 @@ def pixel_digests(pixel_values: torch.Tensor | None) -> list[str]:
 def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):
     if not config.static_kv:
         return runner
+    if any(w is not None for w in getattr(runner, "windows", ())):
+        raise ConfigError("RESIDENT_STATIC_KV does not implement sliding-window attention yet; this model has "
+                          "sliding-window layers: leave RESIDENT_STATIC_KV off")
     from session.static_shapes import DEFAULT_BATCH_BUCKETS, StaticShapeRunner
 
     size = config.max_batch_size

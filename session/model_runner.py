@@ -39,6 +39,18 @@ class ModelInfo:
     num_image_tokens: int  # placeholder tokens one image expands to
 
 
+def attention_windows(text_config, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window (keys it attends to, counting its own), or None for full attention:
+    from ``layer_types`` where the config has them, else Mistral's model-wide ``sliding_window``."""
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types[:num_layers]]
+    if text_config.model_type == "mistral" and window:
+        return [window] * num_layers
+    return [None] * num_layers
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,6 +83,7 @@ class ModelRunner:
             self.lm = self.model.model
         self.lm_head = self.model.lm_head
         self.layers = list(self.lm.layers)
+        self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
         self.lora = None  # a LoraBank once enable_lora ran
 
@@ -162,14 +175,16 @@ class ModelRunner:
         h = embeds[None]  # [1, T, D]
         positions = torch.arange(start, end, device=self.device)[None]  # [1, T]
         cos, sin = self.lm.rotary_emb(h, positions)
-        # query i (absolute position start+i) sees keys 0 .. start+i
+        # query i (absolute position start+i) sees keys 0 .. start+i; in a sliding-window layer of W,
+        # only the last W of them (keys j > start+i-W)
         causal = torch.ones(num_new, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        masks = {w: causal if w is None else causal.triu(diagonal=start - w + 1) for w in set(self.windows)}
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
             kv.write(index, start, k[0], v[0])
             o = F.scaled_dot_product_attention(
-                q, kv.keys(index, end)[None], kv.values(index, end)[None], attn_mask=causal,
+                q, kv.keys(index, end)[None], kv.values(index, end)[None], attn_mask=masks[self.windows[index]],
                 scale=attn.scaling, enable_gqa=self.info.num_heads != self.info.num_kv_heads,
             )
             h = self.finish_layer(layer, h, o)
@@ -196,11 +211,13 @@ class ModelRunner:
             attn = layer.self_attn
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]
             rows = []
+            window = self.windows[index]
             for b, (kv, length) in enumerate(zip(kvs, lengths)):
                 kv.write(index, length, k[b], v[b])
+                first = 0 if window is None else max(0, length + 1 - window)  # a sliding window: the last W keys
                 rows.append(F.scaled_dot_product_attention(
-                    q[b : b + 1], kv.keys(index, length + 1)[None], kv.values(index, length + 1)[None],
-                    scale=attn.scaling, enable_gqa=gqa,
+                    q[b : b + 1], kv.keys(index, length + 1)[None, :, first:],
+                    kv.values(index, length + 1)[None, :, first:], scale=attn.scaling, enable_gqa=gqa,
                 ))
             h = self.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
         for kv, length in zip(kvs, lengths):
@@ -213,8 +230,11 @@ class ModelRunner:
         batch, num_new, _ = h.shape
         x = layer.input_layernorm(h)
         hd = self.info.head_dim
-        q = attn.q_proj(x).view(batch, num_new, -1, hd).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, num_new, -1, hd).transpose(1, 2)
+        q = attn.q_proj(x).view(batch, num_new, -1, hd)
+        k = attn.k_proj(x).view(batch, num_new, -1, hd)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMS norm per head on q and k, before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = attn.v_proj(x).view(batch, num_new, -1, hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v

@@ -9,7 +9,8 @@ probe conversation with and without the new messages and take the difference:
     delta = F[len(P):]
 
 The text after the assistant content in P (``end_of_turn``, "</s>" here) is prepended when the
-model did not itself end its answer with EOS (it stopped on max_tokens or a stop string).
+model did not itself end its answer with EOS (it stopped on max_tokens or a stop string); when it
+did, only what the template puts after that EOS is (ChatML: the newline after <|im_end|>).
 """
 
 from __future__ import annotations
@@ -55,10 +56,19 @@ class ChatFormatter:
         full = self._render(self._probe + [_template_message(m) for m in messages], generation_prompt=True)
         if not full.startswith(self._probe_text):
             raise BadRequest("this model's chat template cannot continue a conversation incrementally")
-        delta = full[len(self._probe_text):]
-        if not (ended_with_eos and self.end_of_turn.strip() in self._eos_texts):
-            delta = self.end_of_turn + delta
-        return self._tokenize(delta, messages, add_special_tokens=False)
+        return self._tokenize(self._closing(ended_with_eos) + full[len(self._probe_text):], messages,
+                              add_special_tokens=False)
+
+    def _closing(self, ended_with_eos: bool) -> str:
+        """What closes the previous answer's turn: the template's end of turn, less the EOS the model
+        already wrote (ChatML's "<|im_end|>\n" after a model-written <|im_end|> is "\n")."""
+        end_of_turn = self.end_of_turn
+        if ended_with_eos:
+            stripped = end_of_turn.lstrip()
+            for eos_text in self._eos_texts:
+                if eos_text and stripped.startswith(eos_text):
+                    return stripped[len(eos_text):]
+        return end_of_turn
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)

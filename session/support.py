@@ -11,7 +11,8 @@ from __future__ import annotations
 from session.errors import ConfigError
 
 SUPPORTED_VLMS = ("llava",)  # LLaVA-1.5: a CLIP tower (CLS token), a projector, a decoder-only LM
-SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
+SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+LAYER_TYPES = {"full_attention", "sliding_attention"}
 SUPPORTED_VISION_TOWERS = ("clip_vision_model",)
 
 # Model types people try, and what about them the engine does not implement yet.
@@ -24,7 +25,6 @@ KNOWN_UNSUPPORTED = {
     "idefics2": "Idefics2: a perceiver resampler",
     "idefics3": "Idefics3: image splitting",
     "paligemma": "PaliGemma: a Gemma decoder with prefix attention",
-    "qwen3": "Qwen3: per-head q/k norms",
     "gemma": "Gemma", "gemma2": "Gemma 2: sliding-window layers and logit soft-capping",
 }
 
@@ -67,21 +67,15 @@ def _check_text(text_config, where: str) -> None:
         reason = KNOWN_UNSUPPORTED.get(model_type, "")
         raise UnsupportedModel(f"{where}type {model_type!r} is not supported{f' ({reason})' if reason else ''}; "
                                f"{_supported()}")
-    window = getattr(text_config, "sliding_window", None)
-    uses_window = getattr(text_config, "use_sliding_window", model_type == "mistral")
-    if window and uses_window and window < text_config.max_position_embeddings:
-        raise UnsupportedModel(f"{where}uses sliding-window attention (sliding_window={window} < "
-                               f"max_position_embeddings={text_config.max_position_embeddings}), which the engine "
-                               "does not implement yet: it would attend to the whole context and answer wrongly")
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise UnsupportedModel(f"{where}has attention layer types {sorted(layer_types)}; only full_attention "
-                               "is implemented")
+    if not layer_types <= LAYER_TYPES:
+        raise UnsupportedModel(f"{where}has attention layer types {sorted(layer_types - LAYER_TYPES)}; "
+                               f"implemented: {sorted(LAYER_TYPES)}")
 
 
 def _supported() -> str:
     return (f"supported: {', '.join(SUPPORTED_VLMS)} (LLaVA-1.5 with a CLIP tower) and the text-only "
-            f"{', '.join(SUPPORTED_TEXT_MODELS)} (full attention)")
+            f"{', '.join(SUPPORTED_TEXT_MODELS)} (full or sliding-window attention)")
 
 
 def check_checkpoint(model_dir) -> None:

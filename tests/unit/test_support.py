@@ -15,8 +15,10 @@ from session.support import UnsupportedModel, check_checkpoint, check_supported
 from tests.conftest import REPO, free_port
 
 
-@pytest.mark.parametrize("config", [LlamaConfig(), MistralConfig(sliding_window=None), Qwen2Config(),
-                                    LlavaConfig()], ids=lambda c: c.model_type)
+@pytest.mark.parametrize("config", [LlamaConfig(), MistralConfig(), MistralConfig(sliding_window=None), Qwen2Config(),
+                                    Qwen2Config(use_sliding_window=True), AutoConfig.for_model("qwen3"),
+                                    LlavaConfig(), LlavaConfig(text_config={"model_type": "mistral"})],
+                         ids=lambda c: c.model_type)
 def test_supported_configs_pass(config):
     check_supported(config)
 
@@ -27,11 +29,10 @@ def test_supported_configs_pass(config):
     (AutoConfig.for_model("qwen2_5_vl"), "M-RoPE"),
     (AutoConfig.for_model("mllama"), "cross-attention"),
     (AutoConfig.for_model("gpt2"), "model type 'gpt2' is not supported"),
-    (MistralConfig(), "sliding-window attention (sliding_window=4096"),
-    (Qwen2Config(use_sliding_window=True), "sliding-window attention"),
+    (AutoConfig.for_model("gemma2"), "sliding-window layers and logit soft-capping"),
     (LlavaConfig(vision_config={"model_type": "siglip_vision_model"}), "vision tower 'siglip_vision_model'"),
     (LlavaConfig(vision_feature_layer=[-2, -5]), "features from several layers"),
-    (LlavaConfig(text_config={"model_type": "mistral"}), "its language model uses sliding-window attention"),
+    (LlavaConfig(text_config={"model_type": "gemma"}), "its language model type 'gemma' is not supported"),
 ], ids=lambda x: x if isinstance(x, str) else x.model_type)
 def test_unsupported_features_are_named(config, feature):
     with pytest.raises(UnsupportedModel) as caught:
