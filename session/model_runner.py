@@ -58,9 +58,23 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA, float32 on CPU (the dtype the equivalence tests pin). bfloat16 asked for
+    on a CPU without native bfloat16 (AVX512-BF16 or AMX) falls back to float32, which is faster there."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bfloat16" and device.type == "cpu" and not cpu_has_bf16():
+        logger.warning("RESIDENT_DTYPE=bfloat16: this CPU has no AVX512-BF16 or AMX; using float32")
+        return torch.float32
     return getattr(torch, name)
+
+
+def cpu_has_bf16() -> bool:
+    """Native bfloat16 dot products on this CPU (the flags Linux reports in /proc/cpuinfo)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class ModelRunner:

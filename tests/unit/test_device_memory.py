@@ -49,3 +49,15 @@ def test_an_adapter_bank_nobody_uses_holds_no_memory():
     weights = {(0, "q_proj"): (torch.ones(4, 64), torch.ones(64, 4))}
     bank.load(1, AdapterWeights(name="a", rank=4, weights=weights))
     assert bank.nbytes == 9 * 16 * (64 + 64 + 64 + 32) * 4  # allocated on the first load, all slots
+
+
+def test_bfloat16_on_cpu_only_where_the_cpu_has_it(monkeypatch):
+    import session.model_runner as model_runner
+
+    cpu = torch.device("cpu")
+    assert model_runner.resolve_dtype("auto", cpu) is torch.float32  # what the equivalence tests pin
+    assert model_runner.resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    monkeypatch.setattr(model_runner, "cpu_has_bf16", lambda: True)
+    assert model_runner.resolve_dtype("bfloat16", cpu) is torch.bfloat16
+    monkeypatch.setattr(model_runner, "cpu_has_bf16", lambda: False)
+    assert model_runner.resolve_dtype("bfloat16", cpu) is torch.float32  # no native bf16: float32 is faster
