@@ -141,6 +141,8 @@ def test_saturated_instance_is_never_restarted(tiny_model_path, tmp_path_factory
         assert [a.status_code for a in answers] == [200] * 24
         assert server.num_restarts == 0 and watchdog.num_failures == 0
         ping_ms.sort()
+        print(f"saturated {busy_s:.1f} s: {len(ping_ms)} pings, p50 {ping_ms[len(ping_ms) // 2]:.1f} ms, "
+              f"p99 {ping_ms[int(len(ping_ms) * 0.99)]:.1f} ms, max {ping_ms[-1]:.1f} ms; restarts 0")
         assert ping_ms[len(ping_ms) // 2] < 100, ping_ms  # the median /ping under full load
     finally:
         watchdog.stop()
