@@ -33,24 +33,17 @@ class FakeSession:
     images: dict = field(default_factory=dict)
 
 
-class SessionBackend:
-    """One fake backend; ``start`` binds 127.0.0.1 on a free port in the running event loop."""
+class FakeServer:
+    """An aiohttp stand-in for a TorchServe backend: GET /ping, and POST /invocations and
+    /predictions/{model} answered by ``handle``. ``start`` binds 127.0.0.1 (a free port by default)
+    in the running event loop."""
 
-    def __init__(self, index: int, tag: str | None = None, token: str = TOKEN):
-        self.index = index
-        self.tag = f"b{index}" if tag is None else tag
-        self.token = token
-        self.sessions: dict[str, FakeSession] = {}
-        self.moved: set[str] = set()  # exported ids: 404 "was moved" here from now on
-        self.requests: list[dict] = []  # chat requests: {"path", "session", "request_id", "body"}
-        self.cancels: list[str] = []  # request ids asked to cancel
-        self.cancelled: list[str] = []  # held requests that a cancel stopped
-        self.refuse_imports = False
-        self.release = asyncio.Event()
-        self._held: dict[str, asyncio.Event] = {}  # request id -> set by its cancel
-        self.runner: web.AppRunner | None = None
+    runner: web.AppRunner | None = None
 
-    async def start(self, port: int = 0) -> "SessionBackend":
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def start(self, port: int = 0):
         app = web.Application()
         app.router.add_get("/ping", lambda r: web.json_response({"status": "Healthy"}))
         app.router.add_post("/invocations", self.handle)
@@ -66,6 +59,23 @@ class SessionBackend:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+
+
+class SessionBackend(FakeServer):
+    """One session-aware fake backend."""
+
+    def __init__(self, index: int, tag: str | None = None, token: str = TOKEN):
+        self.index = index
+        self.tag = f"b{index}" if tag is None else tag
+        self.token = token
+        self.sessions: dict[str, FakeSession] = {}
+        self.moved: set[str] = set()  # exported ids: 404 "was moved" here from now on
+        self.requests: list[dict] = []  # chat requests: {"path", "session", "request_id", "body"}
+        self.cancels: list[str] = []  # request ids asked to cancel
+        self.cancelled: list[str] = []  # held requests that a cancel stopped
+        self.refuse_imports = False
+        self.release = asyncio.Event()
+        self._held: dict[str, asyncio.Event] = {}  # request id -> set by its cancel
 
     def new_id(self) -> str:
         return f"{uuid.uuid4()}-{self.tag}" if self.tag else str(uuid.uuid4())

@@ -16,6 +16,7 @@ from botocore.eventstream import EventStreamBuffer
 from session.errors import ConfigError
 from session.front import Front, FrontConfig, split_sse
 from session.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, new_session_header_value
+from tests.fake_backend import FakeServer
 
 pytestmark = pytest.mark.asyncio
 
@@ -24,34 +25,16 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class FakeBackend:
-    """A TorchServe stand-in: /ping, and POST /invocations answered by ``handler``; records requests."""
+class FakeBackend(FakeServer):
+    """A TorchServe stand-in answered by ``handler``; records requests."""
 
     def __init__(self, handler: Handler):
         self.handler = handler
         self.requests: list[tuple[str, dict[str, str], bytes]] = []  # (path, headers, body)
-        self.runner: web.AppRunner | None = None
 
-    async def _invoke(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.path, dict(request.headers), await request.read()))
         return await self.handler(request)
-
-    async def start(self) -> "FakeBackend":
-        app = web.Application()
-        app.router.add_get("/ping", lambda r: web.json_response({"status": "Healthy"}))
-        app.router.add_post("/invocations", self._invoke)
-        app.router.add_post("/predictions/{model}", self._invoke)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return self
-
-    @property
-    def url(self) -> str:
-        return "http://127.0.0.1:%d" % self.runner.addresses[0][1]
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
 
 
 async def answer_ok(request: web.Request) -> web.Response:
