@@ -58,7 +58,8 @@ class Engine:
         self._next_reap = 0.0
         self.heartbeat = time.monotonic()  # the loop's last iteration
         self._heartbeat_written = 0.0
-        self.num_overloaded = 0  # requests answered 503 (queue full or no memory to free)
+        self.num_overloaded = 0  # requests failed 503 in the loop (no memory to free); loop thread only
+        self.num_queue_full = 0  # submissions refused 503 (queue full); under _submit_lock
         self.num_cancelled = 0
         self.num_failed = 0
         self.num_invariant_violations = 0
@@ -89,7 +90,7 @@ class Engine:
                 raise ServiceStopping()
             if isinstance(request, GenerationRequest) and \
                     self._num_submitted + self._num_waiting >= self.config.max_queue:
-                self.num_overloaded += 1
+                self.num_queue_full += 1
                 raise CapacityExceeded(f"{self.config.max_queue} requests are already waiting", retry_after_s=1)
             self._num_submitted += 1
         self._inbox.put(request)

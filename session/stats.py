@@ -45,14 +45,15 @@ def snapshot(engine) -> EngineStats:
                 "demoted_to_host": memory.num_to_host, "dropped": memory.num_dropped,
                 "restored_from_host": memory.num_restored_from_host, "recomputed": memory.num_recomputed,
                 "restored_from_journal": sessions.num_journal_restored, "embedding_hits": embeddings.num_hits,
-                "embedding_misses": embeddings.num_misses, "overloaded": engine.num_overloaded,
+                "embedding_misses": embeddings.num_misses,
+                "overloaded": engine.num_overloaded + engine.num_queue_full,
                 "journal_write_errors": sessions.num_journal_write_errors},
         not_recoverable_sessions=sum(1 for s in store.all_sessions() if not s.recoverable and not s.ephemeral),
         tokens={"generated": engine.outputs.num_generated_tokens, "prefilled": engine.executor.num_prefilled_tokens,
                 "cached": engine.executor.num_cached_tokens},
         speculation=_speculation(engine.speculator),
         requests={"cancelled": engine.num_cancelled, "failed": engine.num_failed,
-                  "overloaded": engine.num_overloaded, "invariant_violations": engine.num_invariant_violations},
+                  "overloaded": engine.num_overloaded + engine.num_queue_full, "invariant_violations": engine.num_invariant_violations},
     )
 
 
