@@ -200,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in ours and 1 in results["generate"]:
         summary["generate_over_ours_ms_per_token_c1"] = (
             results["generate"][1]["per_token_s"] / ours[1]["per_token_s"])
+    floor = bandwidth_floor(runner)
+    summary["floor_ms_per_token_c1"] = floor["floor_s"] * 1000
+    if 1 in ours:
+        summary["ours_over_floor_c1"] = ours[1]["per_token_s"] / floor["floor_s"]
+    print(f"bandwidth floor at one session: {floor['weight_bytes'] / 1e6:.1f} MB of language-model weights "
+          f"per token / {floor['bandwidth'] / 1e9:.1f} GB/s measured = {floor['floor_s'] * 1000:.2f} ms/token")
     for key, value in summary.items():
         print(f"{key}: {value:.2f}")
     write_json(args.out / "decode.json", {"settings": vars(args) | {"out": str(args.out)}, "results": {
@@ -207,6 +213,25 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary, "threads": torch.get_num_threads()})
     _plot(args.out / "decode.png", results)
     return 0
+
+
+def bandwidth_floor(runner) -> dict:
+    """The memory-bandwidth floor of one decode step: every language-model weight (embedding row
+    aside) is read once per token; bandwidth is measured here as a streaming copy of a buffer larger
+    than the caches, with this process's thread setting."""
+    lm_bytes = sum(p.numel() * p.element_size() for p in runner.lm.parameters())
+    lm_bytes -= runner.lm.embed_tokens.weight.numel() * runner.lm.embed_tokens.weight.element_size()
+    lm_bytes += sum(p.numel() * p.element_size() for p in runner.lm_head.parameters())
+    source = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        began = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - began)
+    bandwidth = 2 * source.numel() * source.element_size() / best  # a copy reads and writes
+    return {"weight_bytes": lm_bytes, "bandwidth": bandwidth, "floor_s": lm_bytes / bandwidth}
 
 
 def _plot(path: Path, results: dict) -> None:
