@@ -48,7 +48,9 @@ class AnyresGeometry:
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "AnyresGeometry":
-        """From a LlavaNextConfig (config.json); the engine has this before any processor is loaded."""
+        """From a LlavaNextConfig (config.json); the engine has this before any processor is loaded.
+        num_additional_image_tokens stays 1: the CLS of the CLIP tower, the only tower session/support.py
+        admits (config.json does not record it; processor_config.json does)."""
         vision = hf_config.vision_config
         return cls(tile_size=vision.image_size, patch_size=vision.patch_size,
                    grid_pinpoints=tuple(tuple(p) for p in hf_config.image_grid_pinpoints),
@@ -56,7 +58,8 @@ class AnyresGeometry:
 
     @classmethod
     def from_processor(cls, processor) -> "AnyresGeometry":
-        """From a LlavaNextProcessor: the values its own token expansion reads."""
+        """From a LlavaNextProcessor: the values its own token expansion reads (it takes the tile size from
+        the processed ``pixel_values``, i.e. the crop size)."""
         image_processor = processor.image_processor
         return cls(tile_size=image_processor.crop_size["height"], patch_size=processor.patch_size,
                    grid_pinpoints=tuple(tuple(p) for p in image_processor.image_grid_pinpoints),
@@ -118,6 +121,13 @@ def unpadded_shape(height: int, width: int, grid_height: int, grid_width: int) -
     return grid_height, grid_width - 2 * ((grid_width - scaled_width) // 2)
 
 
+def base_features(geometry: AnyresGeometry) -> int:
+    """Tokens of the downscaled whole image. As the processor: the extra (CLS) tokens are counted in,
+    then "default" subtracts exactly one."""
+    side = geometry.patches_per_side
+    return side * side + geometry.num_additional_image_tokens - (geometry.select_strategy == "default")
+
+
 def image_layout(height: int, width: int, geometry: AnyresGeometry) -> ImageLayout:
     """Grid, unpadded feature shape and token count for an image of (height, width) original pixels."""
     if height < 1 or width < 1:
@@ -126,11 +136,17 @@ def image_layout(height: int, width: int, geometry: AnyresGeometry) -> ImageLayo
     grid = (resolution[0] // geometry.tile_size, resolution[1] // geometry.tile_size)
     side = geometry.patches_per_side
     unpadded = unpadded_shape(height, width, grid[0] * side, grid[1] * side)
-    # As the processor: the extra (CLS) tokens are counted in, then "default" subtracts exactly one.
-    base = side * side + geometry.num_additional_image_tokens - (geometry.select_strategy == "default")
-    return ImageLayout(resolution=resolution, grid=grid, unpadded=unpadded, base_features=base)
+    return ImageLayout(resolution=resolution, grid=grid, unpadded=unpadded, base_features=base_features(geometry))
 
 
 def num_image_tokens(height: int, width: int, geometry: AnyresGeometry) -> int:
     """How many ``<image>`` tokens LlavaNextProcessor expands one image of (height, width) pixels into."""
     return image_layout(height, width, geometry).num_image_tokens
+
+
+def max_num_image_tokens(geometry: AnyresGeometry) -> int:
+    """The most tokens any image can become: the largest full grid, nothing unpadded (an image with the
+    pinpoint's own aspect ratio). What a memory budget must assume before it knows the image's size."""
+    side = geometry.patches_per_side
+    return max(base_features(geometry) + (h // geometry.tile_size * side) * (w // geometry.tile_size * side + 1)
+               for h, w in geometry.grid_pinpoints)

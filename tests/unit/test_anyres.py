@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from session.anyres import AnyresGeometry, image_layout, num_image_tokens, select_best_resolution
+from session.anyres import (AnyresGeometry, image_layout, max_num_image_tokens, num_image_tokens,
+                            select_best_resolution)
 
 VICUNA = AnyresGeometry(56, 14, ((56, 56), (56, 112), (112, 56), (112, 112), (168, 56), (56, 168)))
 MISTRAL = AnyresGeometry(84, 14, ((84, 168), (168, 84), (168, 168), (252, 84), (84, 252)))
@@ -127,6 +128,17 @@ def test_select_best_resolution_matches_transformers():
         for width in range(1, 3000, 89):
             assert select_best_resolution(height, width, LLAVA_V16.grid_pinpoints) == hf_select((height, width),
                                                                                                  pinpoints)
+
+
+@pytest.mark.parametrize("geometry,maximum", [
+    (VICUNA, 16 + 8 * 8 + 8),  # 112x112: 8x8 features + 8 newlines
+    (MISTRAL, 36 + 12 * 12 + 12),  # 168x168
+    (LLAVA_V16, 576 + 48 * 48 + 48),  # 672x672: 2928, llava-v1.6's well-known worst case
+])
+def test_max_num_image_tokens_is_reached_and_never_passed(geometry, maximum):
+    assert max_num_image_tokens(geometry) == maximum
+    counts = [num_image_tokens(h, w, geometry) for h in range(1, 1500, 37) for w in range(1, 1500, 41)]
+    assert max(counts + [num_image_tokens(h, w, geometry) for h, w in SIZES]) == maximum
 
 
 @pytest.mark.parametrize("kwargs,message", [
