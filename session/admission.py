@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 class Admission:
     def __init__(self, engine, on_barrier: Callable[[], None]):
-        self.engine = engine  # its parts, its clock, and ``_end``: the one place a request ends
+        self.engine = engine  # its parts, its clock, and ``end``: the one place a request ends
         self.on_barrier = on_barrier  # an empty cancel is a barrier (Engine.fresh_stats): publish first
 
     def admit(self, item) -> bool:
@@ -84,7 +84,7 @@ class Admission:
         """Between steps: end the named request (in flight or queued) with Cancelled."""
         seq = self.engine.scheduler.find(request_id)
         if seq is not None:
-            self.engine._end(seq, Cancelled(reason))
+            self.engine.end(seq, Cancelled(reason))
             return True
         queued = self.engine.scheduler.take_pending(request_id)
         if queued is not None and isinstance(queued, GenerationRequest):
@@ -102,7 +102,7 @@ class Admission:
         queued = list(self.engine.scheduler.pending.pop(session.session_id, ()))
         active = self.engine.scheduler.active.get(session.session_id)
         if active is not None:
-            self.engine._end(active, Cancelled(f"session {session.session_id} was closed while this request ran"))
+            self.engine.end(active, Cancelled(f"session {session.session_id} was closed while this request ran"))
         if self.engine.store.peek(session.session_id) is session:  # (a cancelled opening turn forgot it already)
             self.engine.sessions.forget(session, "closed")
         request.stream.put(Closed(request.session_id))

@@ -175,7 +175,7 @@ class Engine:
                 self._run_decode(plan.decode, ended)
         except BaseException as exc:  # a fault outside the guarded calls: end what the plan holds
             for seq in plan.prefill + plan.decode:
-                self._end(seq, Failed(exc))
+                self.end(seq, Failed(exc))
                 ended.append(seq)
             raise
         finally:
@@ -189,7 +189,7 @@ class Engine:
             if not isinstance(exc, ResidentError):
                 logger.exception("prefill of request %s (session %s) failed", seq.request_id, seq.session.session_id)
             ended.append(seq)
-            self._end(seq, Failed(exc))
+            self.end(seq, Failed(exc))
             return
         session = seq.session
         self.outputs.start(seq)
@@ -207,7 +207,7 @@ class Engine:
             except Exception as exc:
                 logger.exception("speculative step failed for request %s", seq.request_id)
                 ended.append(seq)
-                self._end(seq, Failed(exc))
+                self.end(seq, Failed(exc))
                 continue
             self._emit(seq, tokens, ended)
         plain = [s for s in rows if s not in speculating]
@@ -219,7 +219,7 @@ class Engine:
             logger.exception("decode step failed for %d requests", len(plain))
             for seq in plain:
                 ended.append(seq)
-                self._end(seq, Failed(exc))
+                self.end(seq, Failed(exc))
             return
         for seq, token in zip(plain, tokens):
             self._emit(seq, [token], ended)
@@ -232,10 +232,10 @@ class Engine:
                 if index < len(tokens) - 1:  # a speculative run went past the end: forget the rest
                     self.executor.rewind(seq)
                 ended.append(seq)
-                self._end(seq, finished)
+                self.end(seq, finished)
                 return
 
-    def _end(self, seq: Sequence, event: Finished | Failed | Cancelled) -> None:
+    def end(self, seq: Sequence, event: Finished | Failed | Cancelled) -> None:
         """The one place a request ends: roll back a turn that did not finish, release what it held,
         send its final event, and admit what waited behind it on the session. Idempotent."""
         if seq.done:
@@ -311,7 +311,7 @@ class Engine:
             item.stream.put(Failed(error))
         self.scheduler.pending.clear()
         for seq in list(self.scheduler.sequences()):
-            self._end(seq, Failed(error))
+            self.end(seq, Failed(error))
         while True:
             try:
                 item = self._inbox.get_nowait()
