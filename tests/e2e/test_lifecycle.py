@@ -173,3 +173,18 @@ def test_a_stuck_worker_is_restarted(tiny_model_path, tmp_path_factory):
     finally:
         watchdog.stop()
         server.stop()
+
+
+def test_bad_and_duplicate_request_ids_are_400s(server):
+    bad = invoke(server, chat("hi"), headers={REQUEST_ID: "spaces are not allowed"})
+    assert bad.status_code == 400
+    assert bad.json()["error"] == {"type": "invalid_request_error",
+                                   "message": "X-Resident-Request-Id must match [A-Za-z0-9][A-Za-z0-9-]{0,63}"}
+    session, _ = open_session(server)
+    response, lines = running_stream(server, session, "twice-1")
+    again = invoke(server, chat("hi", max_tokens=2), headers={REQUEST_ID: "twice-1"})
+    assert again.status_code == 400
+    assert again.json()["error"]["message"] == "request id 'twice-1' is already in flight"
+    cancelled = requests.post(f"{server.url}/invocations", data="{}", headers={CANCEL: "twice-1"}, timeout=30)
+    assert cancelled.json() == {"cancelled": True}
+    response.close()
