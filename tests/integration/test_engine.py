@@ -32,12 +32,12 @@ def engine(tiny_model_path):
     eng.stop()
 
 
-def run(engine: Engine, request) -> list:
-    """Submit and collect events until the terminal one."""
+def run(engine: Engine, request, timeout_s: float = 60.0) -> list:
+    """Submit and collect events until the terminal one (each within ``timeout_s``)."""
     engine.submit(request)
     events = []
     while True:
-        event = request.stream.get(timeout=60)
+        event = request.stream.get(timeout=timeout_s)
         events.append(event)
         if isinstance(event, TERMINAL):
             return events
@@ -48,13 +48,14 @@ def user(text: str, image: bool = False) -> tuple[Message, ...]:
     return (Message("user", parts),)
 
 
-def turn(engine, session_id, text, *, open_session=False, pixel_values=None, max_tokens=12, **sampling):
+def turn(engine, session_id, text, *, open_session=False, pixel_values=None, max_tokens=12, timeout_s=60.0,
+         **sampling):
     request = GenerationRequest(
         messages=user(text, image=pixel_values is not None), stream=EventStream(),
         sampling=SamplingParams(max_tokens=max_tokens, **sampling), session_id=session_id,
         open_session=open_session, pixel_values=pixel_values,
     )
-    return run(engine, request)
+    return run(engine, request, timeout_s)
 
 
 def finished(events) -> Finished:
