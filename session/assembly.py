@@ -83,7 +83,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
 
     def draft_text_tokens(token_ids: list[int]) -> int:
         """Tokens the (text-only) draft holds for a transcript: the image placeholders are left out."""
-        return len(token_ids) - count_images(info, token_ids) * info.num_image_tokens
+        return len(token_ids) - info.count_images(token_ids) * info.num_image_tokens
 
     def pixels_from_bytes(raw: bytes) -> torch.Tensor:
         from session.images import decode_bytes
@@ -101,11 +101,6 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
                  memory=memory, journal=journal, adapters=adapters, speculator=speculator, sessions=sessions,
                  scheduler=Scheduler(max_batch_size=config.max_batch_size), executor=executor,
                  outputs=OutputProcessor(tokenizer, info.eos_token_ids))
-
-
-def count_images(info, token_ids: list[int]) -> int:
-    image_id, per_image = info.image_token_id, info.num_image_tokens
-    return 0 if image_id is None else token_ids.count(image_id) // per_image
 
 
 def preprocess_images(image_processor, images: list) -> torch.Tensor | None:

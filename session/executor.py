@@ -66,7 +66,7 @@ class Executor:
     def _prompt(self, seq: Sequence) -> tuple[list[int], int]:
         request, session = seq.request, seq.session
         if request.token_ids is not None:
-            return list(request.token_ids), self.count_images(request.token_ids)
+            return list(request.token_ids), self.runner.info.count_images(request.token_ids)
         if session.num_turns == 0:
             piece = self.formatter.opening(request.messages)
         else:
@@ -93,10 +93,6 @@ class Executor:
         if image_id is None:
             return logits
         return logits.index_fill(-1, torch.tensor([image_id], device=logits.device), float("-inf"))
-
-    def count_images(self, token_ids: list[int]) -> int:
-        image_id, per_image = self.runner.info.image_token_id, self.runner.info.num_image_tokens
-        return 0 if image_id is None else token_ids.count(image_id) // per_image
 
     # ------------------------------------------------------------------ decode
 

@@ -38,6 +38,10 @@ class ModelInfo:
     image_token_id: int | None  # None for text-only models
     num_image_tokens: int  # placeholder tokens one image expands to
 
+    def count_images(self, token_ids: list[int]) -> int:
+        """Images in a transcript: its placeholder tokens over the tokens one image expands to."""
+        return 0 if self.image_token_id is None else token_ids.count(self.image_token_id) // self.num_image_tokens
+
 
 def attention_windows(text_config, num_layers: int) -> list[int | None]:
     """Each layer's sliding window (keys it attends to, counting its own), or None for full attention:

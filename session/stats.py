@@ -28,12 +28,13 @@ class EngineStats:
 def snapshot(engine) -> EngineStats:
     """Called by the engine loop thread only (it owns what is read here)."""
     by_tier = {tier.value: 0 for tier in Tier}
-    device = host = 0
-    for session in engine.store.all_sessions():
+    device = host = not_recoverable = 0
+    for session in engine.store.all_sessions():  # one pass: this runs after every step
         device += session.device_bytes
         host += session.host_bytes
         if not session.ephemeral:
             by_tier[session.tier.value] += 1
+            not_recoverable += not session.recoverable
     memory, store, embeddings, sessions = engine.memory, engine.store, engine.embeddings, engine.sessions
     journal = engine.journal
     return EngineStats(
@@ -48,7 +49,7 @@ def snapshot(engine) -> EngineStats:
                 "embedding_misses": embeddings.num_misses,
                 "overloaded": engine.num_overloaded + engine.num_queue_full,
                 "journal_write_errors": sessions.num_journal_write_errors},
-        not_recoverable_sessions=sum(1 for s in store.all_sessions() if not s.recoverable and not s.ephemeral),
+        not_recoverable_sessions=not_recoverable,
         tokens={"generated": engine.outputs.num_generated_tokens, "prefilled": engine.executor.num_prefilled_tokens,
                 "cached": engine.executor.num_cached_tokens},
         speculation=_speculation(engine.speculator),

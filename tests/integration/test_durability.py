@@ -13,7 +13,7 @@ from tests.integration.test_engine import finished, run, turn
 from tests.integration.test_memory import engine_with, image_request
 
 
-def _failing(original, code, calls):
+def _failing(code, calls):
     def write(*args, **kwargs):
         calls.append(code)
         raise OSError(code, "injected")
@@ -27,7 +27,7 @@ def test_a_journal_write_error_serves_the_turn_and_marks_the_session(tiny_model_
     reference = engine_with(tiny_model_path)
     try:
         calls = []
-        setattr(engine.journal, what, _failing(getattr(engine.journal, what), code, calls))
+        setattr(engine.journal, what, _failing(code, calls))
         with caplog.at_level(logging.WARNING, logger="session.sessions"):
             first = finished(run(engine, image_request(engine, "d", 1, "What is it?")))
             second = finished(turn(engine, "d", "And then?"))
@@ -52,7 +52,7 @@ def test_a_session_recovers_once_a_later_turn_is_journaled(tiny_model_path, tmp_
     engine = engine_with(tiny_model_path, journal_dir=str(tmp_path / "journal"))
     try:
         write = engine.journal.write
-        engine.journal.write = _failing(write, errno.EIO, [])
+        engine.journal.write = _failing(errno.EIO, [])
         assert isinstance(run(engine, image_request(engine, "r", 2, "What is it?"))[-1], Finished)
         assert engine.fresh_stats().not_recoverable_sessions == 1
         engine.journal.write = write
