@@ -200,29 +200,22 @@ class Engine:
         self._emit(seq, [token], ended)
 
     def _run_decode(self, rows: list[Sequence], ended: list[Sequence]) -> None:
+        """One batched step for every decoding row: speculative (one target pass verifies every row's
+        proposals, plain rows ride along) when any row's controller wants it, else a plain decode."""
         speculating = self.executor.speculating(rows)
-        for seq in speculating:
-            try:
-                tokens = self.executor.speculate(seq)
-            except Exception as exc:
-                logger.exception("speculative step failed for request %s", seq.request_id)
-                ended.append(seq)
-                self.end(seq, Failed(exc))
-                continue
-            self._emit(seq, tokens, ended)
-        plain = [s for s in rows if s not in speculating]
-        if not plain:
-            return
         try:
-            tokens = self.executor.decode(plain)
-        except Exception as exc:  # the caches are unchanged (lengths advance after a full step)
-            logger.exception("decode step failed for %d requests", len(plain))
-            for seq in plain:
+            if speculating:
+                tokens = self.executor.speculate(rows, speculating)
+            else:
+                tokens = [[token] for token in self.executor.decode(rows)]
+        except Exception as exc:  # the caches are as before the step (rewound, or lengths not advanced)
+            logger.exception("decode step failed for %d requests", len(rows))
+            for seq in rows:
                 ended.append(seq)
                 self.end(seq, Failed(exc))
             return
-        for seq, token in zip(plain, tokens):
-            self._emit(seq, [token], ended)
+        for seq, row_tokens in zip(rows, tokens):
+            self._emit(seq, row_tokens, ended)
 
     def _emit(self, seq: Sequence, tokens: list[int], ended: list[Sequence]) -> None:
         """Hand sampled tokens to the output processor; end the request when one finishes it."""

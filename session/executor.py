@@ -18,6 +18,7 @@ from session.errors import BadRequest, ContextLengthExceeded
 from session.sampling import make_generator, sample_rows
 from session.sequence import Sequence
 from session.sessions import Sessions
+from session.speculative import SpecRow, SpeculationController
 
 
 class Executor:
@@ -56,8 +57,6 @@ class Executor:
         self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
         self.num_cached_tokens += seq.cached_tokens
         if self.speculator is not None and request.speculative:
-            from session.speculative import SpeculationController
-
             k = self.config.num_speculative_tokens
             seq.controller = SpeculationController(k_max=k, k=min(4, k))
             self.speculator.sync_draft(session.token_ids, session.draft_kv)
@@ -97,8 +96,13 @@ class Executor:
     # ------------------------------------------------------------------ decode
 
     def speculating(self, rows: list[Sequence]) -> list[Sequence]:
-        """The rows that take a speculative step this time (only while few requests decode)."""
+        """The rows that want a speculative step this time. While any does, the whole step is one batched
+        speculative step (``speculate``); none: a plain batched ``decode``. A row whose controller has not
+        measured a plain step yet (it just joined) makes this step plain for all: that measures the cost
+        speculation has to beat at the current batch size, for every row."""
         if self.speculator is None or len(rows) > self.config.speculative_max_batch:
+            return []
+        if any(s.controller is not None and s.controller.plain_step_s is None for s in rows):
             return []
         return [s for s in rows if s.controller is not None and s.controller.should_speculate()]
 
@@ -108,24 +112,34 @@ class Executor:
         logits = self.stepper.decode([s.session.kv for s in rows], [s.next_token for s in rows],
                                      adapter_slots=[s.adapter_slot for s in rows])
         tokens = sample_rows(self._never_image(logits), [s.request.sampling for s in rows], [s.generator for s in rows])
-        if len(rows) == 1 and rows[0].controller is not None:  # the cost speculation has to beat
-            rows[0].controller.observe_plain(time.perf_counter() - began)
+        step_s = time.perf_counter() - began  # the cost speculation has to beat, at this batch size
+        for seq in rows:
+            if seq.controller is not None:
+                seq.controller.observe_plain(step_s)
         return tokens
 
-    def speculate(self, seq: Sequence) -> list[int]:
-        """Draft (or look up) up to k tokens and verify them in one target pass; returns the accepted ones.
-        Both caches then hold the transcript extended by them, but its last token."""
-        session, sampling = seq.session, seq.request.sampling
+    def speculate(self, rows: list[Sequence], speculating: list[Sequence]) -> list[list[int]]:
+        """One speculative step for every row of the step, in one target pass: the rows in ``speculating``
+        draft (or look up) up to their k tokens, the others ride along as plain rows. Returns each row's
+        accepted tokens; both caches of each row then hold its transcript extended by them, but its last
+        token. On failure every row's caches are rewound (the error propagates: the rows fail)."""
+        chosen = {id(s) for s in speculating}
+        spec_rows = [SpecRow(s.session.token_ids, s.session.kv, s.session.draft_kv,
+                             s.controller.k if id(s) in chosen else 0,
+                             max_new=s.request.sampling.max_tokens - len(s.generated), sampling=s.request.sampling,
+                             generator=s.generator, adapter_slot=s.adapter_slot) for s in rows]
         try:
-            result = self.speculator.step(
-                session.token_ids, session.kv, session.draft_kv, seq.controller.k,
-                max_new=sampling.max_tokens - len(seq.generated), eos_token_ids=self.runner.info.eos_token_ids,
-                sampling=sampling, generator=seq.generator, adapter_slot=seq.adapter_slot)
+            results = self.speculator.step_batch(spec_rows, self.runner.info.eos_token_ids)
         except BaseException:
-            self.speculator.rewind(session.token_ids, session.kv, session.draft_kv)
+            for seq in rows:
+                self.rewind(seq)
             raise
-        seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
-        return list(result.token_ids)
+        for seq, result in zip(rows, results):
+            if id(seq) in chosen:
+                seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
+            elif seq.controller is not None:
+                seq.controller.observe_plain(None)  # a plain step, but its time is the whole batch's verify pass
+        return [list(result.token_ids) for result in results]
 
     def rewind(self, seq: Sequence) -> None:
         """Tokens of a speculative run after the one that ended the request were dropped: crop the caches."""

@@ -266,3 +266,53 @@ class ModelRunner:
 
     def _logits(self, h):
         return self.lm_head(self.lm.norm(h)).float()
+
+    @torch.inference_mode()
+    def extend(self, kvs: list[KVCache], token_rows: list[list[int]],
+               adapter_slots: list[int] | None = None) -> torch.Tensor:
+        """Feed token_rows[b] (one or more tokens) after kvs[b].length, for B sessions in ONE pass.
+
+        A batched multi-token decode: speculative verification of several sessions at once (each row
+        feeds its last token and its proposals) and the draft's catch-up pass. Returns logits [B, T, V],
+        T = the longest row; row b's positions from len(token_rows[b]) on are padding (ignore them).
+        Projections and MLPs run over the whole [B, T] block; attention runs per row over its own cache
+        with the mask ``prefill`` uses: query i (position length_b + i) sees keys 0 .. length_b + i, and
+        in a sliding-window layer of W only the last W of them.
+        """
+        lengths = [kv.length for kv in kvs]
+        counts = [len(row) for row in token_rows]
+        width = max(counts)
+        for kv, length, count in zip(kvs, lengths, counts):
+            kv.ensure_capacity(length + count)
+        self.set_adapters(adapter_slots)
+        padded = [row + row[-1:] * (width - len(row)) for row in token_rows]
+        h = self.lm.embed_tokens(torch.tensor(padded, dtype=torch.long, device=self.device))  # [B, T, D]
+        positions = torch.tensor(lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)
+        cos, sin = self.lm.rotary_emb(h, positions)  # positions: [B, T]
+        masks = [self._extend_masks(length, count) for length, count in zip(lengths, counts)]
+        gqa = self.info.num_heads != self.info.num_kv_heads
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            window = self.windows[index]
+            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
+            out = torch.zeros_like(q)  # padding queries attend to nothing
+            for b, (kv, length, count) in enumerate(zip(kvs, lengths, counts)):
+                kv.write(index, length, k[b, :, :count], v[b, :, :count])
+                out[b, :, :count] = F.scaled_dot_product_attention(
+                    q[b:b + 1, :, :count], kv.keys(index, length + count)[None],
+                    kv.values(index, length + count)[None], attn_mask=masks[b][window],
+                    scale=attn.scaling, enable_gqa=gqa,
+                )[0]
+            h = self.finish_layer(layer, h, out)
+        for kv, length, count in zip(kvs, lengths, counts):
+            kv.length = length + count
+        return self._logits(h)
+
+    def _extend_masks(self, length: int, count: int) -> dict[int | None, torch.Tensor | None]:
+        """Per window size, the [count, length + count] mask of ``extend``'s rows (None: all keys)."""
+        causal = torch.ones(count, length + count, dtype=torch.bool, device=self.device).tril(diagonal=length)
+        masks = {}
+        for window in set(self.windows):
+            mask = causal if window is None else causal.triu(diagonal=length - window + 1)
+            masks[window] = None if count == 1 and window is None else mask  # one query: every key is its past
+        return masks

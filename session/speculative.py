@@ -193,9 +193,11 @@ class SpeculationController:
             self.verify_extra_s = _ema(self.verify_extra_s, extra, w)
         self.k = self.best_k()
 
-    def observe_plain(self, step_s: float) -> None:
-        """Called after a plain decode step with its duration."""
-        self.plain_step_s = _ema(self.plain_step_s, step_s, self.smoothing)
+    def observe_plain(self, step_s: float | None) -> None:
+        """Called after a plain decode step with its duration (None: it rode along in a speculative batch's
+        target pass, whose time is not a plain step's; it counts towards the next probe only)."""
+        if step_s is not None:
+            self.plain_step_s = _ema(self.plain_step_s, step_s, self.smoothing)
         self.num_plain_since_probe += 1
 
 
@@ -242,6 +244,20 @@ def check_runners_compatible(target: ModelRunner, draft: ModelRunner) -> None:
 # ---------------------------------------------------------------- the decoder
 
 
+@dataclass
+class SpecRow:
+    """One sequence's part of a batched speculative step (``SpeculativeDecoder.step_batch``)."""
+
+    token_ids: list[int]  # the transcript; its last token is not yet in target_kv
+    target_kv: KVCache
+    draft_kv: KVCache | None  # None for prompt lookup
+    k: int  # proposals wanted; 0: a plain decode row in the same target pass
+    max_new: int | None = None  # tokens the request may still emit
+    sampling: SamplingParams | None = None  # None or greedy: greedy acceptance
+    generator: torch.Generator | None = None
+    adapter_slot: int = 0
+
+
 @dataclass(frozen=True)
 class StepResult:
     token_ids: list[int]  # tokens for the transcript, in order: 1 .. k+1 (fewer if cut at EOS / max_new)
@@ -252,7 +268,7 @@ class StepResult:
 
 
 class SpeculativeDecoder:
-    """Draft-and-verify steps for one sequence at a time, over caches the caller owns.
+    """Draft-and-verify steps for a batch of sequences (or one), over caches the caller owns.
 
     Text-only draft for LLaVA sessions: the draft conditions on the transcript WITHOUT the image
     placeholder tokens. A text draft cannot read image embeddings, and a multimodal draft would need
@@ -320,41 +336,63 @@ class SpeculativeDecoder:
              max_new: int | None = None, eos_token_ids: tuple[int, ...] = (),
              sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
              adapter_slot: int = 0) -> StepResult:
-        """One speculative step after ``token_ids`` (the transcript; its last token not yet in target_kv).
+        """One speculative step for one sequence: ``step_batch`` with one row (see there and ``SpecRow``)."""
+        row = SpecRow(token_ids, target_kv, draft_kv, k, max_new=max_new, sampling=sampling, generator=generator,
+                      adapter_slot=adapter_slot)
+        return self.step_batch([row], eos_token_ids)[0]
 
-        Proposes up to k tokens, verifies them in one target pass, accepts, and crops both caches so each
-        holds the new transcript (token_ids + result.token_ids) but its last token. The caller appends
-        ``result.token_ids`` to its transcript. Output is cut after an EOS and at ``max_new`` tokens.
+    def step_batch(self, rows: list[SpecRow], eos_token_ids: tuple[int, ...] = ()) -> list[StepResult]:
+        """One speculative step for several sequences: batched draft passes, then ONE target pass for all.
+
+        Each row proposes up to its own k tokens (the draft's passes run batched over the rows still
+        proposing), then a single multi-row target pass (``ModelRunner.extend``) scores every row's
+        ``[last] + proposals`` at its own cache length. A row with k=0 is a plain decode row riding along
+        in the same pass. Each row then accepts (greedy or the rejection rule), and both its caches are
+        cropped so they hold its new transcript (token_ids + result.token_ids) but its last token.
+        The caller appends each ``result.token_ids``; output is cut after an EOS and at ``max_new``.
         Tokens after target_kv.length must be text (the engine's turn prefill feeds the images).
-        ``adapter_slot``: the session's LoRA adapter, applied to the target only. The draft stays the base
+        ``adapter_slot``: the row's LoRA adapter, applied to the target only. The draft stays the base
         model's: an adapter shifts the target's distribution, so acceptance may drop, never exactness.
+        draft_s / verify_s in the results are the whole batch's (the rows share the passes).
         """
-        if max_new is not None:
-            if max_new < 1:
-                raise ValueError(f"max_new must be >= 1, got {max_new}")
-            k = min(k, max_new - 1)  # more proposals could not be emitted anyway
+        ks = []
+        for row in rows:
+            if row.max_new is not None and row.max_new < 1:
+                raise ValueError(f"max_new must be >= 1, got {row.max_new}")
+            ks.append(row.k if row.max_new is None else min(row.k, row.max_new - 1))  # more could not be emitted
         started = self.clock()
         if self.draft is not None:
-            proposals, draft_probs = self._propose_draft(token_ids, draft_kv, k, eos_token_ids, sampling, generator)
+            proposed = self._propose_draft(rows, ks, eos_token_ids)
         else:
-            proposals, draft_probs = propose_ngram(self.text_ids(token_ids), k, self.max_ngram, self.min_ngram), None
+            proposed = [(propose_ngram(self.text_ids(row.token_ids), k, self.max_ngram, self.min_ngram), None)
+                        for row, k in zip(rows, ks)]
         proposed_at = self.clock()
-        target_kv.crop(len(token_ids) - 1)
-        fed = token_ids[target_kv.length:] + proposals  # usually [last] + proposals
-        logits = self.target.prefill(target_kv, self.target.embed(fed, []), all_logits=True,
-                                     adapter_slot=adapter_slot)
-        logits = logits[-(len(proposals) + 1):]  # [k+1, V]: after the last transcript token, then each proposal
+        fed = []
+        for row, (proposals, _) in zip(rows, proposed):
+            row.target_kv.crop(len(row.token_ids) - 1)
+            fed.append(row.token_ids[row.target_kv.length:] + proposals)  # usually [last] + proposals
+        logits = self.target.extend([row.target_kv for row in rows], fed, [row.adapter_slot for row in rows])
         if self.target.info.image_token_id is not None:  # as in plain decoding: never emit a placeholder
             banned = torch.tensor([self.target.info.image_token_id], device=logits.device)
             logits = logits.index_fill(-1, banned, float("-inf"))
-        emitted = _accept(proposals, draft_probs, logits, sampling, generator)
-        num_accepted = len(emitted) - 1
-        emitted = _cut(emitted, max_new, eos_token_ids)
-        self.rewind(token_ids + emitted, target_kv, draft_kv)
-        self.num_steps += 1
-        self.num_proposed += len(proposals)
-        self.num_accepted += num_accepted
-        return StepResult(emitted, len(proposals), num_accepted, proposed_at - started, self.clock() - proposed_at)
+        results = []
+        for b, (row, k, (proposals, draft_probs)) in enumerate(zip(rows, ks, proposed)):
+            # [k+1, V]: after the last transcript token, then after each proposal
+            row_logits = logits[b, len(fed[b]) - len(proposals) - 1: len(fed[b])]
+            emitted = _accept(proposals, draft_probs, row_logits, row.sampling, row.generator)
+            num_accepted = len(emitted) - 1
+            emitted = _cut(emitted, row.max_new, eos_token_ids)
+            self.rewind(row.token_ids + emitted, row.target_kv, row.draft_kv)
+            results.append((emitted, len(proposals), num_accepted))
+            if k > 0:
+                self.num_steps += 1
+                self.num_proposed += len(proposals)
+                self.num_accepted += num_accepted
+            else:
+                self.num_plain_steps += 1
+        verified_at = self.clock()
+        return [StepResult(emitted, num_proposed, num_accepted, proposed_at - started, verified_at - proposed_at)
+                for emitted, num_proposed, num_accepted in results]
 
     def rewind(self, token_ids: list[int], target_kv: KVCache, draft_kv: KVCache | None) -> None:
         """Crop both caches to the transcript ``token_ids`` minus its last token.
@@ -394,33 +432,50 @@ class SpeculativeDecoder:
                 controller.observe_plain(self.clock() - began)
         return token_ids[start:]
 
-    def _propose_draft(self, token_ids, draft_kv, k, eos_token_ids, sampling, generator):
-        """k draft forward passes: greedy argmax, or draws from the warped draft distribution q.
+    def _propose_draft(self, rows: list[SpecRow], ks: list[int],
+                       eos_token_ids: tuple[int, ...]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Up to ks[b] draft proposals per row: greedy argmax, or draws from the warped draft distribution q.
 
-        Returns (proposals [<= k], q [<= k, V] or None when greedy). The first pass feeds every text
-        token the draft has not seen: usually just the last one; two after a step that accepted all
-        proposals (the draft never fed its own k-th proposal); more after plain steps. Stops early after
-        an EOS proposal: nothing after it could be emitted.
+        Returns per row (proposals, q [len(proposals), V] or None when greedy). The first pass (one
+        ``extend`` over all proposing rows) feeds each row every text token its draft cache lacks:
+        usually just the last one; two after a step that accepted all proposals (the draft never fed its
+        own k-th proposal); more after plain steps. Then one batched ``decode`` per further proposal over
+        the rows still proposing; a row stops at its k or after an EOS proposal (nothing after it could
+        be emitted).
         """
-        if k <= 0:
-            return [], None
-        text = self.text_ids(token_ids)
-        draft_kv.crop(len(text) - 1)
-        logits = self.draft.prefill(draft_kv, self.draft.embed(text[draft_kv.length:], []))  # [V]
-        greedy = sampling is None or sampling.greedy
-        proposals: list[int] = []
-        probs: list[torch.Tensor] = []
-        while True:
-            if greedy:
-                token = int(logits.argmax())
-            else:
-                q = warp_probs(logits, sampling.temperature, sampling.top_p)  # [V]
-                token = int(torch.multinomial(q, 1, generator=generator)[0])
-                probs.append(q)
-            proposals.append(token)
-            if len(proposals) == k or token in eos_token_ids:
-                return proposals, (torch.stack(probs) if probs else None)
-            logits = self.draft.decode([draft_kv], [token])[0]
+        proposals: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        active = [b for b, k in enumerate(ks) if k > 0]
+        if active:
+            fed = []
+            for b in active:
+                text = self.text_ids(rows[b].token_ids)
+                rows[b].draft_kv.crop(len(text) - 1)
+                fed.append(text[rows[b].draft_kv.length:])
+            logits = self.draft.extend([rows[b].draft_kv for b in active], fed)
+            logits = logits[torch.arange(len(active)), torch.tensor([len(f) - 1 for f in fed])]  # [A, V]
+        while active:
+            tokens = self._draw_proposals([rows[b] for b in active], logits, [probs[b] for b in active])
+            still = []
+            for b, token in zip(active, tokens):
+                proposals[b].append(token)
+                if len(proposals[b]) < ks[b] and token not in eos_token_ids:
+                    still.append(b)
+            if still:
+                logits = self.draft.decode([rows[b].draft_kv for b in still], [proposals[b][-1] for b in still])
+            active = still
+        return [(p, torch.stack(q) if q else None) for p, q in zip(proposals, probs)]
+
+    @staticmethod
+    def _draw_proposals(rows: list[SpecRow], logits: torch.Tensor, probs: list[list[torch.Tensor]]) -> list[int]:
+        """One proposal per row from logits [A, V]; a sampling row also records its q in ``probs``."""
+        tokens = logits.argmax(dim=-1).tolist()  # one host sync for the greedy rows
+        for a, row in enumerate(rows):
+            if row.sampling is not None and not row.sampling.greedy:
+                q = warp_probs(logits[a], row.sampling.temperature, row.sampling.top_p)  # [V]
+                tokens[a] = int(torch.multinomial(q, 1, generator=row.generator)[0])
+                probs[a].append(q)
+        return tokens
 
 
 def _accept(proposals: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,

@@ -343,6 +343,13 @@ class FakeRunner:
         self.num_passes += 1
         return torch.cat([self._run(kv, [t]) for kv, t in zip(kvs, token_ids)])
 
+    def extend(self, kvs: list[KVCache], token_rows: list[list[int]], adapter_slots: list[int] | None = None):
+        """[B, T, V]; rows shorter than T are padded with copies of their last logits."""
+        self.num_passes += 1
+        rows = [self._run(kv, row) for kv, row in zip(kvs, token_rows)]
+        width = max(len(r) for r in rows)
+        return torch.stack([torch.cat([r, r[-1:].expand(width - len(r), -1)]) for r in rows])
+
 
 def cached_ids(kv: KVCache) -> list[int]:
     return [int(x) for x in kv.k[0, 0, : kv.length, 0].tolist()]
