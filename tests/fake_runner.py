@@ -110,8 +110,27 @@ class FakeRunner:
         self.num_decode_rows += len(kvs)
         return torch.stack(rows)
 
-    def _logits(self, kv: KVCache, adapter_slot: int) -> torch.Tensor:
-        context = [int(x) for x in kv.k[0, 0, : kv.length, 0].tolist()]
+    def extend(self, kvs: list[KVCache], token_rows: list[list[int]], adapter_slots: list[int] | None = None):
+        """Speculative verification: row b feeds token_rows[b]; logits [B, T, V] at every fed position
+        (a shorter row's padding repeats its last logits). Fails like ``decode``."""
+        self._maybe_fail("decode")
+        slots = adapter_slots or [0] * len(kvs)
+        width = max(len(row) for row in token_rows)
+        out = []
+        for kv, row, slot in zip(kvs, token_rows, slots):
+            start = kv.length
+            kv.ensure_capacity(start + len(row))
+            value = torch.tensor(row, dtype=torch.float64)[None, :, None]
+            kv.write(0, start, value, value)
+            logits = [self._logits(kv, slot, end=start + i + 1) for i in range(len(row))]
+            out.append(torch.stack(logits + logits[-1:] * (width - len(row))))
+        for kv, row in zip(kvs, token_rows):
+            kv.length += len(row)
+        self.num_decode_rows += len(kvs)
+        return torch.stack(out)
+
+    def _logits(self, kv: KVCache, adapter_slot: int, end: int | None = None) -> torch.Tensor:
+        context = [int(x) for x in kv.k[0, 0, : kv.length if end is None else end, 0].tolist()]
         logits = torch.zeros(self.info.vocab_size)
         name = self.bank.slot_names.get(adapter_slot) if adapter_slot else None
         logits[next_token(context, self.info.vocab_size, adapter_salt(name))] = 1.0

@@ -80,13 +80,13 @@ def _png(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults) -> Engine:
+def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults, speculative: str) -> Engine:
     runner = FakeRunner(vocab_size=500, eos_token_ids=(2,), image_token_id=499)
     config = EngineConfig(
         model_path=str(tiny_model_path), max_batch_size=rng.choice([1, 2, 3]), max_queue=64,
         kv_block_tokens=8, device_budget_bytes=rng.choice([0, 1024, 2048]),
         host_budget_bytes=rng.choice([0, 512, 4096]), session_ttl_s=50.0, reaper_interval_s=0.001,
-        journal_dir=str(tmp_path), max_device_adapters=2, max_host_adapters=1, speculative="off",
+        journal_dir=str(tmp_path), max_device_adapters=2, max_host_adapters=1, speculative=speculative,
         max_new_tokens=24, default_max_tokens=8, check_invariants=True, max_sessions=64,
     )
     engine = Engine(config, runner=runner, clock=clock)
@@ -126,7 +126,9 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
     rng = random.Random(seed)
     now = [1000.0]
     faults = CURRENT["faults"] = Faults()
-    engine = _engine(rng, tiny_model_path, tmp_path / f"journal-{seed}", lambda: now[0], faults)
+    # odd seeds speculate (prompt lookup): batched verify passes with plain rows riding along, rewinds
+    engine = _engine(rng, tiny_model_path, tmp_path / f"journal-{seed}", lambda: now[0], faults,
+                     speculative="ngram" if seed % 2 else "off")
     runner: FakeRunner = engine.runner
     for name in ADAPTERS:
         engine.adapters.register(name, f"/nonexistent/{name}")
@@ -202,7 +204,11 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
     assert [s.request.request_id for s in sent if len(s.finals) != 1] == []
     assert engine.num_invariant_violations == 0
     kinds = [type(s.finals[0]).__name__ for s in sent]
-    return {k: kinds.count(k) for k in set(kinds)}
+    counts = {k: kinds.count(k) for k in set(kinds)}
+    if engine.speculator is not None:
+        counts["speculative row steps"] = engine.speculator.num_steps
+        counts["speculative tokens accepted"] = engine.speculator.num_accepted
+    return counts
 
 
 def _collect(sent: list[Sent], sessions: dict[str, dict]) -> None:
@@ -249,3 +255,4 @@ def test_random_schedules_keep_the_invariant(tiny_model_path, tmp_path, processi
     # Every kind of ending happened, many times over.
     assert totals.get("Finished", 0) > 5 * num and totals.get("Cancelled", 0) > num and \
         totals.get("Failed", 0) > num and totals.get("Closed", 0) > num // 2, totals
+    assert totals.get("speculative row steps", 0) > num, totals
