@@ -18,7 +18,7 @@ from session.errors import BadRequest, ContextLengthExceeded
 from session.sampling import make_generator, sample_rows
 from session.sequence import Sequence
 from session.sessions import Sessions
-from session.speculative import SpecRow, SpeculationController
+from session.speculative import SpecRow, SpeculationController, batch_should_speculate
 
 
 class Executor:
@@ -96,15 +96,13 @@ class Executor:
     # ------------------------------------------------------------------ decode
 
     def speculating(self, rows: list[Sequence]) -> list[Sequence]:
-        """The rows that want a speculative step this time. While any does, the whole step is one batched
-        speculative step (``speculate``); none: a plain batched ``decode``. A row whose controller has not
-        measured a plain step yet (it just joined) makes this step plain for all: that measures the cost
-        speculation has to beat at the current batch size, for every row."""
+        """The rows that take a speculative step this time: every row with a controller, or none
+        (``batch_should_speculate``: the rows share the step's target pass). While any does, the whole
+        step is one batched speculative step (``speculate``); none: a plain batched ``decode``."""
         if self.speculator is None or len(rows) > self.config.speculative_max_batch:
             return []
-        if any(s.controller is not None and s.controller.plain_step_s is None for s in rows):
-            return []
-        return [s for s in rows if s.controller is not None and s.controller.should_speculate()]
+        chosen = [s for s in rows if s.controller is not None]
+        return chosen if batch_should_speculate([s.controller for s in chosen]) else []
 
     def decode(self, rows: list[Sequence]) -> list[int]:
         """One batched decode step: feeds each row's last token, returns each row's next token."""
@@ -115,14 +113,15 @@ class Executor:
         step_s = time.perf_counter() - began  # the cost speculation has to beat, at this batch size
         for seq in rows:
             if seq.controller is not None:
-                seq.controller.observe_plain(step_s)
+                seq.controller.observe_plain(step_s, len(rows))
         return tokens
 
     def speculate(self, rows: list[Sequence], speculating: list[Sequence]) -> list[list[int]]:
         """One speculative step for every row of the step, in one target pass: the rows in ``speculating``
-        draft (or look up) up to their k tokens, the others ride along as plain rows. Returns each row's
-        accepted tokens; both caches of each row then hold its transcript extended by them, but its last
-        token. On failure every row's caches are rewound (the error propagates: the rows fail)."""
+        draft (or look up) up to their k tokens, the others (requests that turned speculation off) ride
+        along as plain rows. Returns each row's accepted tokens; both caches of each row then hold its
+        transcript extended by them, but its last token. On failure every row's caches are rewound (the
+        error propagates: the rows fail)."""
         chosen = {id(s) for s in speculating}
         spec_rows = [SpecRow(s.session.token_ids, s.session.kv, s.session.draft_kv,
                              s.controller.k if id(s) in chosen else 0,
@@ -136,9 +135,8 @@ class Executor:
             raise
         for seq, result in zip(rows, results):
             if id(seq) in chosen:
-                seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
-            elif seq.controller is not None:
-                seq.controller.observe_plain(None)  # a plain step, but its time is the whole batch's verify pass
+                seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s,
+                                       len(rows))
         return [list(result.token_ids) for result in results]
 
     def rewind(self, seq: Sequence) -> None:

@@ -16,14 +16,17 @@ KV cache (counted in its bytes), so a follow-up turn prefills only its new token
 Between steps the target's cache holds every transcript token but the last (fed next); the draft's
 holds a prefix of the text and is caught up by its next pass (see ``SpeculativeDecoder``).
 
-Pure functions (``greedy_accept``, ``sampling_accept``, ``propose_ngram``; ``warp_probs`` lives in session.sampling) hold the
-maths; ``SpeculationController`` decides k and when speculation does not pay; the decoder glues
-them to the model runners.
+Pure functions (``greedy_accept``, ``sampling_accept``, ``propose_ngram``, ``batch_should_speculate``;
+``warp_probs`` lives in session.sampling) hold the maths; ``SpeculationController`` decides k and when
+speculation does not pay; the decoder glues them to the model runners. The decoder steps a batch of
+sequences at once: batched draft passes, then ONE target pass (``ModelRunner.extend``) verifies
+every row's proposals at its own cache length.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -47,7 +50,11 @@ def greedy_accept(draft_tokens: list[int], target_logits: torch.Tensor) -> list[
     last transcript token, row k is the bonus position after all k proposals).
     Returns 1 .. k+1 tokens: draft_tokens[:m] + [argmax row m], m = the first disagreement (or k).
     """
-    target_tokens = target_logits.argmax(dim=-1).tolist()  # [k+1], one host sync
+    return agreed_prefix(draft_tokens, target_logits.argmax(dim=-1).tolist())  # [k+1], one host sync
+
+
+def agreed_prefix(draft_tokens: list[int], target_tokens: list[int]) -> list[int]:
+    """greedy_accept on the target's argmax tokens [k+1] (a batch computes them in one host sync)."""
     num_accepted = 0
     while num_accepted < len(draft_tokens) and draft_tokens[num_accepted] == target_tokens[num_accepted]:
         num_accepted += 1
@@ -130,26 +137,47 @@ class SpeculationController:
 
     Acceptance is estimated from geometric trials: a step that accepted m of k proposals saw m
     successes and (m < k) failures; the proposals after the first rejection were never tested.
-    One controller per sequence (or per session): acceptance depends on the text being written.
+    Each cost is the least of its last ``cost_window`` observations: on a busy machine interference only
+    ever adds time, and one slow step (measured: a verify pass 3x its usual time) must not switch
+    speculation off. In a batched step the costs are the whole batch's: they hold for one batch size
+    only, so a step at another batch size forgets them, and the next plain step measures afresh.
+    One controller per sequence (or per session): acceptance depends on the text being written. A
+    batch decides together (``batch_should_speculate``): its rows share one target pass.
     """
 
     k_max: int = 8
     k: int = 4  # proposals for the next speculative step
-    smoothing: float = 0.25  # EMA weight of the newest observation
+    smoothing: float = 0.25  # EMA weight of the newest acceptance observation
     min_speedup: float = 1.05  # expected gain below which plain decoding is used
     probe_interval: int = 16  # plain steps between two tries of speculation
     prior_acceptance: float = 0.6
+    cost_window: int = 8  # recent observations each cost is the minimum of
     num_successes: float = field(init=False)  # EMA of accepted proposals per step
     num_trials: float = field(init=False)  # EMA of tested proposals per step
-    plain_step_s: float | None = None  # EMA of one plain target decode step
-    draft_step_s: float | None = None  # EMA of one proposal (draft forward, or n-gram lookup)
-    verify_extra_s: float = 0.0  # EMA of the verify pass's extra cost per proposed token
+    plain_steps_s: deque = field(init=False)  # recent plain target decode steps
+    draft_steps_s: deque = field(init=False)  # recent costs of one proposal (draft forward, or n-gram lookup)
+    verify_extras_s: deque = field(init=False)  # recent extra costs of the verify pass per proposed token
     num_plain_since_probe: int = 0
+    cost_batch_size: int = 1  # the batch size the costs were measured at
 
     def __post_init__(self):
         if not 1 <= self.k <= self.k_max:
             raise ConfigError(f"speculative k must be in [1, k_max={self.k_max}], got {self.k}")
         self.num_successes, self.num_trials = self.prior_acceptance, 1.0
+        self.plain_steps_s, self.draft_steps_s, self.verify_extras_s = (
+            deque(maxlen=self.cost_window) for _ in range(3))
+
+    @property
+    def plain_step_s(self) -> float | None:
+        return min(self.plain_steps_s, default=None)
+
+    @property
+    def draft_step_s(self) -> float | None:
+        return min(self.draft_steps_s, default=None)
+
+    @property
+    def verify_extra_s(self) -> float:
+        return min(self.verify_extras_s, default=0.0)
 
     @property
     def acceptance(self) -> float:
@@ -177,32 +205,50 @@ class SpeculationController:
             return True
         return self.num_plain_since_probe >= self.probe_interval
 
-    def observe(self, num_proposed: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
-        """Called after a speculative step with what it proposed, accepted and cost."""
+    def observe(self, num_proposed: int, num_accepted: int, draft_s: float, verify_s: float,
+                batch_size: int = 1) -> None:
+        """Called after a speculative step with what it proposed, accepted and cost (the batch's costs)."""
         self.num_plain_since_probe = 0
         if num_proposed == 0:  # prompt lookup found nothing: it was a plain step in disguise
-            self.observe_plain(verify_s)
+            self.observe_plain(verify_s, batch_size)
             return
+        self._costs_at(batch_size)
         w = self.smoothing
         tested = num_accepted + (num_accepted < num_proposed)
         self.num_successes += w * (num_accepted - self.num_successes)
         self.num_trials += w * (tested - self.num_trials)
-        self.draft_step_s = _ema(self.draft_step_s, draft_s / num_proposed, w)
+        self.draft_steps_s.append(draft_s / num_proposed)
         if self.plain_step_s is not None:
-            extra = max(0.0, verify_s - self.plain_step_s) / num_proposed
-            self.verify_extra_s = _ema(self.verify_extra_s, extra, w)
+            self.verify_extras_s.append(max(0.0, verify_s - self.plain_step_s) / num_proposed)
         self.k = self.best_k()
 
-    def observe_plain(self, step_s: float | None) -> None:
-        """Called after a plain decode step with its duration (None: it rode along in a speculative batch's
-        target pass, whose time is not a plain step's; it counts towards the next probe only)."""
-        if step_s is not None:
-            self.plain_step_s = _ema(self.plain_step_s, step_s, self.smoothing)
+    def observe_plain(self, step_s: float, batch_size: int = 1) -> None:
+        """Called after a plain decode step (of ``batch_size`` rows) with its duration."""
+        self._costs_at(batch_size)
+        self.plain_steps_s.append(step_s)
         self.num_plain_since_probe += 1
 
+    def _costs_at(self, batch_size: int) -> None:
+        if batch_size != self.cost_batch_size:
+            self.cost_batch_size = batch_size
+            for costs in (self.plain_steps_s, self.draft_steps_s, self.verify_extras_s):
+                costs.clear()
 
-def _ema(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else old + weight * (new - old)
+
+def batch_should_speculate(controllers: list[SpeculationController]) -> bool:
+    """Whether a batched step speculates (for every row with a controller) or decodes plainly.
+
+    The rows share the step's passes, so they decide together: speculate when their mean expected
+    speedup reaches min_speedup, or when a probe is due for any of them. A row that has no plain step
+    measured at this batch size (it just joined, or the batch size changed) makes the step plain:
+    that step measures the cost speculation has to beat, for every row.
+    """
+    if not controllers or any(c.plain_step_s is None for c in controllers):
+        return False
+    if any(c.num_plain_since_probe >= c.probe_interval for c in controllers):
+        return True
+    mean = sum(c.expected_speedup(c.k) for c in controllers) / len(controllers)
+    return mean >= controllers[0].min_speedup
 
 
 # ---------------------------------------------------------------- compatibility
@@ -375,11 +421,14 @@ class SpeculativeDecoder:
         if self.target.info.image_token_id is not None:  # as in plain decoding: never emit a placeholder
             banned = torch.tensor([self.target.info.image_token_id], device=logits.device)
             logits = logits.index_fill(-1, banned, float("-inf"))
+        greedy_tokens = logits.argmax(dim=-1).tolist()  # [B, T]: one host sync for every greedy row
         results = []
         for b, (row, k, (proposals, draft_probs)) in enumerate(zip(rows, ks, proposed)):
-            # [k+1, V]: after the last transcript token, then after each proposal
-            row_logits = logits[b, len(fed[b]) - len(proposals) - 1: len(fed[b])]
-            emitted = _accept(proposals, draft_probs, row_logits, row.sampling, row.generator)
+            scored = slice(len(fed[b]) - len(proposals) - 1, len(fed[b]))  # after the last token, then each proposal
+            if row.sampling is None or row.sampling.greedy:
+                emitted = agreed_prefix(proposals, greedy_tokens[b][scored])
+            else:
+                emitted = _sampling_accept(proposals, draft_probs, logits[b, scored], row.sampling, row.generator)
             num_accepted = len(emitted) - 1
             emitted = _cut(emitted, row.max_new, eos_token_ids)
             self.rewind(row.token_ids + emitted, row.target_kv, row.draft_kv)
@@ -478,11 +527,9 @@ class SpeculativeDecoder:
         return tokens
 
 
-def _accept(proposals: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-            sampling: SamplingParams | None, generator: torch.Generator | None) -> list[int]:
-    """greedy_accept, or sampling_accept on the warped distributions. target_logits: [k+1, V]."""
-    if sampling is None or sampling.greedy:
-        return greedy_accept(proposals, target_logits)
+def _sampling_accept(proposals: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                     sampling: SamplingParams, generator: torch.Generator | None) -> list[int]:
+    """sampling_accept on the warped distributions. target_logits: [k+1, V]."""
     target_probs = warp_probs(target_logits, sampling.temperature, sampling.top_p)  # [k+1, V]
     if draft_probs is None:  # prompt lookup proposes deterministically: q is one-hot
         draft_probs = torch.zeros_like(target_probs[:-1])  # [k, V]

@@ -9,7 +9,7 @@ import pytest
 from session.config import EngineConfig
 from session.engine import Engine, GenerationRequest
 from session.errors import ConfigError
-from session.events import EventStream
+from session.events import Cancelled, EventStream, Failed, Finished
 from session.protocol import SamplingParams
 from tests.conftest import REPO
 from tests.integration.test_engine import finished, run, user
@@ -96,3 +96,52 @@ def test_draft_with_another_vocabulary_is_refused_at_start(tmp_path):
     build_tokenizer(1024).save_pretrained(bad)  # same architecture, another vocabulary
     with pytest.raises(ConfigError, match="vocabulary differs"):
         Engine(EngineConfig(model_path=str(PAIR / "target"), speculative="draft", draft_model_path=str(bad)))
+
+
+def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list:
+    """Submit every request before reading any answer, so they decode together."""
+    for request in requests:
+        engine.submit(request)
+    answers = []
+    for request in requests:
+        while not isinstance(event := request.stream.get(timeout=300), (Finished, Failed, Cancelled)):
+            pass
+        answers.append(finished([event]).token_ids)
+    return answers
+
+
+def session_turns(num_sessions: int, step: int, prefix: str) -> list[GenerationRequest]:
+    """Turn ``step`` of each session: different prompts (so different lengths), budgets, stop strings."""
+    return [GenerationRequest(
+        messages=user(QUESTIONS[(i + step) % len(QUESTIONS)] + " x" * i),
+        sampling=SamplingParams(max_tokens=40 - 2 * i, stop=("):",) if i % 3 == 2 else ()),
+        stream=EventStream(), session_id=f"{prefix}-{i}", open_session=step == 0) for i in range(num_sessions)]
+
+
+@pytest.mark.parametrize("num_sessions", [1, 3, 8])
+def test_concurrent_sessions_speculate_in_one_batched_pass(plain, num_sessions):
+    """N sessions decoding at once speculate together: one target pass verifies every row (the verify
+    batches reach N rows), and every answer, over two turns, equals plain decoding's token for token.
+    Stop strings end some answers inside a speculative run (the rest of the run is rewound)."""
+    engine = Engine(EngineConfig(model_path=str(PAIR / "target"), speculative="draft", max_batch_size=8,
+                                 draft_model_path=str(PAIR / "draft"), check_invariants=True)).start()
+    verify_rows: list[int] = []
+    extend = engine.runner.extend
+
+    def recording(kvs, token_rows, adapter_slots=None):
+        verify_rows.append(len(kvs))
+        return extend(kvs, token_rows, adapter_slots)
+
+    engine.runner.extend = recording  # the speculator's target is the engine's runner
+    try:
+        for step in range(2):
+            expected = [finished(run(plain, request)).token_ids
+                        for request in session_turns(num_sessions, step, f"plain-{num_sessions}")]
+            got = submit_all(engine, session_turns(num_sessions, step, f"spec-{num_sessions}"))
+            assert got == expected
+        assert max(verify_rows) == num_sessions
+        stats = engine.stats()
+        assert stats.speculation["accepted"] > 0
+        assert engine.num_invariant_violations == 0
+    finally:
+        engine.stop()

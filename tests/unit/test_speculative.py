@@ -14,7 +14,7 @@ from session.kv_cache import KVCache
 from session.protocol import SamplingParams
 from session.sampling import sample_one
 from session.speculative import (
-    SpeculationController, SpeculativeDecoder, check_compatible, check_runners_compatible, greedy_accept,
+    SpecRow, SpeculationController, SpeculativeDecoder, check_compatible, check_runners_compatible, greedy_accept,
     propose_ngram, sampling_accept,
 )
 from session.sampling import warp_probs
@@ -133,7 +133,7 @@ def test_controller_estimates_acceptance_from_geometric_trials():
 def test_controller_expected_speedup_formula():
     controller = SpeculationController(k_max=8, k=2, smoothing=1.0, prior_acceptance=0.5)
     controller.observe_plain(0.010)
-    controller.draft_step_s, controller.verify_extra_s = 0.001, 0.001  # r + rho = 0.2
+    controller.observe(num_proposed=2, num_accepted=1, draft_s=0.002, verify_s=0.012)  # r + rho = 0.2
     assert controller.expected_tokens(2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     assert controller.expected_speedup(2) == pytest.approx(1.75 / 1.4)
 
@@ -160,6 +160,18 @@ def test_controller_shrinks_k_and_falls_back_when_speculation_does_not_pay_then_
     assert controller.should_speculate()  # a probe after probe_interval plain steps
     controller.observe(1, 0, draft_s=0.005, verify_s=0.012)
     assert not controller.should_speculate()
+
+
+def test_controller_costs_ignore_one_slow_step():
+    """Interference only adds time: one verify pass at 3x its cost leaves the estimate (and the decision)."""
+    controller = SpeculationController(k_max=8, k=4, cost_window=4)
+    controller.observe_plain(0.010)
+    for verify_s in (0.011, 0.011, 0.033, 0.011):
+        controller.observe(4, 3, draft_s=0.004, verify_s=verify_s)
+        assert controller.verify_extra_s == pytest.approx(0.00025) and controller.should_speculate()
+    for _ in range(4):  # the window forgets the cheap passes once it holds only dear ones
+        controller.observe(4, 3, draft_s=0.004, verify_s=0.033)
+    assert controller.verify_extra_s == pytest.approx(0.023 / 4)
 
 
 def test_controller_counts_an_empty_proposal_as_a_plain_step():
@@ -508,6 +520,32 @@ def test_decoder_sampling_with_prompt_lookup_emits_the_target_distribution():
             counts[token] += 1
         decoder.rewind(ids, target_kv, None)
     assert chi_square(counts, torch.softmax(target_logits, -1)) < CHI2_999[4]
+
+
+def test_batched_step_keeps_each_rows_rule():
+    """One batched step holds a drafting sampling row (k=2), a plain sampling row riding along (k=0) and a
+    greedy drafting row: both sampling rows emit the target's distribution, the greedy row its argmax."""
+    target_logits = torch.log(torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05]))
+    draft_logits = torch.log(torch.tensor([0.05, 0.15, 0.30, 0.20, 0.30]))
+    sampling = SamplingParams(max_tokens=8, temperature=0.8, top_p=1.0)
+    decoder = SpeculativeDecoder(FakeRunner(5, logits=target_logits), FakeRunner(5, logits=draft_logits))
+    generator = torch.Generator().manual_seed(11)
+    rows = [SpecRow([1, 2], decoder.target.new_kv_cache(block_tokens=64, max_tokens=64),
+                    decoder.new_draft_kv(block_tokens=64, max_tokens=64), k, sampling=params, generator=generator)
+            for k, params in ((2, sampling), (0, sampling), (3, None))]
+    counts = {0: torch.zeros(5), 1: torch.zeros(5)}
+    for _ in range(3_000):
+        results = decoder.step_batch(rows)
+        for index in (0, 1):
+            for token in results[index].token_ids:
+                counts[index][token] += 1
+        assert results[1].num_proposed == 0 and len(results[1].token_ids) == 1
+        assert results[2].token_ids == [0] and results[2].num_proposed == 3  # the draft's 2 is rejected
+        for row in rows:  # keep the caches short: the fake ignores the context
+            decoder.rewind(row.token_ids, row.target_kv, row.draft_kv)
+    expected = warp_probs(target_logits, 0.8, 1.0)
+    assert chi_square(counts[0], expected) < CHI2_999[4]
+    assert chi_square(counts[1], expected) < CHI2_999[4]
 
 
 def test_decoder_refuses_a_step_with_nothing_to_emit():
