@@ -295,15 +295,16 @@ class ModelRunner:
             attn = layer.self_attn
             window = self.windows[index]
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
-            out = torch.zeros_like(q)  # padding queries attend to nothing
+            rows = []
             for b, (kv, length, count) in enumerate(zip(kvs, lengths, counts)):
                 kv.write(index, length, k[b, :, :count], v[b, :, :count])
-                out[b, :, :count] = F.scaled_dot_product_attention(
+                row = F.scaled_dot_product_attention(
                     q[b:b + 1, :, :count], kv.keys(index, length + count)[None],
                     kv.values(index, length + count)[None], attn_mask=masks[b][window],
                     scale=attn.scaling, enable_gqa=gqa,
-                )[0]
-            h = self.finish_layer(layer, h, out)
+                )  # [1, H, count, hd]
+                rows.append(row if count == width else F.pad(row, (0, 0, 0, width - count)))  # padding: zeros
+            h = self.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
         for kv, length, count in zip(kvs, lengths, counts):
             kv.length = length + count
         return self._logits(h)

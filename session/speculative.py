@@ -25,6 +25,7 @@ every row's proposals at its own cache length.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -132,8 +133,11 @@ class SpeculationController:
     Model (i.i.d. acceptance with rate a; draft step costs r and the verify pass 1 + k*rho plain target
     steps): a step with k proposals yields E(k) = 1 + a + ... + a^k tokens for 1 + k*(r + rho) plain-step
     costs, so the expected speedup is S(k) = E(k) / (1 + k*(r + rho)). k = argmax S over [1, k_max];
-    speculate only while S(k) >= min_speedup, and after ``probe_interval`` plain steps try once more
-    (acceptance depends on the text: a follow-up that quotes the conversation may suddenly pay).
+    speculate only while S(k) >= min_speedup, and after some plain steps try once more (acceptance
+    depends on the text: a follow-up that quotes the conversation may suddenly pay). A failed try at
+    k=1 costs r + rho of a plain step, so a cheap draft tries again soon: after (r + rho) / probe_cost
+    plain steps, at most ``probe_interval`` (measured: a 0.25-cost draft fell back 2-3 times per
+    128-token answer, each time in a short stretch of text it mispredicted).
 
     Acceptance is estimated from geometric trials: a step that accepted m of k proposals saw m
     successes and (m < k) failures; the proposals after the first rejection were never tested.
@@ -149,7 +153,8 @@ class SpeculationController:
     k: int = 4  # proposals for the next speculative step
     smoothing: float = 0.25  # EMA weight of the newest acceptance observation
     min_speedup: float = 1.05  # expected gain below which plain decoding is used
-    probe_interval: int = 16  # plain steps between two tries of speculation
+    probe_interval: int = 16  # the most plain steps between two tries of speculation
+    probe_cost: float = 0.05  # the share of plain decoding time that failed tries may cost
     prior_acceptance: float = 0.6
     cost_window: int = 8  # recent observations each cost is the minimum of
     num_successes: float = field(init=False)  # EMA of accepted proposals per step
@@ -203,7 +208,14 @@ class SpeculationController:
             return False  # calibrate: one plain step measures the cost speculation must beat
         if self.expected_speedup(self.k) >= self.min_speedup:
             return True
-        return self.num_plain_since_probe >= self.probe_interval
+        return self.probe_due()
+
+    def probe_due(self) -> bool:
+        """Enough plain steps since speculation last ran that it is worth another try."""
+        if not self.plain_step_s or self.draft_step_s is None:
+            return True
+        marginal = (self.draft_step_s + self.verify_extra_s) / self.plain_step_s  # a failed try's cost
+        return self.num_plain_since_probe >= min(self.probe_interval, math.ceil(marginal / self.probe_cost))
 
     def observe(self, num_proposed: int, num_accepted: int, draft_s: float, verify_s: float,
                 batch_size: int = 1) -> None:
@@ -245,7 +257,7 @@ def batch_should_speculate(controllers: list[SpeculationController]) -> bool:
     """
     if not controllers or any(c.plain_step_s is None for c in controllers):
         return False
-    if any(c.num_plain_since_probe >= c.probe_interval for c in controllers):
+    if any(c.probe_due() for c in controllers):
         return True
     mean = sum(c.expected_speedup(c.k) for c in controllers) / len(controllers)
     return mean >= controllers[0].min_speedup

@@ -162,6 +162,21 @@ def test_controller_shrinks_k_and_falls_back_when_speculation_does_not_pay_then_
     assert not controller.should_speculate()
 
 
+@pytest.mark.parametrize("draft_s, plain_steps_to_probe", [(0.001, 1), (0.006, 3), (0.050, 6)])
+def test_controller_probes_sooner_when_a_failed_try_is_cheap(draft_s, plain_steps_to_probe):
+    """A failed try costs r (+ rho) of a plain step: tries come every ceil(r / probe_cost) plain steps, at most
+    probe_interval apart (r = 0.1 -> 1, 0.6 -> 3, 5.0 -> capped at 6)."""
+    controller = SpeculationController(k_max=4, k=1, probe_cost=0.25, probe_interval=6, smoothing=1.0)
+    controller.observe_plain(0.010)
+    controller.observe(1, 0, draft_s=draft_s, verify_s=0.010)  # nothing accepted, no extra verify cost
+    assert not controller.should_speculate()
+    for _ in range(plain_steps_to_probe - 1):
+        controller.observe_plain(0.010)
+        assert not controller.should_speculate()
+    controller.observe_plain(0.010)
+    assert controller.should_speculate()
+
+
 def test_controller_costs_ignore_one_slow_step():
     """Interference only adds time: one verify pass at 3x its cost leaves the estimate (and the decision)."""
     controller = SpeculationController(k_max=8, k=4, cost_window=4)
