@@ -18,7 +18,7 @@ from session.errors import BadRequest, ContextLengthExceeded
 from session.sampling import make_generator, sample_rows
 from session.sequence import Sequence
 from session.sessions import Sessions
-from session.speculative import SpecRow, SpeculationController, batch_should_speculate
+from session.speculative import SpecRow, SpeculationController, StepCosts, batch_should_speculate
 
 
 class Executor:
@@ -33,6 +33,7 @@ class Executor:
         self.config = config
         self.max_context = max_context
         self.pixel_digests = pixel_digests  # pixel_values -> content keys, for requests without image bytes
+        self.step_costs = StepCosts()  # decode-step costs by batch size, shared by the rows' controllers
         self.num_prefilled_tokens = 0
         self.num_cached_tokens = 0
 
@@ -58,7 +59,7 @@ class Executor:
         self.num_cached_tokens += seq.cached_tokens
         if self.speculator is not None and request.speculative:
             k = self.config.num_speculative_tokens
-            seq.controller = SpeculationController(k_max=k, k=min(4, k))
+            seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
             self.speculator.sync_draft(session.token_ids, session.draft_kv)
         return sample_rows(self._never_image(logits[None]), [request.sampling], [seq.generator])[0]
 
@@ -99,9 +100,11 @@ class Executor:
         """The rows that take a speculative step this time: every row with a controller, or none
         (``batch_should_speculate``: the rows share the step's target pass). While any does, the whole
         step is one batched speculative step (``speculate``); none: a plain batched ``decode``."""
-        if self.speculator is None or len(rows) > self.config.speculative_max_batch:
-            return []
         chosen = [s for s in rows if s.controller is not None]
+        for seq in chosen:  # the costs it reads and records are this batch size's
+            seq.controller.batch_size = len(rows)
+        if len(rows) > self.config.speculative_max_batch:
+            return []
         return chosen if batch_should_speculate([s.controller for s in chosen]) else []
 
     def decode(self, rows: list[Sequence]) -> list[int]:
@@ -113,7 +116,7 @@ class Executor:
         step_s = time.perf_counter() - began  # the cost speculation has to beat, at this batch size
         for seq in rows:
             if seq.controller is not None:
-                seq.controller.observe_plain(step_s, len(rows))
+                seq.controller.observe_plain(step_s)
         return tokens
 
     def speculate(self, rows: list[Sequence], speculating: list[Sequence]) -> list[list[int]]:
@@ -135,8 +138,7 @@ class Executor:
             raise
         for seq, result in zip(rows, results):
             if id(seq) in chosen:
-                seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s,
-                                       len(rows))
+                seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
         return [list(result.token_ids) for result in results]
 
     def rewind(self, seq: Sequence) -> None:

@@ -126,6 +126,44 @@ def propose_ngram(context_ids: list[int], k: int, max_ngram: int = 3, min_ngram:
 # ---------------------------------------------------------------- adaptive k
 
 
+class StepCosts:
+    """Measured decode-step costs by batch size, shared by every sequence of an engine.
+
+    Costs belong to the batch, not to a sequence: a request that joins a batch size already measured
+    needs no plain step of its own. Each cost is the least of its last ``window`` steps' observations:
+    on a busy machine interference only ever adds time, and one slow step (measured: a verify pass at
+    3x its usual time) must not switch speculation off. Every row of a batched step reports that
+    step's costs, so batch size B keeps window * B observations (the same ``window`` steps).
+    """
+
+    def __init__(self, window: int = 8):
+        self.window = window
+        self._plain: dict[int, deque] = {}  # batch size -> recent plain target decode steps
+        self._draft: dict[int, deque] = {}  # batch size -> recent costs of one proposal (draft pass, or lookup)
+        self._verify_extra: dict[int, deque] = {}  # batch size -> the verify pass's extra cost per proposed token
+
+    def plain_step_s(self, batch_size: int) -> float | None:
+        return min(self._plain.get(batch_size, ()), default=None)
+
+    def draft_step_s(self, batch_size: int) -> float | None:
+        return min(self._draft.get(batch_size, ()), default=None)
+
+    def verify_extra_s(self, batch_size: int) -> float:
+        return min(self._verify_extra.get(batch_size, ()), default=0.0)
+
+    def observe_plain(self, step_s: float, batch_size: int) -> None:
+        self._recent(self._plain, batch_size).append(step_s)
+
+    def observe_speculative(self, num_proposed: int, draft_s: float, verify_s: float, batch_size: int) -> None:
+        self._recent(self._draft, batch_size).append(draft_s / num_proposed)
+        plain = self.plain_step_s(batch_size)
+        if plain is not None:
+            self._recent(self._verify_extra, batch_size).append(max(0.0, verify_s - plain) / num_proposed)
+
+    def _recent(self, table: dict[int, deque], batch_size: int) -> deque:
+        return table.setdefault(batch_size, deque(maxlen=self.window * batch_size))
+
+
 @dataclass
 class SpeculationController:
     """Chooses k (proposals per step) from measured acceptance and costs; says when to decode plainly.
@@ -141,12 +179,10 @@ class SpeculationController:
 
     Acceptance is estimated from geometric trials: a step that accepted m of k proposals saw m
     successes and (m < k) failures; the proposals after the first rejection were never tested.
-    Each cost is the least of its last ``cost_window`` observations: on a busy machine interference only
-    ever adds time, and one slow step (measured: a verify pass 3x its usual time) must not switch
-    speculation off. In a batched step the costs are the whole batch's: they hold for one batch size
-    only, so a step at another batch size forgets them, and the next plain step measures afresh.
-    One controller per sequence (or per session): acceptance depends on the text being written. A
-    batch decides together (``batch_should_speculate``): its rows share one target pass.
+    One controller per sequence (or per session): acceptance depends on the text being written. The
+    costs (``StepCosts``) are the batch's: the engine's rows share one table, and ``batch_size`` says
+    which batch size this row steps at now (the executor sets it before each decision). A batch
+    decides together (``batch_should_speculate``): its rows share one target pass.
     """
 
     k_max: int = 8
@@ -156,33 +192,28 @@ class SpeculationController:
     probe_interval: int = 16  # the most plain steps between two tries of speculation
     probe_cost: float = 0.05  # the share of plain decoding time that failed tries may cost
     prior_acceptance: float = 0.6
-    cost_window: int = 8  # recent observations each cost is the minimum of
+    costs: StepCosts = field(default_factory=StepCosts)
+    batch_size: int = 1  # rows in the steps this sequence takes now
     num_successes: float = field(init=False)  # EMA of accepted proposals per step
     num_trials: float = field(init=False)  # EMA of tested proposals per step
-    plain_steps_s: deque = field(init=False)  # recent plain target decode steps
-    draft_steps_s: deque = field(init=False)  # recent costs of one proposal (draft forward, or n-gram lookup)
-    verify_extras_s: deque = field(init=False)  # recent extra costs of the verify pass per proposed token
     num_plain_since_probe: int = 0
-    cost_batch_size: int = 1  # the batch size the costs were measured at
 
     def __post_init__(self):
         if not 1 <= self.k <= self.k_max:
             raise ConfigError(f"speculative k must be in [1, k_max={self.k_max}], got {self.k}")
         self.num_successes, self.num_trials = self.prior_acceptance, 1.0
-        self.plain_steps_s, self.draft_steps_s, self.verify_extras_s = (
-            deque(maxlen=self.cost_window) for _ in range(3))
 
     @property
     def plain_step_s(self) -> float | None:
-        return min(self.plain_steps_s, default=None)
+        return self.costs.plain_step_s(self.batch_size)
 
     @property
     def draft_step_s(self) -> float | None:
-        return min(self.draft_steps_s, default=None)
+        return self.costs.draft_step_s(self.batch_size)
 
     @property
     def verify_extra_s(self) -> float:
-        return min(self.verify_extras_s, default=0.0)
+        return self.costs.verify_extra_s(self.batch_size)
 
     @property
     def acceptance(self) -> float:
@@ -217,43 +248,31 @@ class SpeculationController:
         marginal = (self.draft_step_s + self.verify_extra_s) / self.plain_step_s  # a failed try's cost
         return self.num_plain_since_probe >= min(self.probe_interval, math.ceil(marginal / self.probe_cost))
 
-    def observe(self, num_proposed: int, num_accepted: int, draft_s: float, verify_s: float,
-                batch_size: int = 1) -> None:
+    def observe(self, num_proposed: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
         """Called after a speculative step with what it proposed, accepted and cost (the batch's costs)."""
         self.num_plain_since_probe = 0
         if num_proposed == 0:  # prompt lookup found nothing: it was a plain step in disguise
-            self.observe_plain(verify_s, batch_size)
+            self.observe_plain(verify_s)
             return
-        self._costs_at(batch_size)
         w = self.smoothing
         tested = num_accepted + (num_accepted < num_proposed)
         self.num_successes += w * (num_accepted - self.num_successes)
         self.num_trials += w * (tested - self.num_trials)
-        self.draft_steps_s.append(draft_s / num_proposed)
-        if self.plain_step_s is not None:
-            self.verify_extras_s.append(max(0.0, verify_s - self.plain_step_s) / num_proposed)
+        self.costs.observe_speculative(num_proposed, draft_s, verify_s, self.batch_size)
         self.k = self.best_k()
 
-    def observe_plain(self, step_s: float, batch_size: int = 1) -> None:
+    def observe_plain(self, step_s: float) -> None:
         """Called after a plain decode step (of ``batch_size`` rows) with its duration."""
-        self._costs_at(batch_size)
-        self.plain_steps_s.append(step_s)
+        self.costs.observe_plain(step_s, self.batch_size)
         self.num_plain_since_probe += 1
-
-    def _costs_at(self, batch_size: int) -> None:
-        if batch_size != self.cost_batch_size:
-            self.cost_batch_size = batch_size
-            for costs in (self.plain_steps_s, self.draft_steps_s, self.verify_extras_s):
-                costs.clear()
 
 
 def batch_should_speculate(controllers: list[SpeculationController]) -> bool:
     """Whether a batched step speculates (for every row with a controller) or decodes plainly.
 
     The rows share the step's passes, so they decide together: speculate when their mean expected
-    speedup reaches min_speedup, or when a probe is due for any of them. A row that has no plain step
-    measured at this batch size (it just joined, or the batch size changed) makes the step plain:
-    that step measures the cost speculation has to beat, for every row.
+    speedup reaches min_speedup, or when a probe is due for any of them. Without a plain step measured
+    at this batch size the step is plain: it measures the cost speculation has to beat.
     """
     if not controllers or any(c.plain_step_s is None for c in controllers):
         return False

@@ -14,8 +14,8 @@ from session.kv_cache import KVCache
 from session.protocol import SamplingParams
 from session.sampling import sample_one
 from session.speculative import (
-    SpecRow, SpeculationController, SpeculativeDecoder, check_compatible, check_runners_compatible, greedy_accept,
-    propose_ngram, sampling_accept,
+    SpecRow, SpeculationController, SpeculativeDecoder, StepCosts, batch_should_speculate, check_compatible,
+    check_runners_compatible, greedy_accept, propose_ngram, sampling_accept,
 )
 from session.sampling import warp_probs
 
@@ -179,7 +179,7 @@ def test_controller_probes_sooner_when_a_failed_try_is_cheap(draft_s, plain_step
 
 def test_controller_costs_ignore_one_slow_step():
     """Interference only adds time: one verify pass at 3x its cost leaves the estimate (and the decision)."""
-    controller = SpeculationController(k_max=8, k=4, cost_window=4)
+    controller = SpeculationController(k_max=8, k=4, costs=StepCosts(window=4))
     controller.observe_plain(0.010)
     for verify_s in (0.011, 0.011, 0.033, 0.011):
         controller.observe(4, 3, draft_s=0.004, verify_s=verify_s)
@@ -187,6 +187,24 @@ def test_controller_costs_ignore_one_slow_step():
     for _ in range(4):  # the window forgets the cheap passes once it holds only dear ones
         controller.observe(4, 3, draft_s=0.004, verify_s=0.033)
     assert controller.verify_extra_s == pytest.approx(0.023 / 4)
+
+
+def test_a_batch_decides_together_on_costs_shared_by_batch_size():
+    costs = StepCosts()
+    rows = [SpeculationController(k_max=4, k=1, costs=costs, batch_size=2) for _ in range(2)]
+    assert not batch_should_speculate(rows)  # nothing measured at batch size 2: a plain step first
+    costs.observe_plain(0.010, batch_size=2)
+    costs.observe_speculative(num_proposed=1, draft_s=0.004, verify_s=0.010, batch_size=2)  # r = 0.4, rho = 0
+    joined = SpeculationController(k_max=4, k=1, costs=costs, batch_size=2)
+    assert joined.plain_step_s == 0.010  # a newcomer at a measured batch size needs no plain step of its own
+    (good, bad) = rows
+    good.num_successes, good.num_trials = 1.0, 1.0  # S(1) = 2 / 1.4
+    bad.num_successes, bad.num_trials = 0.0, 1.0  # S(1) = 1 / 1.4
+    assert batch_should_speculate([good, bad])  # mean 1.07 >= 1.05: both rows speculate
+    assert not batch_should_speculate([bad, bad])
+    for row in rows:
+        row.batch_size = 3
+    assert not batch_should_speculate(rows)  # another batch size: measured afresh
 
 
 def test_controller_counts_an_empty_proposal_as_a_plain_step():
