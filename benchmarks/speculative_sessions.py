@@ -7,16 +7,18 @@ layers with its embeddings, final norm and head; see model_store/train_deep_pair
 Methods, greedy, the same prompts, interleaved round by round (load changes on a shared machine hit
 all alike):
   plain          our engine, speculation off (batched plain decode steps);
-  speculative    our engine with the draft: adaptive k, every running request speculating in one
-                 batched step (one target pass verifies all rows);
+  speculative k<=K  our engine with the draft: adaptive k up to K (``--k-max``, one engine each),
+                 every running request speculating in one batched step (one target pass verifies all);
   hf generate    transformers ``generate`` on the target alone (reference for the next one);
   hf assisted    transformers ``generate(..., assistant_model=draft)``, its default schedule.
 At ``--sessions`` N > 1 our engine decodes the N requests concurrently; transformers' assisted
 generation takes one sequence at a time, so its N requests run one after another.
 
-Reported per pair, session count and method: wall time for all N requests (prompt prefill included),
-generated tokens/s, speedup vs our plain, and how many answers equal our plain answer token for token.
-Run:  python -m benchmarks.speculative_sessions [--pairs pair deep-pair] [--sessions 1 8] [--rounds 3]
+Reported per pair, session count and method: median wall time of a round (all N requests, prompt
+prefill included), generated tokens/s, speedup vs our plain (the median over rounds of the two
+methods' times in the same round, with the range), and how many answers equal our plain answer
+token for token. The draft's share of a target step is measured first (``ModelRunner.decode``).
+Run:  python -m benchmarks.speculative_sessions [--pairs pair deep-pair] [--sessions 1 8] [--rounds 8]
 Writes <out>/speculative_sessions.json (default out: benchmarks/results).
 """
 
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, write_json
+from benchmarks.common import format_table, median, write_json
 from model_store import train_deep_pair
 from model_store.train_pair import PAIR_DIR, eval_prompts
 from session.config import EngineConfig
@@ -38,7 +40,7 @@ from session.engine import Engine, GenerationRequest
 from session.events import EventStream, Failed, Finished
 from session.protocol import SamplingParams
 
-METHODS = ("plain", "speculative", "hf generate", "hf assisted")
+HF_METHODS = ("hf generate", "hf assisted")
 
 
 def pair_dirs(name: str) -> tuple[Path, Path]:
@@ -48,21 +50,22 @@ def pair_dirs(name: str) -> tuple[Path, Path]:
 
 
 class PairBench:
-    """One pair loaded four ways; ``run(method, prompts)`` -> (seconds, answers)."""
+    """One pair loaded several ways; ``run(method, prompts)`` -> (seconds, answers)."""
 
-    def __init__(self, name: str, new_tokens: int, max_batch: int):
+    def __init__(self, name: str, new_tokens: int, max_batch: int, k_maxes: list[int]):
         from transformers import AutoModelForCausalLM
 
         target, draft = pair_dirs(name)
         self.new_tokens = new_tokens
         common = dict(model_path=str(target), device="cpu", dtype="float32", max_batch_size=max_batch,
                       max_new_tokens=new_tokens)
-        self.engines = {"plain": Engine(EngineConfig(**common, speculative="off")).start(),
-                        "speculative": Engine(EngineConfig(**common, speculative="draft",
-                                                           draft_model_path=str(draft))).start()}
+        self.engines = {"plain": Engine(EngineConfig(**common, speculative="off")).start()}
+        for k_max in k_maxes:
+            self.engines[f"speculative k<={k_max}"] = Engine(EngineConfig(
+                **common, speculative="draft", draft_model_path=str(draft), num_speculative_tokens=k_max)).start()
+        self.methods = tuple(self.engines) + HF_METHODS
         self.hf_target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         self.hf_draft = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
-        self.speculator = self.engines["speculative"].speculator
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -101,30 +104,43 @@ class PairBench:
 
 
 def measure(bench: PairBench, prompts: list[list[int]], sessions: int, rounds: int) -> list[dict]:
-    """``rounds`` rounds; each runs every method on the round's ``sessions`` prompts, in turn."""
-    bench.run("plain", prompts[:sessions])  # warm-up (first-call costs), not counted
-    bench.run("speculative", prompts[:sessions])
-    seconds = {m: 0.0 for m in METHODS}
-    tokens = {m: 0 for m in METHODS}
-    identical = {m: 0 for m in METHODS}
-    before = (bench.speculator.num_proposed, bench.speculator.num_accepted)
+    """``rounds`` rounds; each runs every method on the round's ``sessions`` prompts, in turn (the order
+    reversed every other round, so a drift in load hits all alike). The speedup is the median over
+    rounds of plain's time over the method's in the same round: a load spike during one run moves
+    one round's ratio, not the result."""
+    methods = bench.methods
+    for method in bench.engines:  # warm-up (first-call costs, the plain step at each batch size), not counted
+        bench.run(method, prompts[:sessions])
+    seconds = {m: [] for m in methods}
+    tokens = {m: 0 for m in methods}
+    identical = {m: 0 for m in methods}
+    before = {m: _acceptance_counts(e) for m, e in bench.engines.items()}
     for r in range(rounds):
-        chosen = prompts[r * sessions:(r + 1) * sessions]
-        expected = None
-        for method in METHODS:
-            took, answers = bench.run(method, chosen)
-            expected = answers if expected is None else expected
-            seconds[method] += took
-            tokens[method] += sum(map(len, answers))
-            identical[method] += sum(a == e for a, e in zip(answers, expected))
-    proposed = bench.speculator.num_proposed - before[0]
-    accepted = bench.speculator.num_accepted - before[1]
-    num = rounds * sessions
-    return [{"method": m, "sessions": sessions, "seconds_per_round": seconds[m] / rounds,
-             "tokens_per_s": tokens[m] / seconds[m], "speedup_vs_plain": seconds["plain"] / seconds[m],
-             "identical_to_plain": f"{identical[m]}/{num}",
-             "acceptance": accepted / proposed if m == "speculative" and proposed else None}
-            for m in METHODS]
+        chosen = [prompts[(r * sessions + i) % len(prompts)] for i in range(sessions)]
+        answers = {}
+        for method in methods if r % 2 == 0 else reversed(methods):
+            took, answers[method] = bench.run(method, chosen)
+            seconds[method].append(took)
+            tokens[method] += sum(map(len, answers[method]))
+        for method in methods:
+            identical[method] += sum(a == e for a, e in zip(answers[method], answers["plain"]))
+    rows = []
+    for m in methods:
+        ratios = sorted(p / t for p, t in zip(seconds["plain"], seconds[m]))
+        acceptance = None
+        if m in bench.engines and bench.engines[m].speculator is not None:
+            (p0, a0), (p1, a1) = before[m], _acceptance_counts(bench.engines[m])
+            acceptance = (a1 - a0) / (p1 - p0) if p1 > p0 else None
+        rows.append({"method": m, "sessions": sessions, "seconds_per_round": median(seconds[m]),
+                     "tokens_per_s": tokens[m] / sum(seconds[m]), "speedup_vs_plain": median(ratios),
+                     "speedup_range": (ratios[0], ratios[-1]), "identical_to_plain": f"{identical[m]}/{rounds * sessions}",
+                     "acceptance": acceptance})
+    return rows
+
+
+def _acceptance_counts(engine: Engine) -> tuple[int, int]:
+    spec = engine.speculator
+    return (0, 0) if spec is None else (spec.num_proposed, spec.num_accepted)
 
 
 def draft_step_ratio(name: str) -> float:
@@ -151,8 +167,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", default=["pair", "deep-pair"], choices=["pair", "deep-pair"])
     parser.add_argument("--sessions", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=32, help="held-out prompts, taken in turn by the rounds")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--k-max", nargs="+", type=int, default=[4],
+                        help="one speculative engine per value (RESIDENT_NUM_SPECULATIVE_TOKENS; 4 is its default)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; 1 by default: these small models gain nothing from more")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -165,12 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
-    prompts = [[tokenizer.bos_token_id] + ids
-               for ids in eval_prompts(tokenizer, args.rounds * max(args.sessions), 32)]
+    prompts = [[tokenizer.bos_token_id] + ids for ids in eval_prompts(tokenizer, args.prompts, 32)]
     results = {}
     for name in args.pairs:
         ratio = draft_step_ratio(name)
-        bench = PairBench(name, args.new_tokens, max(args.sessions))
+        bench = PairBench(name, args.new_tokens, max(args.sessions), args.k_max)
         try:
             rows = [row for sessions in args.sessions for row in measure(bench, prompts, sessions, args.rounds)]
         finally:
@@ -179,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}: draft step = {ratio:.3f} x target step; {args.new_tokens} new tokens per request, "
               f"greedy, {args.rounds} rounds, {args.threads} thread(s)")
         print(format_table(
-            ["sessions", "method", "s / round", "tok/s", "speedup", "identical", "acceptance"],
+            ["sessions", "method", "s / round", "tok/s", "speedup", "(min-max)", "identical", "acceptance"],
             [[r["sessions"], r["method"], r["seconds_per_round"], r["tokens_per_s"], r["speedup_vs_plain"],
-              r["identical_to_plain"], "-" if r["acceptance"] is None else r["acceptance"]] for r in rows]))
+              "%.2f-%.2f" % r["speedup_range"], r["identical_to_plain"],
+              "-" if r["acceptance"] is None else r["acceptance"]] for r in rows]))
     path = write_json(args.out / "speculative_sessions.json", {
         "config": {**vars(args), "out": str(args.out), "cpu_count": os.cpu_count(),
                    "load_average": os.getloadavg(), "torch": torch.__version__},
