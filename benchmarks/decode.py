@@ -32,15 +32,17 @@ from launch.torchserve import ensure_demo_models
 
 
 def prompts(engine, count: int):
-    """(token ids with one image's placeholders, pixel_values) per session; distinct images."""
+    """(token ids with one image's placeholders, its Images) per session; distinct images."""
     from PIL import Image
     import numpy as np
 
     out = []
     for i in range(count):
         pixels = (np.random.RandomState(i).rand(336, 336, 3) * 255).astype(np.uint8)
-        piece = engine.formatter.opening(_user_with_image(f"Describe picture number {i} in a few words."))
-        out.append((piece.token_ids, engine.preprocess_images([Image.fromarray(pixels)])))
+        images = engine.preprocess_images([Image.fromarray(pixels)])
+        piece = engine.formatter.opening(_user_with_image(f"Describe picture number {i} in a few words."),
+                                         images.num_tokens)
+        out.append((piece.token_ids, images))
     return out
 
 
@@ -68,7 +70,7 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
     session_ids = [engine.new_session_id() for _ in workload]
     for sid, (ids, pv) in zip(session_ids, workload):
         opening = GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=1), stream=EventStream(),
-                                    token_ids=ids, pixel_values=pv, session_id=sid, open_session=True)
+                                    token_ids=ids, images=pv, session_id=sid, open_session=True)
         engine.submit(opening)
         wait(opening)
     question = (Message("user", (TextPart("Tell me more about it, in detail."),)),)
@@ -113,7 +115,7 @@ def run_generate(runner, workload, new_tokens: int) -> dict:
     """One batched ``generate`` for the C prompts; a streamer stamps each decode step as it happens."""
     model = runner.model
     ids = torch.tensor([w[0] for w in workload])
-    pixel_values = torch.cat([w[1] for w in workload])
+    pixel_values = torch.stack([p for w in workload for p in w[1].pixels])  # LLaVA-1.5: one square each
     stamps: list[float] = []
 
     class Stamps:  # transformers' streamer protocol: put() per step (the prompt first), end() at the end
@@ -123,7 +125,7 @@ def run_generate(runner, workload, new_tokens: int) -> dict:
         def end(self):
             pass
 
-    kwargs = dict(input_ids=ids, pixel_values=pixel_values, attention_mask=torch.ones_like(ids), do_sample=False)
+    kwargs = dict(input_ids=ids, images=images, attention_mask=torch.ones_like(ids), do_sample=False)
     with torch.inference_mode():
         model.generate(**kwargs, max_new_tokens=2, min_new_tokens=2)  # warm-up
         out = model.generate(**kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=Stamps())

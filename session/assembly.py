@@ -7,7 +7,6 @@ processor, the device budget, adapters, the speculative decoder.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from session.prompt import ChatFormatter
 from session.scheduler import Scheduler
 from session.sessions import Sessions
 from session.store import SessionStore
+from session.vision import NO_IMAGES, ImagePreprocessor, Images
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class Parts:
     max_context: int
     tokenizer: object
     image_processor: object | None
+    vision: ImagePreprocessor | None  # PIL images -> Images (pixels, sizes, token counts); None: text-only
     formatter: ChatFormatter
     store: SessionStore
     embeddings: EmbeddingCache
@@ -61,9 +62,10 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     info = runner.info
     max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
     tokenizer, image_processor = _load_processing(config.model_path, runner.is_multimodal)
+    vision = ImagePreprocessor.for_runner(runner, image_processor) if image_processor is not None else None
     formatter = ChatFormatter(
         tokenizer, image_token=getattr(tokenizer, "image_token", None) if info.image_token_id else None,
-        image_token_id=info.image_token_id, num_image_tokens=info.num_image_tokens, eos_token_ids=info.eos_token_ids)
+        image_token_id=info.image_token_id, eos_token_ids=info.eos_token_ids)
     store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time)
     embeddings = EmbeddingCache()
     memory = MemoryManager(device_budget_bytes=device_budget(config, runner),
@@ -83,40 +85,33 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
 
     def draft_text_tokens(token_ids: list[int]) -> int:
         """Tokens the (text-only) draft holds for a transcript: the image placeholders are left out."""
-        return len(token_ids) - info.count_images(token_ids) * info.num_image_tokens
+        return len(token_ids) - (token_ids.count(info.image_token_id) if info.image_token_id is not None else 0)
 
-    def pixels_from_bytes(raw: bytes) -> torch.Tensor:
+    def images_from_bytes(raw: bytes) -> Images:
         from session.images import decode_bytes
 
-        return preprocess_images(image_processor, [decode_bytes(raw, max_pixels=config.max_image_pixels)])[0]
+        return preprocess_images(vision, [decode_bytes(raw, max_pixels=config.max_image_pixels)])
 
     sessions = Sessions(store=store, memory=memory, embeddings=embeddings, journal=journal, runner=runner,
-                        pixels_from_bytes=pixels_from_bytes, new_kv=new_kv, new_draft_kv=new_draft_kv,
+                        images_from_bytes=images_from_bytes, new_kv=new_kv, new_draft_kv=new_draft_kv,
                         draft_text_tokens=draft_text_tokens)
     stepper = _stepper(config, runner, max_context)
     executor = Executor(runner=runner, stepper=stepper, formatter=formatter, sessions=sessions, adapters=adapters,
-                        speculator=speculator, config=config, max_context=max_context, pixel_digests=pixel_digests)
+                        speculator=speculator, config=config, max_context=max_context)
     return Parts(runner=runner, stepper=stepper, max_context=max_context, tokenizer=tokenizer,
-                 image_processor=image_processor, formatter=formatter, store=store, embeddings=embeddings,
+                 image_processor=image_processor, vision=vision, formatter=formatter, store=store, embeddings=embeddings,
                  memory=memory, journal=journal, adapters=adapters, speculator=speculator, sessions=sessions,
                  scheduler=Scheduler(max_batch_size=config.max_batch_size), executor=executor,
                  outputs=OutputProcessor(tokenizer, info.eos_token_ids))
 
 
-def preprocess_images(image_processor, images: list) -> torch.Tensor | None:
-    """PIL images -> pixel_values [N, 3, H, W] (CPU work, no model)."""
+def preprocess_images(vision: ImagePreprocessor | None, images: list) -> Images:
+    """PIL images -> Images (CPU work, no model)."""
     if not images:
-        return None
-    if image_processor is None:
+        return NO_IMAGES
+    if vision is None:
         raise BadRequest("this model is text-only; remove the image_url parts")
-    return image_processor(images=images, return_tensors="pt")["pixel_values"]
-
-
-def pixel_digests(pixel_values: torch.Tensor | None) -> list[str]:
-    """Content keys for images given only as pixels (tests, benchmarks): hash the pixel bytes."""
-    if pixel_values is None:
-        return []
-    return ["px-" + hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in pixel_values.cpu()]
+    return vision.preprocess(images)
 
 
 def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):

@@ -1,8 +1,8 @@
 """The one owner of model weights and forward passes.
 
-Loads a Hugging Face checkpoint by path (a LLaVA model, or a plain Llama-family causal LM)
-and runs it with our own attention over our own KV layout (``session.kv_cache``):
-prefill of one sequence's new tokens, and a decode step batched across sessions whose
+Loads a Hugging Face checkpoint by path (LLaVA-1.5, LLaVA-NeXT, or a plain causal LM of a family
+``session/support.py`` admits) and runs it with our own attention over our own KV layout
+(``session.kv_cache``): prefill of one sequence's new tokens, and a decode step batched across sessions whose
 contexts have different lengths. Projections, norms, MLPs and rotary embeddings are the
 checkpoint's own modules, so real weights (and LoRA-wrapped linears) work unchanged.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,10 @@ from session.kv_cache import KVCache
 from session.support import check_supported
 
 logger = logging.getLogger(__name__)
+
+# The vision-language model types the runner loads, and their transformers classes (session/support.py
+# decides what is admitted).
+VLM_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration"}
 
 
 @dataclass(frozen=True)
@@ -36,11 +41,7 @@ class ModelInfo:
     max_positions: int
     eos_token_ids: tuple[int, ...]
     image_token_id: int | None  # None for text-only models
-    num_image_tokens: int  # placeholder tokens one image expands to
-
-    def count_images(self, token_ids: list[int]) -> int:
-        """Images in a transcript: its placeholder tokens over the tokens one image expands to."""
-        return 0 if self.image_token_id is None else token_ids.count(self.image_token_id) // self.num_image_tokens
+    num_image_tokens: int  # placeholder tokens every image expands to; 0 where it varies (session/vision.py)
 
 
 def attention_windows(text_config, num_layers: int) -> list[int | None]:
@@ -90,7 +91,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         hf_config = AutoConfig.from_pretrained(model_path)
         check_supported(hf_config)  # refuse, naming the feature, before any weight is read
-        self.is_multimodal = hf_config.model_type == "llava"
+        self.hf_config = hf_config
+        self.is_multimodal = hf_config.model_type in VLM_CLASSES
         text_config = hf_config.text_config if self.is_multimodal else hf_config
         self.model = self._load(model_path, hf_config)
         if self.is_multimodal:
@@ -124,9 +126,9 @@ class ModelRunner:
         return cls(config.model_path, device=config.device, dtype=config.dtype)
 
     def _load(self, path: str, hf_config):
-        from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+        import transformers
 
-        cls = LlavaForConditionalGeneration if self.is_multimodal else AutoModelForCausalLM
+        cls = getattr(transformers, VLM_CLASSES.get(hf_config.model_type, "AutoModelForCausalLM"))
         model = cls.from_pretrained(path, dtype=self.dtype)
         return model.to(self.device).eval().requires_grad_(False)
 
@@ -136,7 +138,7 @@ class ModelRunner:
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos_ids = {e for e in (eos, gen_eos) for e in (e if isinstance(e, list) else [e]) if e is not None}
         num_image_tokens = 0
-        if self.is_multimodal:
+        if hf_config.model_type == "llava":  # llava_next: a count per image (anyres)
             vc = hf_config.vision_config
             num_image_tokens = (vc.image_size // vc.patch_size) ** 2 + (self.vision_select == "full")
         return ModelInfo(
@@ -157,12 +159,21 @@ class ModelRunner:
     # ------------------------------------------------------------------ vision
 
     @torch.inference_mode()
-    def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        """pixel_values: [N, 3, H, W] -> N tensors of [num_image_tokens, hidden]."""
+    def encode_images(self, pixels: Sequence[torch.Tensor],
+                      sizes: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+        """Each image's pixels ([3, H, W]; LLaVA-NeXT: its own [tiles, 3, tile, tile] and its original
+        (height, width) in ``sizes``) -> one [its image tokens, hidden] tensor per image. LLaVA-NeXT's
+        features come back already packed (unpadded, ``image_newline`` after each row, base tile first)."""
+        kwargs = {}
+        if self.hf_config.model_type == "llava_next":
+            kwargs["image_sizes"] = torch.tensor(sizes, device=self.device)
+            pixel_values = torch.cat(list(pixels))
+        else:
+            pixel_values = torch.stack(list(pixels))
         out = self.model.model.get_image_features(
             pixel_values=pixel_values.to(self.device, self.dtype),
             vision_feature_layer=self.vision_feature_layer,
-            vision_feature_select_strategy=self.vision_select,
+            vision_feature_select_strategy=self.vision_select, **kwargs,
         )
         return [f.contiguous() for f in out.pooler_output]
 

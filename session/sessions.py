@@ -26,17 +26,19 @@ from session.protocol import validate_session_id
 from session.sequence import Sequence, TurnMark
 from session.state import SessionState
 from session.store import SessionStore
+from session.vision import Images
 
 logger = logging.getLogger(__name__)
 
 
 class Sessions:
     def __init__(self, *, store: SessionStore, memory: MemoryManager, embeddings: EmbeddingCache,
-                 journal: Journal | None, runner, pixels_from_bytes: Callable[[bytes], torch.Tensor], new_kv: Callable, new_draft_kv: Callable,
+                 journal: Journal | None, runner, images_from_bytes: Callable[[bytes], Images], new_kv: Callable,
+                 new_draft_kv: Callable,
                  draft_text_tokens: Callable[[list[int]], int]):
         self.store, self.memory, self.embeddings, self.journal = store, memory, embeddings, journal
         self.runner = runner
-        self.pixels_from_bytes = pixels_from_bytes  # encoded image -> pixels [3, H, W] (images from the journal)
+        self.images_from_bytes = images_from_bytes  # encoded image -> Images of one (images from the journal)
         self.new_kv = new_kv  # () -> an empty KVCache for the target
         self.new_draft_kv = new_draft_kv  # () -> an empty draft KVCache, or None
         self.draft_text_tokens = draft_text_tokens  # transcript ids -> tokens the draft holds for them
@@ -106,7 +108,7 @@ class Sessions:
             seq.cached_tokens = kv.length
             # The transcript's unfed tail: normally the previous answer's last token; all of it after a drop.
             old_digests = session.image_digests if kv.length == 0 else []
-            images = self._image_embeddings(old_digests, digests, seq.request.pixel_values)
+            images = self._image_embeddings(old_digests, digests, seq.request.images)
             return self.runner.embed(session.token_ids[kv.length:] + new_ids, images)
         except BaseException:
             self.release_images(seq)
@@ -155,29 +157,30 @@ class Sessions:
             journal = self.journal
             self._journal_io(None, lambda: journal.remove_image(digest))
 
-    def _image_embeddings(self, old_digests: list[str], new_digests: list[str],
-                          pixel_values: torch.Tensor | None) -> list[torch.Tensor]:
+    def _image_embeddings(self, old_digests: list[str], new_digests: list[str], images: Images) -> list[torch.Tensor]:
         """Embeddings for each image occurrence, encoding only those no session has encoded yet."""
-        to_encode: dict[str, torch.Tensor] = {}  # digest -> pixels [3, H, W]
+        to_encode: dict[str, tuple[torch.Tensor, tuple[int, int]]] = {}  # digest -> (pixels, original size)
         for index, digest in enumerate(new_digests):
             if self.embeddings.get(digest).tensor is None:
-                to_encode.setdefault(digest, pixel_values[index])
+                to_encode.setdefault(digest, (images.pixels[index], images.sizes[index]))
                 self.embeddings.num_misses += 1
             else:
                 self.embeddings.num_hits += 1
         for digest in old_digests:
             if self.embeddings.get(digest).tensor is None and digest not in to_encode:
-                to_encode[digest] = self._pixels_from_journal(digest)
+                to_encode[digest] = self._image_from_journal(digest)
         if to_encode:
-            encoded = self.runner.encode_images(torch.stack(list(to_encode.values())))
+            pixels, sizes = zip(*to_encode.values())
+            encoded = self.runner.encode_images(list(pixels), list(sizes))
             for digest, tensor in zip(to_encode, encoded):
                 self.embeddings.get(digest).tensor = tensor.to("cpu", copy=True)
         return [self.embeddings.get(d).tensor.to(self.runner.device) for d in old_digests + new_digests]
 
-    def _pixels_from_journal(self, digest: str) -> torch.Tensor:
+    def _image_from_journal(self, digest: str) -> tuple[torch.Tensor, tuple[int, int]]:
         if self.journal is None:
             raise RuntimeError(f"image {digest[:12]} has no embedding and no journal to recompute it from")
-        return self.pixels_from_bytes(self.journal.read_image(digest))
+        image = self.images_from_bytes(self.journal.read_image(digest))
+        return image.pixels[0], image.sizes[0]
 
     # ------------------------------------------------------------------ journal
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from session.errors import ConfigError
 
-SUPPORTED_VLMS = ("llava",)  # LLaVA-1.5: a CLIP tower (CLS token), a projector, a decoder-only LM
+# LLaVA-1.5: a CLIP tower (CLS token), a projector, a decoder-only LM; LLaVA-NeXT (llava-v1.6): the same
+# with anyres tiling and image_newline (session/anyres.py, session/vision.py).
+SUPPORTED_VLMS = ("llava", "llava_next")
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = {"full_attention", "sliding_attention"}
 SUPPORTED_VISION_TOWERS = ("clip_vision_model",)
 
 # Model types people try, and what about them the engine does not implement yet.
 KNOWN_UNSUPPORTED = {
-    "llava_next": "LLaVA-NeXT (llava-v1.6): anyres image tiling and image_newline",
     "llava_onevision": "LLaVA-OneVision: anyres tiling",
     "qwen2_vl": "Qwen2-VL: dynamic-resolution images and M-RoPE (3-D positions)",
     "qwen2_5_vl": "Qwen2.5-VL: dynamic-resolution images and M-RoPE (3-D positions)",
@@ -56,9 +57,11 @@ def _check_vision(hf_config) -> None:
     if not isinstance(hf_config.vision_feature_layer, int):
         raise UnsupportedModel(f"vision_feature_layer {hf_config.vision_feature_layer!r}: features from several "
                                "layers are not supported, only one layer")
-    if hf_config.vision_feature_select_strategy not in ("default", "full"):
+    strategies = ("default",) if hf_config.model_type == "llava_next" else ("default", "full")
+    if hf_config.vision_feature_select_strategy not in strategies:
+        # LLaVA-NeXT with "full": transformers' pack_image_features cannot fold the CLS into the tile grid
         raise UnsupportedModel(f"vision_feature_select_strategy {hf_config.vision_feature_select_strategy!r} "
-                               "is not supported (default or full)")
+                               f"is not supported for {hf_config.model_type} ({' or '.join(strategies)})")
 
 
 def _check_text(text_config, where: str) -> None:
@@ -74,7 +77,7 @@ def _check_text(text_config, where: str) -> None:
 
 
 def _supported() -> str:
-    return (f"supported: {', '.join(SUPPORTED_VLMS)} (LLaVA-1.5 with a CLIP tower) and the text-only "
+    return (f"supported: {', '.join(SUPPORTED_VLMS)} (LLaVA-1.5 and LLaVA-NeXT with a CLIP tower) and the text-only "
             f"{', '.join(SUPPORTED_TEXT_MODELS)} (full or sliding-window attention)")
 
 

@@ -80,9 +80,9 @@ class FakeRunner:
     def enable_lora(self, num_slots: int, max_rank: int):
         return self.bank, {(0, "q_proj"): (1, 1)}
 
-    def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+    def encode_images(self, pixels: list[torch.Tensor], sizes=None) -> list[torch.Tensor]:
         self._maybe_fail("encode")
-        return [torch.zeros(self.info.num_image_tokens, 1) for _ in pixel_values]
+        return [torch.zeros(self.info.num_image_tokens, 1) for _ in pixels]
 
     def embed(self, token_ids: list[int], image_embeds: list[torch.Tensor]) -> torch.Tensor:
         # Image placeholders keep their id: the images' content does not steer the fake model.

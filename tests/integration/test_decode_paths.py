@@ -13,13 +13,14 @@ from session.config import EngineConfig
 from session.engine import Engine, GenerationRequest
 from session.events import EventStream, Failed, Finished, Started, TextDelta
 from session.protocol import SamplingParams
+from session.vision import NO_IMAGES
 from tests.conftest import make_image
 from tests.integration.test_engine import QUESTIONS, finished, turn
 
 NUM_SESSIONS = 5
 
 
-def converse(engine: Engine, index: int, pixel_values, delay_s: float, out: dict) -> None:
+def converse(engine: Engine, index: int, images, delay_s: float, out: dict) -> None:
     time.sleep(delay_s)  # staggered: later sessions join while earlier ones decode
     sid = f"path-{index}"
     tokens = []
@@ -28,7 +29,7 @@ def converse(engine: Engine, index: int, pixel_values, delay_s: float, out: dict
     timeout_s = 900.0 if engine.config.compile else 60.0
     for step, question in enumerate(QUESTIONS[:3]):
         events = turn(engine, sid, question, open_session=step == 0, timeout_s=timeout_s,
-                      pixel_values=pixel_values if step == 0 else None, max_tokens=10 + 3 * index)
+                      images=images if step == 0 else NO_IMAGES, max_tokens=10 + 3 * index)
         tokens.append(finished(events).token_ids)
     out[index] = tokens
 

@@ -35,7 +35,7 @@ def image_request(engine, sid, seed, question, **kwargs):
 
     return GenerationRequest(
         messages=_user(question, image=True), sampling=SamplingParams(max_tokens=kwargs.get("max_tokens", 12)),
-        stream=EventStream(), session_id=sid, open_session=True, pixel_values=engine.preprocess_images([image]),
+        stream=EventStream(), session_id=sid, open_session=True, images=engine.preprocess_images([image]),
         image_digests=(hashlib.sha256(raw).hexdigest(),), image_bytes=(raw,))
 
 
