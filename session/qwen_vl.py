@@ -61,6 +61,17 @@ def image_token_count(height: int, width: int, geometry: QwenVLGeometry) -> int:
     return num_image_tokens(image_grid(height, width, geometry), geometry.merge_size)
 
 
+def expand_image_placeholders(token_ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:
+    """Ids with one ``<|image_pad|>`` per image (what the chat template renders) -> the i-th image's
+    placeholder repeated ``counts[i]`` times, as the processor's ``replace_image_token`` expands them."""
+    if token_ids.count(image_token_id) != len(counts):
+        raise ValueError(f"{token_ids.count(image_token_id)} image placeholders for {len(counts)} counts")
+    expanded, images = [], iter(counts)
+    for token in token_ids:
+        expanded.extend([token] * next(images) if token == image_token_id else [token])
+    return expanded
+
+
 def _image_only(processor_class):
     class ImageOnlyProcessor(processor_class):
         """The checkpoint's processor with no video processor: ``ProcessorMixin`` takes its

@@ -65,7 +65,8 @@ def test_every_suffix_given_its_prefix_equals_the_whole(family):
     grids = [(1, 6, 10), (1, 4, 4), (1, 10, 4)]
     ids, image_starts = transcript(11, grids)
     expected, expected_delta = transformers_rope_index(family, ids, grids)
-    inside_images = {i for start, g in zip(image_starts, grids) for i in range(start + 1, start + num_image_tokens(g, MERGE))}
+    inside_images = {i for start, g in zip(image_starts, grids)
+                     for i in range(start + 1, start + num_image_tokens(g, MERGE))}
     num_splits = 0
     for split in range(len(ids) + 1):
         if split in inside_images:
