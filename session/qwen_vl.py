@@ -94,13 +94,14 @@ def build_processor(model_type: str, image_processor, tokenizer):
 
 
 def load_processor(model_path: str):
-    """The checkpoint's processor (images and text), loaded without torchvision."""
-    from transformers import AutoConfig, AutoTokenizer
+    """The checkpoint's processor (images and text), loaded without torchvision: the tokenizer and the
+    chat template as ``AutoProcessor`` finds them, the image processor as the PIL class by name."""
+    from transformers import AutoConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     model_type = AutoConfig.from_pretrained(model_path).model_type
-    return build_processor(model_type, Qwen2VLImageProcessorPil.from_pretrained(model_path),
-                           AutoTokenizer.from_pretrained(model_path))
+    return PROCESSORS[model_type].from_pretrained(
+        model_path, image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_path))
 
 
 class QwenVLRunner(ModelRunner):
@@ -154,8 +155,9 @@ class QwenVLRunner(ModelRunner):
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values [sum of t*h*w, C*tp*p*p] and image_grid_thw [N, 3], as the processor returns them,
-        -> N tensors of [t*h*w / merge**2, hidden]. An image's features do not depend on the others
-        (the tower's attention stays inside each image: ``cu_seqlens``)."""
+        -> N tensors of [t*h*w / merge**2, hidden]. The tower's attention stays inside each image
+        (``cu_seqlens``), so an image encoded alone gets the features it gets in a batch, up to float
+        rounding (matmuls of other shapes: 6e-8 measured), which is what caching them per image needs."""
         out = self.model.model.get_image_features(pixel_values.to(self.device, self.dtype),
                                                   image_grid_thw.to(self.device))
         return [f.contiguous() for f in out.pooler_output]

@@ -248,3 +248,17 @@ def test_batched_decode_keeps_each_sessions_rope_delta(demo):
         for answer, row in zip(answers, logits):
             answer.append(int(row.argmax()))
     assert answers == [a[: len(answers[0])] for a in alone]
+
+
+def test_an_image_encoded_alone_matches_it_encoded_in_a_batch(demo):
+    """Embeddings can be cached per image: the tower attends within each image (Qwen2.5-VL: within
+    each window, and whole-image blocks), so batch-mates change an image's features by rounding only."""
+    _, runner, _, processor = demo
+    images = [make_image(1, (140, 84)), make_image(2, (56, 140)), make_image(3, (640, 480))]
+    batch = processor.image_processor(images=images, return_tensors="pt")
+    together = runner.encode_images(batch["pixel_values"], batch["image_grid_thw"])
+    assert [tuple(f.shape) for f in together] == [(15, 64), (10, 64), (54, 64)]
+    for image, features in zip(images, together):
+        alone = processor.image_processor(images=[image], return_tensors="pt")
+        (encoded,) = runner.encode_images(alone["pixel_values"], alone["image_grid_thw"])
+        torch.testing.assert_close(encoded, features, rtol=0, atol=1e-6)
