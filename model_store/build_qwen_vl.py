@@ -1,8 +1,9 @@
 """Offline demo checkpoints of Qwen2-VL and Qwen2.5-VL (``model_type`` "qwen2_vl", "qwen2_5_vl").
 
-Tiny, deterministic from a seed, in the hub's on-disk layout (config.json, model.safetensors,
-generation_config.json, tokenizer files with the Qwen-VL chat template, preprocessor_config.json
-naming ``Qwen2VLImageProcessor`` with min_pixels/max_pixels, processor_config.json):
+Tiny, deterministic from a seed, in the hub's on-disk layout as transformers 5 writes it (config.json,
+model.safetensors, generation_config.json, tokenizer files, chat_template.jinja with Qwen-VL-Instruct's
+template, processor_config.json naming ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor`` and holding the
+``Qwen2VLImageProcessor`` settings with min/max pixels; no video processor, which needs torchvision):
 
 - ``qwen2-vl-tiny``: a 2-block ViT (full attention over each image) in front of a 2-layer Qwen2 LM;
 - ``qwen2.5-vl-tiny``: a 4-block ViT whose blocks 0 and 2 attend inside 56 px windows (2 x 2 merged
