@@ -24,11 +24,12 @@ from benchmarks.common import REPO, format_table, write_json
 def checkpoints() -> dict[str, Path]:
     """Family name -> demo checkpoint, built on first use."""
     from launch.torchserve import ensure_demo_models
-    from model_store import build_llava_next, build_text_models
+    from model_store import build_llava_next, build_qwen_vl, build_text_models
 
     ensure_demo_models(only=["tiny"])
     out = {"llava": REPO / "models" / "llava-tiny"}
     out |= {f"llava_next-{k}": v for k, v in build_llava_next.ensure().items()}
+    out |= build_qwen_vl.ensure()
     out |= build_text_models.ensure()
     return out
 

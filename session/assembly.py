@@ -61,7 +61,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
         torch.set_num_threads(config.threads or 1)
     info = runner.info
     max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
-    tokenizer, image_processor = _load_processing(config.model_path, runner.is_multimodal)
+    tokenizer, image_processor = _load_processing(config.model_path, runner)
     vision = ImagePreprocessor.for_runner(runner, image_processor) if image_processor is not None else None
     formatter = ChatFormatter(
         tokenizer, image_token=getattr(tokenizer, "image_token", None) if info.image_token_id else None,
@@ -117,6 +117,8 @@ def preprocess_images(vision: ImagePreprocessor | None, images: list) -> Images:
 def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):
     if not config.static_kv:
         return runner
+    if runner.mrope:
+        raise ConfigError("RESIDENT_STATIC_KV does not implement M-RoPE (Qwen2-VL / Qwen2.5-VL) yet: leave it off")
     if any(w is not None for w in getattr(runner, "windows", ())):
         raise ConfigError("RESIDENT_STATIC_KV does not implement sliding-window attention yet; this model has "
                           "sliding-window layers: leave RESIDENT_STATIC_KV off")
@@ -134,6 +136,9 @@ def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):
     mode = config.speculative if config.speculative != "auto" else ("draft" if config.draft_model_path else "off")
     if mode == "off":
         return None
+    if runner.mrope:
+        raise ConfigError("speculative decoding does not implement M-RoPE (Qwen2-VL / Qwen2.5-VL) yet: "
+                          "set RESIDENT_SPECULATIVE=off")
     from session.speculative import SpeculativeDecoder, check_compatible
 
     draft = None
@@ -162,11 +167,17 @@ def device_budget(config: EngineConfig, runner) -> int:
     return int(free * (fraction if fraction > 0 else DEFAULT_CUDA_BUDGET_FRACTION))
 
 
-def _load_processing(model_path: str, multimodal: bool):
-    """The tokenizer and (for LLaVA) the image processor shipped with the checkpoint."""
+def _load_processing(model_path: str, runner):
+    """The tokenizer and (for a vision-language model) the image processor shipped with the checkpoint.
+    Qwen-VL's processor is built without its video processor (which needs torchvision: session/qwen_vl.py)."""
     from transformers import AutoProcessor, AutoTokenizer
 
-    if multimodal:
+    if runner.mrope:
+        from session.qwen_vl import load_processor
+
+        processor = load_processor(model_path)
+        return processor.tokenizer, processor.image_processor
+    if runner.is_multimodal:
         processor = AutoProcessor.from_pretrained(model_path)
         return processor.tokenizer, processor.image_processor
     return AutoTokenizer.from_pretrained(model_path), None

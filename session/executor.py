@@ -46,8 +46,10 @@ class Executor:
         digests = list(request.image_digests) or request.images.digests()
         if session.adapter is not None:  # resident for as long as the request runs
             seq.adapter_slot = registry_or_404(self.adapters, session.adapter).acquire(session.adapter)
-        embeds = self.sessions.prepare_turn(seq, new_ids, digests, seq.prompt_tokens + request.sampling.max_tokens)
-        logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot)
+        embeds, positions = self.sessions.prepare_turn(seq, new_ids, digests,
+                                                       seq.prompt_tokens + request.sampling.max_tokens)
+        mrope = {} if positions is None else {"positions": positions}  # only M-RoPE models take positions
+        logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot, **mrope)
         self.sessions.commit_turn(seq, new_ids)
         self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
         self.num_cached_tokens += seq.cached_tokens
@@ -108,8 +110,9 @@ class Executor:
     def decode(self, rows: list[Sequence]) -> list[int]:
         """One batched decode step: feeds each row's last token, returns each row's next token."""
         began = time.perf_counter()
+        mrope = {"position_offsets": [s.session.rope_delta for s in rows]} if self.runner.mrope else {}
         logits = self.stepper.decode([s.session.kv for s in rows], [s.next_token for s in rows],
-                                     adapter_slots=[s.adapter_slot for s in rows])
+                                     adapter_slots=[s.adapter_slot for s in rows], **mrope)
         tokens = sample_rows(self._never_image(logits), [s.request.sampling for s in rows], [s.generator for s in rows])
         if len(rows) == 1 and rows[0].controller is not None:  # the cost speculation has to beat
             rows[0].controller.observe_plain(time.perf_counter() - began)

@@ -1,9 +1,9 @@
 """The one owner of model weights and forward passes.
 
-Loads a Hugging Face checkpoint by path (LLaVA-1.5, LLaVA-NeXT, or a plain causal LM of a family
-``session/support.py`` admits) and runs it with our own attention over our own KV layout
-(``session.kv_cache``): prefill of one sequence's new tokens, and a decode step batched across sessions whose
-contexts have different lengths. Projections, norms, MLPs and rotary embeddings are the
+Loads a Hugging Face checkpoint by path (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, or a plain
+causal LM of a family ``session/support.py`` admits) and runs it with our own attention over our own
+KV layout (``session.kv_cache``): prefill of one sequence's new tokens, and a decode step batched
+across sessions whose contexts have different lengths. Projections, norms, MLPs and rotary embeddings are the
 checkpoint's own modules, so real weights (and LoRA-wrapped linears) work unchanged.
 
 Who calls this: the engine loop thread only. Nothing here is thread-safe.
@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 # The vision-language model types the runner loads, and their transformers classes (session/support.py
 # decides what is admitted).
-VLM_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration"}
+VLM_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+               "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")  # 3-D positions (session/mrope.py): prefill takes them, decode an offset
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,12 @@ class ModelRunner:
         self.is_multimodal = hf_config.model_type in VLM_CLASSES
         text_config = hf_config.text_config if self.is_multimodal else hf_config
         self.model = self._load(model_path, hf_config)
+        self.mrope = hf_config.model_type in MROPE_TYPES
+        self.merge_size = hf_config.vision_config.spatial_merge_size if self.mrope else 1  # M-RoPE image grids
         if self.is_multimodal:
             self.lm = self.model.model.language_model
-            self.vision_feature_layer = hf_config.vision_feature_layer
-            self.vision_select = hf_config.vision_feature_select_strategy
+            self.vision_feature_layer = getattr(hf_config, "vision_feature_layer", None)  # LLaVA's
+            self.vision_select = getattr(hf_config, "vision_feature_select_strategy", None)
         else:
             self.lm = self.model.model
         self.lm_head = self.model.lm_head
@@ -159,13 +163,19 @@ class ModelRunner:
     # ------------------------------------------------------------------ vision
 
     @torch.inference_mode()
-    def encode_images(self, pixels: Sequence[torch.Tensor],
-                      sizes: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
-        """Each image's pixels ([3, H, W]; LLaVA-NeXT: its own [tiles, 3, tile, tile] and its original
-        (height, width) in ``sizes``) -> one [its image tokens, hidden] tensor per image. LLaVA-NeXT's
-        features come back already packed (unpadded, ``image_newline`` after each row, base tile first)."""
+    def encode_images(self, pixels: Sequence[torch.Tensor], sizes: Sequence[tuple[int, int]] | None = None,
+                      grids: Sequence[tuple[int, int, int]] | None = None) -> list[torch.Tensor]:
+        """Each image's pixels -> one [its image tokens, hidden] tensor per image. Per family, an image's
+        pixels are: LLaVA-1.5 [3, H, W]; LLaVA-NeXT its own [tiles, 3, tile, tile], with its original
+        (height, width) in ``sizes`` (features come back packed: unpadded, ``image_newline`` after each
+        row, base tile first); Qwen-VL its [t*h*w, patch values] with its (t, h, w) in ``grids``."""
+        model_type = self.hf_config.model_type
+        if model_type in MROPE_TYPES:
+            out = self.model.model.get_image_features(torch.cat(list(pixels)).to(self.device, self.dtype),
+                                                      torch.tensor(grids, device=self.device))
+            return [f.contiguous() for f in out.pooler_output]
         kwargs = {}
-        if self.hf_config.model_type == "llava_next":
+        if model_type == "llava_next":
             kwargs["image_sizes"] = torch.tensor(sizes, device=self.device)
             pixel_values = torch.cat(list(pixels))
         else:
@@ -191,9 +201,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False,
-                adapter_slot: int = 0) -> torch.Tensor:
+                adapter_slot: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``embeds`` [T, hidden] after the ``kv.length`` cached tokens.
 
+        ``positions``: the rotary positions, [T] or M-RoPE's [3, T] (session/mrope.py); by default
+        ``kv.length ..``. Masks and KV slots follow token indices whatever the positions.
         Returns the last position's logits [V], or with ``all_logits`` every position's [T, V]
         (speculative verification scores all proposed tokens in this one pass).
         """
@@ -202,8 +214,9 @@ class ModelRunner:
         kv.ensure_capacity(end)
         self.set_adapters([adapter_slot])
         h = embeds[None]  # [1, T, D]
-        positions = torch.arange(start, end, device=self.device)[None]  # [1, T]
-        cos, sin = self.lm.rotary_emb(h, positions)
+        if positions is None:
+            positions = torch.arange(start, end)
+        cos, sin = self.lm.rotary_emb(h, positions.to(self.device)[..., None, :])  # [1, T] or [3, 1, T]
         # query i (absolute position start+i) sees keys 0 .. start+i; in a sliding-window layer of W,
         # only the last W of them (keys j > start+i-W)
         causal = torch.ones(num_new, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
@@ -221,8 +234,11 @@ class ModelRunner:
         return self._logits(h)[0] if all_logits else self._logits(h[:, -1:])[0, 0]
 
     @torch.inference_mode()
-    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None) -> torch.Tensor:
-        """One step for B sessions: feed token_ids[b] at position kvs[b].length; returns logits [B, V].
+    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None,
+               position_offsets: list[int] | None = None) -> torch.Tensor:
+        """One step for B sessions: feed token_ids[b] at position kvs[b].length (plus position_offsets[b],
+        an M-RoPE session's rope delta: a generated token is text, the same position in all three rows);
+        returns logits [B, V].
 
         Projections and MLPs run batched; attention runs per row over that session's own cache
         view (no gather of KV into a padded batch: on CPU the copy costs more than the loop).
@@ -233,7 +249,8 @@ class ModelRunner:
         self.set_adapters(adapter_slots)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         h = self.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
-        positions = torch.tensor(lengths, device=self.device)[:, None]  # [B, 1]
+        offsets = position_offsets or [0] * len(kvs)
+        positions = torch.tensor([n + d for n, d in zip(lengths, offsets)], device=self.device)[:, None]  # [B, 1]
         cos, sin = self.lm.rotary_emb(h, positions)
         gqa = self.info.num_heads != self.info.num_kv_heads
         for index, layer in enumerate(self.layers):

@@ -93,6 +93,7 @@ class TurnMark:
     num_images: int
     num_turns: int
     ended_with_eos: bool
+    rope_delta: int
 
 
 @dataclass(eq=False)
@@ -111,6 +112,7 @@ class Sequence:
     controller: object | None = None  # SpeculationController while speculative decoding is allowed
     mark: TurnMark | None = None  # set when the turn's prefill committed; None while waiting
     images_acquired: tuple[str, ...] = ()  # embedding references this turn holds
+    next_rope_delta: int = 0  # M-RoPE: the session's rope delta once this turn's prefill commits
     cancel_requested: bool = False
     done: bool = False  # its final event was sent
 

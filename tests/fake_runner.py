@@ -57,6 +57,7 @@ class FakeBank:
 
 class FakeRunner:
     is_multimodal = True
+    mrope = False
 
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], image_token_id: int,
                  num_image_tokens: int = 3, max_positions: int = 4096):

@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL served by session/qwen_vl.py's runner, token-exact against transformers'
+"""Qwen2-VL and Qwen2.5-VL at the ModelRunner level (M-RoPE positions given to prefill, rope deltas to decode), token-exact against transformers'
 own ``generate`` in float32: turn 1 with an image at three sizes and aspect ratios, a stateless
 multi-turn conversation with two images, and a 3-turn session (a second image in turn 2, a text-only
 turn 3) where each turn prefills only its new tokens after the cached ones, at positions carried by
@@ -20,8 +20,8 @@ from model_store.build_qwen_vl import FAMILIES, MAX_PIXELS, MIN_PIXELS, ensure
 from session.mrope import rope_delta, segment_positions
 from session.prompt import ChatFormatter
 from session.protocol import ImagePart, Message, TextPart
-from session.qwen_vl import (QwenVLGeometry, QwenVLRunner, expand_image_placeholders, image_grid,
-                             image_token_count, load_processor)
+from session.model_runner import ModelRunner
+from session.qwen_vl import QwenVLGeometry, image_grid, image_token_count, load_processor
 from tests.conftest import image_url, make_image
 
 # (width, height) as PIL takes them -> <|image_pad|> tokens: 28 px per merged token on each side.
@@ -35,7 +35,7 @@ def demo(request):
     from transformers import AutoModelForImageTextToText
 
     path = str(ensure([request.param])[request.param])
-    runner = QwenVLRunner(path, device="cpu", dtype="float32")
+    runner = ModelRunner(path, device="cpu", dtype="float32")
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     return request.param, runner, reference, load_processor(path)
 
@@ -63,11 +63,19 @@ def generate(reference, image_token_id: int, ids: list[int], images: list[dict])
     return out[0, len(ids):].tolist()
 
 
+def encode(runner: ModelRunner, inputs) -> list[torch.Tensor]:
+    """The processor's images (patches of all images concatenated, a grid per image) through the runner,
+    one image's patches and grid each, as the engine passes them."""
+    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
+    pixels = torch.split(inputs["pixel_values"], [t * h * w for t, h, w in grids])
+    return runner.encode_images(list(pixels), None, grids)
+
+
 class Session:
     """What the engine will hold per session: the KV cache, the transcript ids, the rope delta, and
     the token sampled last (in the transcript, not yet in the cache)."""
 
-    def __init__(self, runner: QwenVLRunner):
+    def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.kv = runner.new_kv_cache(block_tokens=32, max_tokens=1024)
         self.token_ids: list[int] = []
@@ -79,18 +87,18 @@ class Session:
         greedily to EOS or MAX_NEW tokens."""
         runner, segment = self.runner, self.pending + new_ids
         grids = [tuple(g) for i in images for g in i["image_grid_thw"].tolist()]
-        embeds = [e for i in images for e in runner.encode_images(i["pixel_values"], i["image_grid_thw"])]
+        embeds = [e for i in images for e in encode(runner, i)]
         positions, next_position = segment_positions(segment, runner.info.image_token_id, grids, runner.merge_size,
                                                      start=self.kv.length + self.rope_delta)
         self.rope_delta = rope_delta(next_position, self.kv.length + len(segment))
-        logits = runner.prefill(self.kv, runner.embed(segment, embeds), positions)
+        logits = runner.prefill(self.kv, runner.embed(segment, embeds), positions=positions)
         self.token_ids += new_ids
         answer = []
         while True:
             answer.append(int(logits.argmax()))
             if answer[-1] in runner.info.eos_token_ids or len(answer) == MAX_NEW:
                 break
-            logits = runner.decode([self.kv], [answer[-1]], [self.rope_delta])[0]
+            logits = runner.decode([self.kv], [answer[-1]], position_offsets=[self.rope_delta])[0]
         self.token_ids += answer
         self.pending = [answer[-1]]
         return answer
@@ -148,12 +156,12 @@ def test_formatter_plus_per_image_counts_gives_the_processors_ids(demo):
     gives exactly the ids the processor produces for the same conversation and images."""
     _, runner, _, processor = demo
     formatter = ChatFormatter(processor.tokenizer, image_token="<|image_pad|>", image_token_id=processor.image_token_id,
-                              num_image_tokens=1, eos_token_ids=runner.info.eos_token_ids)
+                              eos_token_ids=runner.info.eos_token_ids)
     messages = (user(None, QUESTIONS[0]), Message("assistant", (TextPart("a cat"),)), user(None, QUESTIONS[1]))
     images = [make_image(1, (140, 84)), make_image(2, (56, 140))]
     counts = [image_token_count(i.height, i.width, QwenVLGeometry.from_image_processor(processor.image_processor))
               for i in images]
-    ids = expand_image_placeholders(formatter.opening(messages).token_ids, processor.image_token_id, counts)
+    ids = formatter.opening(messages, tuple(counts)).token_ids
     expected = processor(images=images, text=render(processor, list(messages)), return_tensors="pt")["input_ids"]
     assert counts == [15, 10] and ids == expected[0].tolist()
 
@@ -171,10 +179,10 @@ def test_turn_one_with_an_image_equals_generate(demo, size):
     assert len(set(answer)) > len(answer) // 2  # not a degenerate repetition
     # The 3-D positions matter: the same prefill and decode at plain 1-D positions answer differently.
     flat = runner.new_kv_cache(block_tokens=32, max_tokens=1024)
-    embeds = runner.embed(ids, runner.encode_images(inputs["pixel_values"], inputs["image_grid_thw"]))
-    flat_answer = [int(runner.prefill(flat, embeds, torch.arange(len(ids)).expand(3, -1)).argmax())]
+    embeds = runner.embed(ids, encode(runner, inputs))
+    flat_answer = [int(runner.prefill(flat, embeds, positions=torch.arange(len(ids)).expand(3, -1)).argmax())]
     while len(flat_answer) < len(answer):
-        flat_answer.append(int(runner.decode([flat], [flat_answer[-1]], [0])[0].argmax()))
+        flat_answer.append(int(runner.decode([flat], [flat_answer[-1]], position_offsets=[0])[0].argmax()))
     assert flat_answer != answer
 
 
@@ -239,12 +247,13 @@ def test_batched_decode_keeps_each_sessions_rope_delta(demo):
                                                      [tuple(g) for g in i["image_grid_thw"].tolist()],
                                                      runner.merge_size, start=0)
         session.rope_delta = rope_delta(next_position, len(ids))
-        embeds = runner.embed(ids, runner.encode_images(i["pixel_values"], i["image_grid_thw"]))
-        first_tokens.append(int(runner.prefill(session.kv, embeds, positions).argmax()))
+        embeds = runner.embed(ids, encode(runner, i))
+        first_tokens.append(int(runner.prefill(session.kv, embeds, positions=positions).argmax()))
     assert [s.rope_delta for s in sessions] == [-10, -5]
     answers = [[t] for t in first_tokens]
     for _ in range(min(map(len, alone)) - 1):
-        logits = runner.decode([s.kv for s in sessions], [a[-1] for a in answers], [s.rope_delta for s in sessions])
+        logits = runner.decode([s.kv for s in sessions], [a[-1] for a in answers],
+                               position_offsets=[s.rope_delta for s in sessions])
         for answer, row in zip(answers, logits):
             answer.append(int(row.argmax()))
     assert answers == [a[: len(answers[0])] for a in alone]
@@ -256,9 +265,9 @@ def test_an_image_encoded_alone_matches_it_encoded_in_a_batch(demo):
     _, runner, _, processor = demo
     images = [make_image(1, (140, 84)), make_image(2, (56, 140)), make_image(3, (640, 480))]
     batch = processor.image_processor(images=images, return_tensors="pt")
-    together = runner.encode_images(batch["pixel_values"], batch["image_grid_thw"])
+    together = encode(runner, batch)
     assert [tuple(f.shape) for f in together] == [(15, 64), (10, 64), (54, 64)]
     for image, features in zip(images, together):
         alone = processor.image_processor(images=[image], return_tensors="pt")
-        (encoded,) = runner.encode_images(alone["pixel_values"], alone["image_grid_thw"])
+        (encoded,) = encode(runner, alone)
         torch.testing.assert_close(encoded, features, rtol=0, atol=1e-6)

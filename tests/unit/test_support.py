@@ -19,7 +19,8 @@ from tests.conftest import REPO, free_port
                                     Qwen2Config(use_sliding_window=True), AutoConfig.for_model("qwen3"),
                                     LlavaConfig(), LlavaConfig(text_config={"model_type": "mistral"}),
                                     AutoConfig.for_model("llava_next"),
-                                    AutoConfig.for_model("llava_next", text_config={"model_type": "mistral"})],
+                                    AutoConfig.for_model("llava_next", text_config={"model_type": "mistral"}),
+                                    AutoConfig.for_model("qwen2_vl"), AutoConfig.for_model("qwen2_5_vl")],
                          ids=lambda c: c.model_type)
 def test_supported_configs_pass(config):
     check_supported(config)
@@ -30,8 +31,9 @@ def test_supported_configs_pass(config):
      "vision_feature_select_strategy 'full' is not supported for llava_next (default)"),
     (AutoConfig.for_model("llava_next", vision_config={"model_type": "siglip_vision_model"}),
      "vision tower 'siglip_vision_model'"),
-    (AutoConfig.for_model("qwen2_vl"), "M-RoPE"),
-    (AutoConfig.for_model("qwen2_5_vl"), "M-RoPE"),
+    (AutoConfig.for_model("qwen2_vl", text_config={"use_sliding_window": True}), "sliding-window layers"),
+    (AutoConfig.for_model("qwen2_5_vl", text_config={"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}),
+     "rope_type 'yarn' is not supported with M-RoPE"),
     (AutoConfig.for_model("mllama"), "cross-attention"),
     (AutoConfig.for_model("gpt2"), "model type 'gpt2' is not supported"),
     (AutoConfig.for_model("gemma2"), "sliding-window layers and logit soft-capping"),
