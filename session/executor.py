@@ -22,7 +22,7 @@ from session.sessions import Sessions
 
 class Executor:
     def __init__(self, *, runner, stepper, formatter, sessions: Sessions, adapters, speculator, config,
-                 max_context: int):
+                 max_context: int, thread_tuner=None):
         self.runner = runner  # embeddings, images, model info
         self.stepper = runner if stepper is None else stepper  # prefill/decode: dynamic or static shapes
         self.formatter = formatter
@@ -31,6 +31,7 @@ class Executor:
         self.speculator = speculator  # SpeculativeDecoder or None
         self.config = config
         self.max_context = max_context
+        self.thread_tuner = thread_tuner  # ThreadTuner (CPU, RESIDENT_THREADS=0) or None
         self.num_prefilled_tokens = 0
         self.num_cached_tokens = 0
 
@@ -109,10 +110,14 @@ class Executor:
 
     def decode(self, rows: list[Sequence]) -> list[int]:
         """One batched decode step: feeds each row's last token, returns each row's next token."""
+        if self.thread_tuner is not None:
+            self.thread_tuner.choose(len(rows))
         began = time.perf_counter()
         mrope = {"position_offsets": [s.session.rope_delta for s in rows]} if self.runner.mrope else {}
         logits = self.stepper.decode([s.session.kv for s in rows], [s.next_token for s in rows],
                                      adapter_slots=[s.adapter_slot for s in rows], **mrope)
+        if self.thread_tuner is not None:
+            self.thread_tuner.observe(len(rows), time.perf_counter() - began)
         tokens = sample_rows(self._never_image(logits), [s.request.sampling for s in rows], [s.generator for s in rows])
         if len(rows) == 1 and rows[0].controller is not None:  # the cost speculation has to beat
             rows[0].controller.observe_plain(time.perf_counter() - began)

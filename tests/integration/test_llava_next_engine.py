@@ -12,24 +12,20 @@ float32, on both demos (a Llama LM with byte-level BPE; a Mistral LM with Mistra
 
 from __future__ import annotations
 
-import hashlib
 
 import pytest
 import torch
 
 from model_store.build_llava_next import ensure
-from session.config import EngineConfig
-from session.engine import Engine, GenerationRequest
-from session.events import EventStream, Finished, Started
 from session.memory import Tier
-from session.protocol import ImagePart, Message, SamplingParams, TextPart
-from tests.conftest import make_image, png_bytes
+from session.protocol import Message, TextPart
+from tests.conftest import make_image
 from tests.integration.test_engine import run
+from tests.vlm import MAX_TOKENS, answer, request, started_engine, user
 
 # (width, height) as PIL takes them: a square, a wide and a tall image (different tile grids and counts)
 SIZES = [(56, 56), (200, 50), (50, 200)]
 QUESTIONS = ["What is in this picture?", "And in this one?", "Which of the two is brighter?"]
-MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module", params=["vicuna", "mistral"])
@@ -43,27 +39,9 @@ def demo(request):
 
 @pytest.fixture(scope="module")
 def engine(demo):
-    engine = Engine(EngineConfig(model_path=demo[1], speculative="off", max_device_adapters=0)).start()
+    engine = started_engine(demo[1])
     yield engine
     engine.stop()
-
-
-def user(text: str, images: int = 0) -> Message:
-    return Message("user", tuple(ImagePart("data:,") for _ in range(images)) + (TextPart(text),))
-
-
-def request(engine, messages, pil_images, **kwargs) -> GenerationRequest:
-    raw = [png_bytes(image) for image in pil_images]
-    return GenerationRequest(messages=tuple(messages), sampling=SamplingParams(max_tokens=MAX_TOKENS),
-                             stream=EventStream(), images=engine.preprocess_images(pil_images),
-                             image_digests=tuple(hashlib.sha256(r).hexdigest() for r in raw),
-                             image_bytes=tuple(raw), **kwargs)
-
-
-def answer(events) -> tuple[Started, Finished]:
-    started = next(e for e in events if isinstance(e, Started))
-    assert isinstance(events[-1], Finished), events[-1]
-    return started, events[-1]
 
 
 def generate(model, processor, ids: list[int], pil_images) -> list[int]:
@@ -141,16 +119,15 @@ def test_stateless_conversation_with_an_image_equals_generate(demo, engine):
 
 def test_session_restored_from_the_journal_recomputes_its_images(demo, tmp_path):
     name, path, model, processor = demo
-    config = EngineConfig(model_path=path, speculative="off", max_device_adapters=0,
-                          journal_dir=str(tmp_path / "journal"))
+    journal = str(tmp_path / "journal")
     sid = f"next-journal-{name}"
     images = [make_image(31, SIZES[1]), make_image(32, SIZES[2])]
-    engine = Engine(config).start()
+    engine = started_engine(path, journal_dir=journal)
     try:
         answer(run(engine, request(engine, [user(QUESTIONS[0], 2)], images, session_id=sid, open_session=True)))
     finally:
         engine.stop()
-    restarted = Engine(config).start()
+    restarted = started_engine(path, journal_dir=journal)
     try:
         assert restarted.store.get(sid).tier is Tier.DROPPED
         started, finished = answer(run(restarted, request(restarted, [user(QUESTIONS[2])], [], session_id=sid)))

@@ -13,25 +13,21 @@ float32 (the M-RoPE positions and the rope delta a session carries are the engin
 
 from __future__ import annotations
 
-import hashlib
 import threading
 
 import pytest
 import torch
 
 from model_store.build_qwen_vl import FAMILIES, ensure
-from session.config import EngineConfig
-from session.engine import Engine, GenerationRequest
-from session.events import EventStream, Finished, Started
 from session.memory import Tier
-from session.protocol import ImagePart, Message, SamplingParams, TextPart
+from session.protocol import Message, TextPart
 from session.qwen_vl import load_processor
-from tests.conftest import make_image, png_bytes
+from tests.conftest import make_image
 from tests.integration.test_engine import run
+from tests.vlm import MAX_TOKENS, answer, request, started_engine, user
 
 SIZES = [(56, 56), (140, 84), (56, 140)]  # (width, height): 4, 15 and 10 image tokens
 QUESTIONS = ["What is in the picture?", "And in this one?", "Which of the two is brighter?"]
-MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -45,27 +41,9 @@ def demo(request):
 
 @pytest.fixture(scope="module")
 def engine(demo):
-    engine = Engine(EngineConfig(model_path=demo[1], speculative="off", max_device_adapters=0)).start()
+    engine = started_engine(demo[1])
     yield engine
     engine.stop()
-
-
-def user(text: str, images: int = 0) -> Message:
-    return Message("user", tuple(ImagePart("data:,") for _ in range(images)) + (TextPart(text),))
-
-
-def request(engine, messages, pil_images, **kwargs) -> GenerationRequest:
-    raw = [png_bytes(image) for image in pil_images]
-    return GenerationRequest(messages=tuple(messages), sampling=SamplingParams(max_tokens=MAX_TOKENS),
-                             stream=EventStream(), images=engine.preprocess_images(pil_images),
-                             image_digests=tuple(hashlib.sha256(r).hexdigest() for r in raw),
-                             image_bytes=tuple(raw), **kwargs)
-
-
-def answer(events) -> tuple[Started, Finished]:
-    started = next(e for e in events if isinstance(e, Started))
-    assert isinstance(events[-1], Finished), events[-1]
-    return started, events[-1]
 
 
 def image_inputs(processor, pil_images) -> dict:
@@ -168,17 +146,16 @@ def test_sessions_with_different_deltas_decode_together(demo, engine):
 
 def test_session_restored_from_the_journal_rebuilds_positions(demo, tmp_path):
     name, path, reference, processor = demo
-    config = EngineConfig(model_path=path, speculative="off", max_device_adapters=0,
-                          journal_dir=str(tmp_path / "journal"))
+    journal = str(tmp_path / "journal")
     sid = f"qwen-journal-{name}"
     images = [make_image(31, SIZES[1]), make_image(32, SIZES[2])]
-    engine = Engine(config).start()
+    engine = started_engine(path, journal_dir=journal)
     try:
         answer(run(engine, request(engine, [user(QUESTIONS[0], 2)], images, session_id=sid, open_session=True)))
         delta = engine.store.get(sid).rope_delta
     finally:
         engine.stop()
-    restarted = Engine(config).start()
+    restarted = started_engine(path, journal_dir=journal)
     try:
         session = restarted.store.get(sid)
         assert session.tier is Tier.DROPPED and session.rope_delta == 0  # not journaled: rebuilt on recompute
