@@ -32,34 +32,41 @@ FLASH_BLOCK_MULTIPLE = 256  # flash_attn_with_kvcache refuses paged blocks of ot
 class PagedBatch:
     """Where one step's new tokens go and what each row attends to (device tensors)."""
     block_table: torch.Tensor  # [B, NB] int32: each row's blocks, padded with PAD_BLOCK
-    slots: torch.Tensor  # [B * T] int64: pool slot of each new token, row by row
+    slots: torch.Tensor  # [B, T] int64: pool slot of each new token
     seq_lens: torch.Tensor  # [B] int32: keys each row holds once the new ones are written
     positions: torch.Tensor  # [B, T] int64: the new tokens' positions (rotary embeddings)
 
 
 def plan_rows(kvs: list[PagedKVCache], num_new: int, num_blocks: int | None = None) -> list[list[int]]:
-    """Host-side plan of a step, one row per cache: [seq_len, *positions(T), *slots(T), *block_table(NB)].
+    """Host-side plan of a step, one row per cache: [seq_len, *slots(T), *block_table(NB)].
     ``num_blocks`` pads every block table to that width (CUDA graph buckets); default: the widest row."""
     width = num_blocks or max(-(-(kv.length + num_new) // kv.block_tokens) for kv in kvs)
     rows = []
     for kv in kvs:
         start, end = kv.length, kv.length + num_new
         table = kv.block_ids[:width]
-        rows.append([end, *range(start, end), *kv.slots(start, end), *table, *[PAD_BLOCK] * (width - len(table))])
+        rows.append([end, *kv.slots(start, end), *table, *[PAD_BLOCK] * (width - len(table))])
     return rows
 
 
 def pad_row(num_new: int, num_blocks: int, block_tokens: int) -> list[int]:
-    """A plan row that pads a batch: it writes into the padding block and attends to its first key."""
-    return [1, *[0] * num_new, *[PAD_BLOCK * block_tokens] * num_new, *[PAD_BLOCK] * num_blocks]
+    """A plan row that pads a batch: it writes into the padding block and attends to its first keys."""
+    return [num_new, *[PAD_BLOCK * block_tokens] * num_new, *[PAD_BLOCK] * num_blocks]
+
+
+def columns(plan: torch.Tensor, start: int, stop: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """plan[:, start:stop] as a contiguous tensor of ``dtype``, always through one copy: a column slice
+    is contiguous only when B is 1, and operators downstream would otherwise differ with B."""
+    return plan[:, start:stop].to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def to_batch(plan: torch.Tensor, num_new: int) -> PagedBatch:
-    """plan: [B, 1 + 2T + NB] int64 on the device (``plan_rows``) -> views as a PagedBatch."""
+    """plan: [B, 1 + T + NB] int64 on the device (``plan_rows``) -> a PagedBatch."""
+    seq_lens = columns(plan, 0, 1)
     return PagedBatch(
-        seq_lens=plan[:, 0].to(torch.int32), positions=plan[:, 1 : 1 + num_new],
-        slots=plan[:, 1 + num_new : 1 + 2 * num_new].reshape(-1),
-        block_table=plan[:, 1 + 2 * num_new :].to(torch.int32),
+        seq_lens=columns(plan, 0, 1, torch.int32)[:, 0], slots=columns(plan, 1, 1 + num_new),
+        positions=seq_lens - num_new + torch.arange(num_new, device=plan.device),
+        block_table=columns(plan, 1 + num_new, plan.shape[1], torch.int32),
     )
 
 
@@ -107,8 +114,9 @@ class PagedAttention:
         """q: [B, H, T, hd]; k, v: [B, KVH, T, hd] (the new tokens) -> attention output [B, H, T, hd]."""
         pool, batch = self.pool, self.batch
         shape = (-1, pool.num_kv_heads, pool.head_dim)
-        pool.k[layer].view(shape).index_copy_(0, batch.slots, k.transpose(1, 2).reshape(shape))
-        pool.v[layer].view(shape).index_copy_(0, batch.slots, v.transpose(1, 2).reshape(shape))
+        # [B, T, KVH, hd] into their slots (index_put_, not item assignment: that views away leading 1s)
+        pool.k[layer].view(shape).index_put_((batch.slots,), k.transpose(1, 2))
+        pool.v[layer].view(shape).index_put_((batch.slots,), v.transpose(1, 2))
         if self.backend == "flash_attn":
             out = self.flash(q.transpose(1, 2), pool.k[layer], pool.v[layer], cache_seqlens=batch.seq_lens,
                              block_table=batch.block_table, softmax_scale=scale, causal=True,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from session.attention import pad_row, plan_rows, to_batch
+from session.attention import columns, pad_row, plan_rows, to_batch
 from session.kv_cache import BlockPool, PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def graph_key(kvs: list[PagedKVCache], batch_buckets: tuple[int, ...]) -> tuple[
 @dataclass
 class Captured:
     graph: "torch.cuda.CUDAGraph"
-    plan: torch.Tensor  # [rows, 4 + blocks] int64: token id, then plan_rows' row (T = 1)
+    plan: torch.Tensor  # [rows, 3 + blocks] int64: token id, then plan_rows' row (T = 1)
     logits: torch.Tensor  # [rows, V]: written by each replay
 
 
@@ -99,7 +99,7 @@ class DecodeGraphs:
         plan = torch.tensor([[0, *pad_row(1, num_blocks, pool.block_tokens)]] * num_rows, device=runner.device)
 
         def step() -> torch.Tensor:
-            return runner.forward_paged(pool, plan[:, :1], to_batch(plan[:, 1:], 1))[:, 0]
+            return runner.forward_paged(pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1))[:, 0]
 
         side = torch.cuda.Stream(runner.device)
         side.wait_stream(torch.cuda.current_stream(runner.device))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from session.attention import PagedAttention, PagedBatch, choose_backend, plan_rows, to_batch
+from session.attention import PagedAttention, PagedBatch, choose_backend, columns, plan_rows, to_batch
 from session.config import EngineConfig
 from session.errors import ConfigError
 from session.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache
@@ -75,9 +75,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def default_attention(device: torch.device) -> str:
-    """The decode attention a device gets unless RESIDENT_ATTENTION says otherwise: batched everywhere
-    (on CPU measured against per_row: docs/ENGINE.md)."""
-    return "batched"
+    """The decode attention a device gets unless RESIDENT_ATTENTION says otherwise. CUDA: batched (one
+    kernel per layer instead of one per row). CPU: per_row, measured 2x faster at 16 sessions
+    (benchmarks/attention_paths.py, docs/ENGINE.md): SDPA over gathered blocks copies every row's KV
+    each step, while a row whose blocks are consecutive is read in place."""
+    return "batched" if device.type == "cuda" else "per_row"
 
 
 def cpu_has_bf16() -> bool:
@@ -264,7 +266,7 @@ class ModelRunner:
             logits = self.graphs.run(kvs, token_ids)  # graphs hold the base model only: no LoRA rows
         else:
             plan = torch.tensor([[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1))], device=self.device)
-            logits = self.forward_paged(kvs[0].pool, plan[:, :1], to_batch(plan[:, 1:], 1))[:, 0]
+            logits = self.forward_paged(kvs[0].pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1))[:, 0]
         for kv, length in zip(kvs, lengths):
             kv.length = length + 1
         return logits
