@@ -191,3 +191,8 @@ def test_nan_ttl_is_refused(model_dir):
 def test_negative_zero_allowed_settings_are_refused(model_dir, name):
     with pytest.raises(ConfigError, match=f"RESIDENT_{name.upper()}"):
         build(model_dir, env={f"RESIDENT_{name.upper()}": "-5"})
+
+
+def test_bad_attention(model_dir):
+    message = config_error(model_dir, env={"RESIDENT_ATTENTION": "paged"})
+    assert message == "RESIDENT_ATTENTION must be auto, batched, per_row or cuda_graphs, got 'paged'"
