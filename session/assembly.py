@@ -65,11 +65,14 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
         image_token_id=info.image_token_id, eos_token_ids=info.eos_token_ids)
     store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time)
     embeddings = EmbeddingCache()
-    memory = MemoryManager(device_budget_bytes=device_budget(config, runner),
-                           host_budget_bytes=config.host_budget_bytes, store=store)
+    budget = device_budget(config, runner)
+    memory = MemoryManager(device_budget_bytes=budget, host_budget_bytes=config.host_budget_bytes, store=store)
     journal = Journal(config.journal_dir, config.journal_max_bytes) if config.journal_dir else None
     adapters = admin.build_adapter_registry(config, runner, journal)
     speculator = _speculator(config, runner, tokenizer)
+    if not config.static_kv:
+        _configure_paged_kv(config, [runner] + ([speculator.draft] if speculator and speculator.draft else []),
+                            budget, max_context)
 
     def new_kv():
         return runner.new_kv_cache(block_tokens=config.kv_block_tokens, max_tokens=max_context,
@@ -139,6 +142,24 @@ def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):
     buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < size) + (size,)
     return StaticShapeRunner(runner, max_context, batch_buckets=buckets, compile=config.compile,
                              compile_backend=config.compile_backend)
+
+
+def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget: int, max_context: int) -> None:
+    """Decode attention per RESIDENT_ATTENTION, and the KV block pools reserved from the device budget
+    (target and draft in proportion to their bytes per token; no more than max_sessions full contexts),
+    so that a pool does not grow, and never copies itself, while sessions stay within the budget."""
+    from session.decode_graphs import power_buckets
+
+    for runner in runners:
+        runner.configure_decode(config.attention, power_buckets(config.max_batch_size))
+    if budget <= 0:
+        return
+    pools = [runner.kv_pool(config.kv_block_tokens) for runner in runners]
+    token_nbytes = sum(pool.token_nbytes for pool in pools)
+    most_blocks = config.max_sessions * -(-max_context // config.kv_block_tokens)
+    for pool in pools:
+        share = budget * pool.token_nbytes // token_nbytes
+        pool.reserve(1 + min(share // pool.block_nbytes, most_blocks))  # + the padding block
 
 
 def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):

@@ -19,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from session.attention import PagedAttention, PagedBatch, choose_backend, columns, plan_rows, to_batch
 from session.config import EngineConfig
-from session.kv_cache import KVCache
+from session.errors import ConfigError
+from session.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache
 from session.support import check_supported
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def default_attention(device: torch.device) -> str:
+    """The decode attention a device gets unless RESIDENT_ATTENTION says otherwise. CUDA: batched (one
+    kernel per layer instead of one per row). CPU: per_row, measured 2x faster at 16 sessions
+    (benchmarks/attention_paths.py, docs/ENGINE.md): SDPA over gathered blocks copies every row's KV
+    each step, while a row whose blocks are consecutive is read in place."""
+    return "batched" if device.type == "cuda" else "per_row"
+
+
 def cpu_has_bf16() -> bool:
     """Native bfloat16 dot products on this CPU (the flags Linux reports in /proc/cpuinfo)."""
     try:
@@ -110,6 +120,9 @@ class ModelRunner:
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
         self.lora = None  # a LoraBank once enable_lora ran
+        self.kv_pools: dict[int, BlockPool] = {}  # block_tokens -> the pool of paged caches of that block size
+        self.decode_attention = default_attention(self.device)  # "batched" or "per_row" (configure_decode)
+        self.graphs = None  # DecodeGraphs once configure_decode turned CUDA graphs on
 
     def enable_lora(self, num_slots: int, max_rank: int):
         """Wrap the language model's linears for per-row LoRA adapters (once, at start-up)."""
@@ -155,10 +168,22 @@ class ModelRunner:
         )
 
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
-        i = self.info
-        return KVCache(num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim,
-                       dtype=self.dtype, device=self.device, block_tokens=block_tokens,
-                       max_tokens=max_tokens, static=static)
+        """A session's cache: blocks of this runner's pool, or (``static``) one whole fixed buffer."""
+        if static:
+            i = self.info
+            return StaticKVCache(num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim,
+                                 dtype=self.dtype, device=self.device, max_tokens=max_tokens)
+        return self.kv_pool(block_tokens).new_cache(max_tokens)
+
+    def kv_pool(self, block_tokens: int) -> BlockPool:
+        """The pool of paged caches with blocks of ``block_tokens`` (one per size; the engine uses one size)."""
+        pool = self.kv_pools.get(block_tokens)
+        if pool is None:
+            i = self.info
+            pool = self.kv_pools[block_tokens] = BlockPool(
+                num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim, dtype=self.dtype,
+                device=self.device, block_tokens=block_tokens)
+        return pool
 
     # ------------------------------------------------------------------ vision
 
@@ -233,6 +258,20 @@ class ModelRunner:
         kv.length = end
         return self._logits(h)[0] if all_logits else self._logits(h[:, -1:])[0, 0]
 
+    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...]) -> None:
+        """Called once at start-up (session/assembly.py) with RESIDENT_ATTENTION: auto, batched, per_row or
+        cuda_graphs (batched, replayed as CUDA graphs per batch bucket; auto picks it on CUDA)."""
+        if attention == "auto":
+            attention = "cuda_graphs" if self.device.type == "cuda" else default_attention(self.device)
+        if attention == "cuda_graphs":
+            if self.device.type != "cuda":
+                raise ConfigError("RESIDENT_ATTENTION=cuda_graphs needs a CUDA device")
+            from session.decode_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, batch_buckets)
+            attention = "batched"
+        self.decode_attention = attention
+
     @torch.inference_mode()
     def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None,
                position_offsets: list[int] | None = None) -> torch.Tensor:
@@ -240,13 +279,40 @@ class ModelRunner:
         an M-RoPE session's rope delta: a generated token is text, the same position in all three rows);
         returns logits [B, V].
 
-        Projections and MLPs run batched; attention runs per row over that session's own cache
-        view (no gather of KV into a padded batch: on CPU the copy costs more than the loop).
+        Batched (the default, see ``default_attention``): one attention call per layer for all rows over
+        the paged pool (session/attention.py), replayed from a CUDA graph per batch bucket where
+        configured. Per row (RESIDENT_ATTENTION=per_row): each row attends over its own cache view.
         """
         lengths = [kv.length for kv in kvs]
         for kv, length in zip(kvs, lengths):
             kv.ensure_capacity(length + 1)
         self.set_adapters(adapter_slots)
+        if self.decode_attention == "per_row":
+            logits = self._decode_per_row(kvs, token_ids, lengths)
+        elif self.graphs is not None and not any(adapter_slots or ()) and self.graphs.fits(kvs):
+            logits = self.graphs.run(kvs, token_ids)  # graphs hold the base model only: no LoRA rows
+        else:
+            plan = torch.tensor([[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1))], device=self.device)
+            logits = self.forward_paged(kvs[0].pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1))[:, 0]
+        for kv, length in zip(kvs, lengths):
+            kv.length = length + 1
+        return logits
+
+    def forward_paged(self, pool: BlockPool, ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """ids: [B, T] new tokens of B rows whose caches are in ``pool`` -> logits [B, T, V]. Writes the new
+        keys and values where ``batch`` says; dispatches the same operators whatever B and T (no host sync:
+        CUDA graphs capture it). Callers: ``decode``, DecodeGraphs; a multi-token verify can call it with T > 1."""
+        h = self.lm.embed_tokens(ids)  # [B, T, D]
+        cos, sin = self.lm.rotary_emb(h, batch.positions)
+        attention = PagedAttention(pool, batch, self.windows, choose_backend(pool))
+        for index, layer in enumerate(self.layers):
+            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
+            o = attention(index, q, k, v, window=self.windows[index], scale=layer.self_attn.scaling)
+            h = self.finish_layer(layer, h, o)
+        return self._logits(h)
+
+    def _decode_per_row(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int]) -> torch.Tensor:
+        # Projections and MLPs run batched; attention runs per row over that session's own cache view.
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         h = self.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
         offsets = position_offsets or [0] * len(kvs)
@@ -266,8 +332,6 @@ class ModelRunner:
                     kv.values(index, length + 1)[None, :, first:], scale=attn.scaling, enable_gqa=gqa,
                 ))
             h = self.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
-        for kv, length in zip(kvs, lengths):
-            kv.length = length + 1
         return self._logits(h)[:, 0]
 
     def attention_inputs(self, layer, h, cos, sin):

@@ -65,8 +65,9 @@ def reference(tiny_model_path):
 
 
 @pytest.mark.timeout(1500)  # the compiled variant compiles its buckets under the test's own load
-@pytest.mark.parametrize("overrides", [{}, {"static_kv": True}, {"static_kv": True, "compile": True}],
-                         ids=["batched", "static", "static-compiled"])
+@pytest.mark.parametrize("overrides", [{}, {"attention": "batched"}, {"static_kv": True},
+                                       {"static_kv": True, "compile": True}],
+                         ids=["batched", "batched-attention", "static", "static-compiled"])
 def test_paths_give_the_plain_greedy_tokens(tiny_model_path, reference, overrides):
     engine = make_engine(tiny_model_path, **overrides)
     try:

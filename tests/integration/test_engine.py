@@ -26,9 +26,10 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    eng = Engine(EngineConfig(model_path=str(tiny_model_path), reaper_interval_s=0.05)).start()
+@pytest.fixture(scope="module", params=["per_row", "batched"])
+def engine(tiny_model_path, request):
+    eng = Engine(EngineConfig(model_path=str(tiny_model_path), reaper_interval_s=0.05,
+                              attention=request.param)).start()
     yield eng
     eng.stop()
 
