@@ -287,23 +287,28 @@ class ModelRunner:
         for kv, length in zip(kvs, lengths):
             kv.ensure_capacity(length + 1)
         self.set_adapters(adapter_slots)
+        offsets = None if not any(position_offsets or ()) else torch.tensor(position_offsets, device=self.device)
         if self.decode_attention == "per_row":
-            logits = self._decode_per_row(kvs, token_ids, lengths)
-        elif self.graphs is not None and not any(adapter_slots or ()) and self.graphs.fits(kvs):
-            logits = self.graphs.run(kvs, token_ids)  # graphs hold the base model only: no LoRA rows
+            logits = self._decode_per_row(kvs, token_ids, lengths, offsets)
+        elif self.graphs is not None and not any(adapter_slots or ()) and offsets is None and self.graphs.fits(kvs):
+            logits = self.graphs.run(kvs, token_ids)  # graphs hold the base model at plain positions only
         else:
             plan = torch.tensor([[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1))], device=self.device)
-            logits = self.forward_paged(kvs[0].pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1))[:, 0]
+            logits = self.forward_paged(kvs[0].pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1), offsets)[:, 0]
         for kv, length in zip(kvs, lengths):
             kv.length = length + 1
         return logits
 
-    def forward_paged(self, pool: BlockPool, ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    def forward_paged(self, pool: BlockPool, ids: torch.Tensor, batch: PagedBatch,
+                      position_offsets: torch.Tensor | None = None) -> torch.Tensor:
         """ids: [B, T] new tokens of B rows whose caches are in ``pool`` -> logits [B, T, V]. Writes the new
         keys and values where ``batch`` says; dispatches the same operators whatever B and T (no host sync:
-        CUDA graphs capture it). Callers: ``decode``, DecodeGraphs; a multi-token verify can call it with T > 1."""
+        CUDA graphs capture it). ``position_offsets`` [B]: M-RoPE rope deltas added to the rotary positions
+        (the masks keep following token indices). Callers: ``decode``, DecodeGraphs; a multi-token verify
+        can call it with T > 1."""
         h = self.lm.embed_tokens(ids)  # [B, T, D]
-        cos, sin = self.lm.rotary_emb(h, batch.positions)
+        positions = batch.positions if position_offsets is None else batch.positions + position_offsets[:, None]
+        cos, sin = self.lm.rotary_emb(h, positions)
         attention = PagedAttention(pool, batch, self.windows, choose_backend(pool))
         for index, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
@@ -311,12 +316,15 @@ class ModelRunner:
             h = self.finish_layer(layer, h, o)
         return self._logits(h)
 
-    def _decode_per_row(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int]) -> torch.Tensor:
+    def _decode_per_row(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
+                        position_offsets: torch.Tensor | None) -> torch.Tensor:
         # Projections and MLPs run batched; attention runs per row over that session's own cache view.
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         h = self.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
-        offsets = position_offsets or [0] * len(kvs)
-        positions = torch.tensor([n + d for n, d in zip(lengths, offsets)], device=self.device)[:, None]  # [B, 1]
+        positions = torch.tensor(lengths, device=self.device)
+        if position_offsets is not None:
+            positions = positions + position_offsets
+        positions = positions[:, None]  # [B, 1]
         cos, sin = self.lm.rotary_emb(h, positions)
         gqa = self.info.num_heads != self.info.num_kv_heads
         for index, layer in enumerate(self.layers):

@@ -39,9 +39,10 @@ def demo(request):
     return request.param, path, reference, load_processor(path)
 
 
-@pytest.fixture(scope="module")
-def engine(demo):
-    engine = started_engine(demo[1])
+@pytest.fixture(scope="module", params=["per_row", "batched"])
+def engine(demo, request):
+    """Both decode paths: the rope delta is added per row, and to the batched step's rotary positions."""
+    engine = started_engine(demo[1], attention=request.param)
     yield engine
     engine.stop()
 
