@@ -116,10 +116,11 @@ def preprocess_images(vision: ImagePreprocessor | None, images: list) -> Images:
 
 def _thread_tuner(config: EngineConfig, runner: ModelRunner):
     """RESIDENT_THREADS=N: N intra-op threads. 0 (auto): on CPU the count is measured while serving
-    (session/threads.py: two threads win on a quiet machine, one when a core is busy elsewhere);
-    on CUDA torch's default."""
-    if config.threads > 0:
-        torch.set_num_threads(config.threads)
+    (session/threads.py: two threads win on a quiet machine, one when a core is busy elsewhere), but
+    fixed at 1 for compiled graphs (dynamo guards on it); on CUDA torch's default."""
+    if config.threads > 0 or (config.compile and runner.device.type == "cpu"):
+        # torch.compile guards on the thread count: every change would recompile each graph
+        torch.set_num_threads(config.threads or 1)
         return None
     if runner.device.type != "cpu":
         return None
