@@ -296,7 +296,7 @@ def run_vllm(args) -> tuple[dict, dict]:
     out = args.out / "vllm_peer.json"
     subprocess.run([args.vllm_python, str(REPO / "benchmarks" / "vllm_peer.py"), "--model", args.model_path,
                     "--out", str(out), "--decode-tokens", str(args.new_tokens), "--turn-tokens", str(args.turn_tokens),
-                    "--conversations", str(max(1, args.conversations)),
+                    "--conversations", str(max(1, args.conversations)), "--dtype", args.dtype,
                     "--concurrency", *map(str, args.levels)], check=True)
     peer = json.loads(out.read_text())
     decode = {d["concurrency"]: {"per_token_s": d["per_token_ms_median"] / 1000,

@@ -106,13 +106,13 @@ def _vllm_key(key: str) -> str:
     return key
 
 
-def load_llm(model: Path, max_num_batched_tokens: int):
+def load_llm(model: Path, max_num_batched_tokens: int, dtype: str):
     """vLLM's offline engine. The encoder cache holds ``max_num_batched_tokens`` image tokens: at
     the default 4096 only 7 of 576-token images stay encoded, so a batch of 16 resident sessions
     would re-encode its images while decoding, and the decode figures would time CLIP instead."""
     from vllm import LLM
 
-    return LLM(model=str(model), **ENGINE_OPTIONS, limit_mm_per_prompt={"image": 1}, seed=0,
+    return LLM(model=str(model), **(ENGINE_OPTIONS | {"dtype": dtype}), limit_mm_per_prompt={"image": 1}, seed=0,
                max_num_batched_tokens=max_num_batched_tokens,
                disable_log_stats=False)  # per-request timestamps (RequestOutput.metrics) need stats on
 
@@ -279,6 +279,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384,
                         help="vLLM's per-step token budget, also its encoder cache size (image tokens)")
     parser.add_argument("--kv-cache-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV")
     parser.add_argument("--omp-cpus", default="auto",
                         help="VLLM_CPU_OMP_THREADS_BIND: 'auto' (vLLM's choice), '0-1', 'nobind', ...")
     parser.add_argument("--no-preload", dest="preload", action="store_false",
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     environment = configure_environment(args)
     model = vllm_checkpoint(args.model, REPO / "build" / "vllm-peer")
     start = time.perf_counter()
-    llm = load_llm(model, args.max_num_batched_tokens)
+    llm = load_llm(model, args.max_num_batched_tokens, args.dtype)
     load_s = time.perf_counter() - start
     decode_runs = {c: measure_decode(llm, c, args.decode_tokens, args.repeats) for c in args.concurrency}
     conversations = measure_followups(llm, args.conversations, args.turn_tokens)
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     followup = summarize_followups(conversations)
     print(report(decode, followup))
     settings = {"model": str(args.model), "loaded_from": str(model), "load_s": load_s, **ENGINE_OPTIONS,
+                "dtype": args.dtype,
                 "max_num_batched_tokens": args.max_num_batched_tokens, "decode_tokens": args.decode_tokens,
                 "repeats": args.repeats, "turn_tokens": args.turn_tokens, "temperature": 0, "ignore_eos": True,
                 "environment": environment, "versions": versions(), "cpu_count": os.cpu_count(),
