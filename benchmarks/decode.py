@@ -13,7 +13,11 @@ concurrency level C:
 The optional vLLM peer (benchmarks/vllm_peer.py in its own venv) is run when --vllm-python is given:
 its prompts are in its prefix cache when measured, the same situation as our resident sessions.
 
+A text-only model (``--model-path models/text-bench``: llava-bench's language model as a plain Llama,
+built on first use) decodes after a ~500-token document instead of the image.
+
 Run: python -m benchmarks.decode [--levels 1 4 16] [--new-tokens 64] [--static] [--compile]
+     python -m benchmarks.decode --vllm-python build/vllm-venv/bin/python [--dtype bfloat16] [--model-path models/text-bench]
 """
 
 from __future__ import annotations
@@ -30,12 +34,24 @@ import torch
 from benchmarks.common import BENCH_MODEL, REPO, format_table, median, write_json
 from launch.torchserve import ensure_demo_models
 
+TEXT_BENCH_MODEL = REPO / "models" / "text-bench"  # llava-bench's language model as a plain Llama
+
 
 def prompts(engine, count: int):
-    """(token ids with one image's placeholders, its Images) per session; distinct images."""
+    """(token ids with one image's placeholders, its Images) per session; distinct images. A text-only
+    model gets a ~500-token document per session instead, all cut to one length (generate batches them)."""
     from PIL import Image
     import numpy as np
 
+    from session.vision import NO_IMAGES
+
+    if engine.vision is None:
+        from benchmarks.first_vs_followup import opening_message
+
+        texts = [opening_message(i, images=False)["content"][0]["text"] for i in range(count)]
+        ids = [engine.formatter.opening(_user_with_image(text, image=False)).token_ids for text in texts]
+        shortest = min(map(len, ids))
+        return [(row[:1] + row[len(row) - shortest + 1:], NO_IMAGES) for row in ids]
     out = []
     for i in range(count):
         pixels = (np.random.RandomState(i).rand(336, 336, 3) * 255).astype(np.uint8)
@@ -46,10 +62,10 @@ def prompts(engine, count: int):
     return out
 
 
-def _user_with_image(text: str):
+def _user_with_image(text: str, image: bool = True):
     from session.protocol import ImagePart, Message, TextPart
 
-    return (Message("user", (ImagePart("data:,"), TextPart(text))),)
+    return (Message("user", ((ImagePart("data:,"),) if image else ()) + (TextPart(text),)),)
 
 
 def run_ours(engine, workload, new_tokens: int) -> dict:
@@ -115,7 +131,8 @@ def run_generate(runner, workload, new_tokens: int) -> dict:
     """One batched ``generate`` for the C prompts; a streamer stamps each decode step as it happens."""
     model = runner.model
     ids = torch.tensor([w[0] for w in workload])
-    pixel_values = torch.stack([p for w in workload for p in w[1].pixels])  # LLaVA-1.5: one square each
+    pixels = [p for w in workload for p in w[1].pixels]  # LLaVA-1.5: one square each (none: a text model)
+    pixel_values = {"pixel_values": torch.stack(pixels)} if pixels else {}
     stamps: list[float] = []
 
     class Stamps:  # transformers' streamer protocol: put() per step (the prompt first), end() at the end
@@ -125,7 +142,7 @@ def run_generate(runner, workload, new_tokens: int) -> dict:
         def end(self):
             pass
 
-    kwargs = dict(input_ids=ids, pixel_values=pixel_values, attention_mask=torch.ones_like(ids), do_sample=False)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, **pixel_values)
     with torch.inference_mode():
         model.generate(**kwargs, max_new_tokens=2, min_new_tokens=2)  # warm-up
         out = model.generate(**kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=Stamps())
@@ -155,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-tokens", type=int, default=32, help="new tokens in each turn of those chats")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    if Path(args.model_path).resolve() == BENCH_MODEL.resolve():
+    if Path(args.model_path).resolve() in (BENCH_MODEL.resolve(), TEXT_BENCH_MODEL.resolve()):
         ensure_demo_models(only=["bench"])
+        if Path(args.model_path).resolve() == TEXT_BENCH_MODEL.resolve() and not TEXT_BENCH_MODEL.exists():
+            from model_store.build_text_models import build_bench_twin
+
+            build_bench_twin(TEXT_BENCH_MODEL.parent)
     generate_threads = args.threads or torch.get_num_threads()  # ours may retune the process's count
 
     variants = {"ours": {}}
@@ -258,7 +279,7 @@ def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
     ``turn_tokens`` tokens. Same seeds and questions as benchmarks/vllm_peer.py. Timed: turn 2, submit
     to its final event."""
     from benchmarks.common import image_data_url
-    from benchmarks.first_vs_followup import FIRST_QUESTION, FOLLOWUP_QUESTIONS, WARMUP_SEED
+    from benchmarks.first_vs_followup import FIRST_QUESTION, FOLLOWUP_QUESTIONS, WARMUP_SEED, opening_message
     from benchmarks.vllm_peer import FOLLOWUP_SEED_BASE
     from session.engine import CloseRequest, GenerationRequest
     from session.events import EventStream, Failed, Finished
@@ -281,7 +302,11 @@ def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
 
     def converse(seed: int, question: str) -> tuple[float, int]:
         sid, url = engine.new_session_id(), image_data_url(seed)
-        turn(sid, (Message("user", (ImagePart(url), TextPart(FIRST_QUESTION))),), [url], True)
+        if engine.vision is None:  # a text model: the document the vLLM peer sends instead of the image
+            turn(sid, (Message("user", (TextPart(opening_message(seed, images=False)["content"][0]["text"]),)),),
+                 [], True)
+        else:
+            turn(sid, (Message("user", (ImagePart(url), TextPart(FIRST_QUESTION))),), [url], True)
         seconds, finished = turn(sid, (Message("user", (TextPart(question),)),), [], False)
         engine.submit(CloseRequest(sid, EventStream()))
         return seconds, len(finished.token_ids)
