@@ -2,7 +2,8 @@
 
 Runs ``benchmarks.first_vs_followup --start-server`` once per checkpoint (its own TorchServe each time,
 one after another) and prints one table: the median first request, session follow-up and stateless
-follow-up, their ratios, and how many stateless answers differed from the session's (greedy: 0).
+follow-up, their ratios, and how many stateless answers differed from the session's where the
+stateless prompt had the session's length (greedy: 0; see first_vs_followup.count_answer_mismatches).
 The demos are tiny random models of each family's architecture, so the ratios show what sessions
 save in vision and prefill work per family, not the speed of a real checkpoint.
 
@@ -59,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([name, round(summary["first"]["mean_prompt_tokens"]), result["first_s"], result["followup_s"],
                      result["stateless_followup_s"], round(result["ratios"]["first_s / followup_s"], 2),
                      round(result["ratios"]["stateless_followup_s / followup_s"], 2),
-                     result["stateless_answer_mismatches"]])
+                     f"{result['stateless_answer_mismatches']} of {result['stateless_answers_compared']}"])
     print(format_table(["family (demo)", "first prompt tok", "first s", "follow-up s", "stateless s",
-                        "first / follow-up", "stateless / follow-up", "answers differing"], rows))
+                        "first / follow-up", "stateless / follow-up", "answers differing (same prompt)"], rows))
     print(f"wrote {write_json(args.out / 'families.json', results)}")
     return 0
 

@@ -162,19 +162,25 @@ def summarize(samples: list[Sample]) -> dict[str, dict]:
     return summary
 
 
-def count_answer_mismatches(samples: list[Sample]) -> int:
-    """Stateless follow-ups whose answer differs from the session's (greedy: they should be equal)."""
-    in_session = {(s.session, s.turn): s.answer for s in samples if s.kind == FOLLOWUP}
-    return sum(s.answer != in_session[(s.session, s.turn)] for s in samples if s.kind == STATELESS)
+def count_answer_mismatches(samples: list[Sample]) -> tuple[int, int]:
+    """(differing, compared): stateless follow-ups whose answer differs from the session's, among those
+    whose prompt is as long as the session's. Greedy, those must be equal. The others re-send answers as
+    text, which a tokenizer need not encode back to the ids the model wrote (a random demo model writes
+    byte pieces that decode to U+FFFD), so their prompt, and answer, may differ without any fault."""
+    in_session = {(s.session, s.turn): s for s in samples if s.kind == FOLLOWUP}
+    pairs = [(s, in_session[(s.session, s.turn)]) for s in samples if s.kind == STATELESS]
+    compared = [(a, b) for a, b in pairs if a.prompt_tokens == b.prompt_tokens]
+    return sum(a.answer != b.answer for a, b in compared), len(compared)
 
 
-def report(summary: dict[str, dict], ratios: dict[str, float], mismatches: int) -> str:
+def report(summary: dict[str, dict], ratios: dict[str, float], mismatches: tuple[int, int]) -> str:
     headers = ["request", "n", "median s", "p90 s", "mean prompt tok", "mean cached tok"]
     rows = [[ROW_LABELS[k], v["n"], v["median_s"], v["p90_s"], round(v["mean_prompt_tokens"], 1),
              round(v["mean_cached_tokens"], 1)] for k, v in summary.items()]
     lines = [format_table(headers, rows), ""]
     lines += [f"{name} = {value:.2f}" for name, value in ratios.items()]
-    lines.append(f"stateless answers differing from the session's: {mismatches}")
+    lines.append(f"stateless answers differing from the session's (same prompt length): "
+                 f"{mismatches[0]} of {mismatches[1]}")
     return "\n".join(lines)
 
 
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(summary, ratios, mismatches))
     json_path = write_json(args.out / "first_vs_followup.json", {
         "first_s": first_s, "followup_s": followup_s, "stateless_followup_s": stateless_s,
-        "ratios": ratios, "summary": summary, "stateless_answer_mismatches": mismatches,
+        "ratios": ratios, "summary": summary, "stateless_answer_mismatches": mismatches[0],
+        "stateless_answers_compared": mismatches[1],
         "settings": settings, "samples": [asdict(s) for s in samples],
     })
     png_path = bar_chart(args.out / "first_vs_followup.png", [ROW_LABELS[k] for k in summary],
