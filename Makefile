@@ -10,7 +10,7 @@ export PORT
 # TorchServe backends behind the front for `make cluster` ("auto": one per visible device).
 BACKENDS ?= 2
 
-.PHONY: install models serve cluster test bench bench-all lint clean
+.PHONY: install models serve cluster test bench bench-all device-check lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v java >/dev/null || { echo "TorchServe needs Java 17: sudo apt-get install -y openjdk-17-jre-headless"; exit 1; }
@@ -46,6 +46,11 @@ bench-all: bench
 	$(PY) -m benchmarks.adapters
 	$(PY) -m benchmarks.speculative
 	$(PY) -m benchmarks.front_overhead
+
+# On a CUDA machine: equivalence tests on the GPU, then the decode and first-vs-follow-up benchmarks, one
+# table (scripts/device_check.sh; under ~8 minutes on one H200). Without CUDA: a CPU smoke, exit 0.
+device-check:
+	VENV=$(VENV) scripts/device_check.sh
 
 # The images cannot be built here (no Docker engine): lint them and the entrypoint instead.
 lint: install

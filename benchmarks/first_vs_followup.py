@@ -12,8 +12,13 @@ For each of N sessions, sequentially and greedily (temperature 0, same max_token
 One warm-up request comes first and is not counted.
 Each request is timed end to end on the client.
 
+A text-only model (no vision tower in its config.json, or --no-images) gets a ~500-token document
+instead of the image, so the first request still prefills a long prompt.
+
 Run:  python -m benchmarks.first_vs_followup --start-server     (starts TorchServe on models/llava-bench)
+      python -m benchmarks.first_vs_followup --start-server --model-path models/text-mistral
       python -m benchmarks.first_vs_followup --url http://127.0.0.1:8080
+      python -m benchmarks.families      (this benchmark on every family's demo checkpoint, one table)
 Writes <out>/first_vs_followup.json and <out>/first_vs_followup.png (default out: benchmarks/results).
 """
 
@@ -111,9 +116,22 @@ def sample(kind: str, session: int, turn: int, reply: Reply) -> Sample:
                   answer=reply.body["choices"][0]["message"]["content"])
 
 
-def run_session(client: Client, index: int, questions: list[str], progress: tqdm) -> list[Sample]:
+def document(seed: int) -> str:
+    """A ~500-token text for text-only models' first request (what the image is for a VLM)."""
+    colours, shapes = ("red", "green", "blue", "yellow", "grey"), ("square", "circle", "triangle", "star")
+    return " ".join(f"Item {i}: a {colours[(seed + i) % 5]} {shapes[(seed * 3 + i) % 4]} of size {(seed + 7 * i) % 13}."
+                    for i in range(40))
+
+
+def opening_message(seed: int, images: bool) -> dict:
+    if images:
+        return user_message(FIRST_QUESTION, image_data_url(seed=seed))
+    return user_message(f"{document(seed)}\n\n{FIRST_QUESTION}")
+
+
+def run_session(client: Client, index: int, questions: list[str], progress: tqdm, images: bool) -> list[Sample]:
     """One session's first request, its follow-ups; closes it; then the same follow-ups stateless."""
-    opening = user_message(FIRST_QUESTION, image_data_url(seed=index))
+    opening = opening_message(index, images)
     reply = client.chat([opening], session_id="NEW_SESSION")
     if NEW_SESSION_HEADER not in reply.headers:
         raise RequestFailed(f"opening request answered without a {NEW_SESSION_HEADER} header: {reply.body}")
@@ -144,19 +162,25 @@ def summarize(samples: list[Sample]) -> dict[str, dict]:
     return summary
 
 
-def count_answer_mismatches(samples: list[Sample]) -> int:
-    """Stateless follow-ups whose answer differs from the session's (greedy: they should be equal)."""
-    in_session = {(s.session, s.turn): s.answer for s in samples if s.kind == FOLLOWUP}
-    return sum(s.answer != in_session[(s.session, s.turn)] for s in samples if s.kind == STATELESS)
+def count_answer_mismatches(samples: list[Sample]) -> tuple[int, int]:
+    """(differing, compared): stateless follow-ups whose answer differs from the session's, among those
+    whose prompt is as long as the session's. Greedy, those must be equal. The others re-send answers as
+    text, which a tokenizer need not encode back to the ids the model wrote (a random demo model writes
+    byte pieces that decode to U+FFFD), so their prompt, and answer, may differ without any fault."""
+    in_session = {(s.session, s.turn): s for s in samples if s.kind == FOLLOWUP}
+    pairs = [(s, in_session[(s.session, s.turn)]) for s in samples if s.kind == STATELESS]
+    compared = [(a, b) for a, b in pairs if a.prompt_tokens == b.prompt_tokens]
+    return sum(a.answer != b.answer for a, b in compared), len(compared)
 
 
-def report(summary: dict[str, dict], ratios: dict[str, float], mismatches: int) -> str:
+def report(summary: dict[str, dict], ratios: dict[str, float], mismatches: tuple[int, int]) -> str:
     headers = ["request", "n", "median s", "p90 s", "mean prompt tok", "mean cached tok"]
     rows = [[ROW_LABELS[k], v["n"], v["median_s"], v["p90_s"], round(v["mean_prompt_tokens"], 1),
              round(v["mean_cached_tokens"], 1)] for k, v in summary.items()]
     lines = [format_table(headers, rows), ""]
     lines += [f"{name} = {value:.2f}" for name, value in ratios.items()]
-    lines.append(f"stateless answers differing from the session's: {mismatches}")
+    lines.append(f"stateless answers differing from the session's (same prompt length): "
+                 f"{mismatches[0]} of {mismatches[1]}")
     return "\n".join(lines)
 
 
@@ -169,21 +193,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--followups", type=int, default=4, help=f"at most {len(FOLLOWUP_QUESTIONS)}")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--no-images", action="store_true",
+                        help="text-only first requests (automatic for a text-only --model-path)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
+    if args.start_server and not has_vision(args.model_path):
+        args.no_images = True
     if args.sessions < 1 or not 1 <= args.followups <= len(FOLLOWUP_QUESTIONS) or args.max_tokens < 1:
         parser.error(f"need --sessions >= 1, 1 <= --followups <= {len(FOLLOWUP_QUESTIONS)}, --max-tokens >= 1")
     return args
 
 
+def has_vision(model_path: Path) -> bool:
+    import json
+
+    return "vision_config" in json.loads((model_path / "config.json").read_text())
+
+
 def measure(base_url: str, args: argparse.Namespace) -> list[Sample]:
     client = Client(base_url, args.max_tokens)
-    client.chat([user_message(FIRST_QUESTION, image_data_url(seed=WARMUP_SEED))])  # warm-up, not counted
+    client.chat([opening_message(WARMUP_SEED, not args.no_images)])  # warm-up, not counted
     questions = FOLLOWUP_QUESTIONS[:args.followups]
     samples: list[Sample] = []
     with tqdm(total=args.sessions * (1 + 2 * args.followups), unit="req", desc="first_vs_followup") as progress:
         for index in range(args.sessions):
-            samples += run_session(client, index, questions, progress)
+            samples += run_session(client, index, questions, progress, images=not args.no_images)
     return samples
 
 
@@ -196,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = {"url": base_url, "started_server": args.start_server,
                         "model_path": str(args.model_path) if args.start_server else None,
                         "sessions": args.sessions, "followups": args.followups, "max_tokens": args.max_tokens,
+                        "images": not args.no_images,
                         "temperature": 0,
                         # Other work on the machine inflates latencies; a high load here flags a noisy run.
                         "loadavg_1m_at_end": os.getloadavg()[0]}
@@ -210,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(summary, ratios, mismatches))
     json_path = write_json(args.out / "first_vs_followup.json", {
         "first_s": first_s, "followup_s": followup_s, "stateless_followup_s": stateless_s,
-        "ratios": ratios, "summary": summary, "stateless_answer_mismatches": mismatches,
+        "ratios": ratios, "summary": summary, "stateless_answer_mismatches": mismatches[0],
+        "stateless_answers_compared": mismatches[1],
         "settings": settings, "samples": [asdict(s) for s in samples],
     })
     png_path = bar_chart(args.out / "first_vs_followup.png", [ROW_LABELS[k] for k in summary],

@@ -52,13 +52,13 @@ def pair_dirs(name: str) -> tuple[Path, Path]:
 class PairBench:
     """One pair loaded several ways; ``run(method, prompts)`` -> (seconds, answers)."""
 
-    def __init__(self, name: str, new_tokens: int, max_batch: int, k_maxes: list[int]):
+    def __init__(self, name: str, new_tokens: int, max_batch: int, k_maxes: list[int], threads: int):
         from transformers import AutoModelForCausalLM
 
         target, draft = pair_dirs(name)
         self.new_tokens = new_tokens
         common = dict(model_path=str(target), device="cpu", dtype="float32", max_batch_size=max_batch,
-                      max_new_tokens=new_tokens)
+                      max_new_tokens=new_tokens, threads=threads)  # fixed: both engines at the same count
         self.engines = {"plain": Engine(EngineConfig(**common, speculative="off")).start()}
         for k_max in k_maxes:
             self.engines[f"speculative k<={k_max}"] = Engine(EngineConfig(
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in args.pairs:
         ratio = draft_step_ratio(name)
-        bench = PairBench(name, args.new_tokens, max(args.sessions), args.k_max)
+        bench = PairBench(name, args.new_tokens, max(args.sessions), args.k_max, args.threads)
         try:
             rows = [row for sessions in args.sessions for row in measure(bench, prompts, sessions, args.rounds)]
         finally:

@@ -35,8 +35,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `benchmarks.*` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import format_table, image_data_url, median, percentile, write_json  # noqa: E402
-from benchmarks.first_vs_followup import FIRST_QUESTION, FOLLOWUP_QUESTIONS, WARMUP_SEED  # noqa: E402
+from benchmarks.common import format_table, median, percentile, write_json  # noqa: E402
+from benchmarks.first_vs_followup import (  # noqa: E402
+    FOLLOWUP_QUESTIONS, WARMUP_SEED, has_vision, opening_message, user_message,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 FOLLOWUP_SEED_BASE = 1_000  # turn-1 images of the follow-up test; distinct from the decode batches' seeds
@@ -106,24 +108,19 @@ def _vllm_key(key: str) -> str:
     return key
 
 
-def load_llm(model: Path, max_num_batched_tokens: int):
+def load_llm(model: Path, max_num_batched_tokens: int, dtype: str, images: bool):
     """vLLM's offline engine. The encoder cache holds ``max_num_batched_tokens`` image tokens: at
     the default 4096 only 7 of 576-token images stay encoded, so a batch of 16 resident sessions
     would re-encode its images while decoding, and the decode figures would time CLIP instead."""
     from vllm import LLM
 
-    return LLM(model=str(model), **ENGINE_OPTIONS, limit_mm_per_prompt={"image": 1}, seed=0,
+    multimodal = {"limit_mm_per_prompt": {"image": 1}} if images else {}
+    return LLM(model=str(model), **(ENGINE_OPTIONS | {"dtype": dtype}), **multimodal, seed=0,
                max_num_batched_tokens=max_num_batched_tokens,
                disable_log_stats=False)  # per-request timestamps (RequestOutput.metrics) need stats on
 
 
 # ---------------------------------------------------------------- conversations
-
-
-def user_message(text: str, seed: int | None = None) -> dict:
-    """An OpenAI-style user message; with ``seed``, the image benchmarks.common draws for that seed."""
-    content = [{"type": "image_url", "image_url": {"url": image_data_url(seed)}}] if seed is not None else []
-    return {"role": "user", "content": content + [{"type": "text", "text": text}]}
 
 
 def greedy(max_tokens: int):
@@ -169,8 +166,8 @@ class DecodeRun:
     requests: list[RequestTiming]
 
 
-def decode_batch(llm, concurrency: int, new_tokens: int) -> DecodeRun:
-    conversations = [[user_message(FIRST_QUESTION, seed=i)] for i in range(concurrency)]
+def decode_batch(llm, concurrency: int, new_tokens: int, images: bool) -> DecodeRun:
+    conversations = [[opening_message(i, images)] for i in range(concurrency)]
     start = time.perf_counter()
     outputs = llm.chat(conversations, greedy(new_tokens), use_tqdm=False)
     wall_s = time.perf_counter() - start
@@ -181,10 +178,10 @@ def decode_batch(llm, concurrency: int, new_tokens: int) -> DecodeRun:
                      end_to_end_tokens_per_s=sum(r.output_tokens for r in requests) / wall_s, requests=requests)
 
 
-def measure_decode(llm, concurrency: int, new_tokens: int, repeats: int) -> list[DecodeRun]:
+def measure_decode(llm, concurrency: int, new_tokens: int, repeats: int, images: bool) -> list[DecodeRun]:
     """One unmeasured batch (fills the prefix cache, compiles this batch size), then ``repeats`` measured."""
-    decode_batch(llm, concurrency, new_tokens)
-    return [decode_batch(llm, concurrency, new_tokens) for _ in range(repeats)]
+    decode_batch(llm, concurrency, new_tokens, images)
+    return [decode_batch(llm, concurrency, new_tokens, images) for _ in range(repeats)]
 
 
 def summarize_decode(runs: list[DecodeRun]) -> dict:
@@ -210,8 +207,8 @@ class Conversation:
     followup: RequestTiming
 
 
-def converse(llm, seed: int, followup_question: str, new_tokens: int) -> Conversation:
-    opening = user_message(FIRST_QUESTION, seed=seed)
+def converse(llm, seed: int, followup_question: str, new_tokens: int, images: bool) -> Conversation:
+    opening = opening_message(seed, images)
     start = time.perf_counter()
     [first] = llm.chat([opening], greedy(new_tokens), use_tqdm=False)
     first_s = time.perf_counter() - start
@@ -223,10 +220,10 @@ def converse(llm, seed: int, followup_question: str, new_tokens: int) -> Convers
                         followup=timing_of(followup))
 
 
-def measure_followups(llm, conversations: int, new_tokens: int) -> list[Conversation]:
-    converse(llm, WARMUP_SEED, FOLLOWUP_QUESTIONS[0], new_tokens)  # warm-up, not counted
-    return [converse(llm, FOLLOWUP_SEED_BASE + i, FOLLOWUP_QUESTIONS[i % len(FOLLOWUP_QUESTIONS)], new_tokens)
-            for i in range(conversations)]
+def measure_followups(llm, conversations: int, new_tokens: int, images: bool) -> list[Conversation]:
+    converse(llm, WARMUP_SEED, FOLLOWUP_QUESTIONS[0], new_tokens, images)  # warm-up, not counted
+    return [converse(llm, FOLLOWUP_SEED_BASE + i, FOLLOWUP_QUESTIONS[i % len(FOLLOWUP_QUESTIONS)], new_tokens,
+                     images) for i in range(conversations)]
 
 
 def summarize_followups(conversations: list[Conversation]) -> dict:
@@ -279,6 +276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384,
                         help="vLLM's per-step token budget, also its encoder cache size (image tokens)")
     parser.add_argument("--kv-cache-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV")
     parser.add_argument("--omp-cpus", default="auto",
                         help="VLLM_CPU_OMP_THREADS_BIND: 'auto' (vLLM's choice), '0-1', 'nobind', ...")
     parser.add_argument("--no-preload", dest="preload", action="store_false",
@@ -300,14 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     environment = configure_environment(args)
     model = vllm_checkpoint(args.model, REPO / "build" / "vllm-peer")
     start = time.perf_counter()
-    llm = load_llm(model, args.max_num_batched_tokens)
+    images = has_vision(args.model)  # a text-only model gets FIRST_QUESTION after a ~500-token document
+    llm = load_llm(model, args.max_num_batched_tokens, args.dtype, images)
     load_s = time.perf_counter() - start
-    decode_runs = {c: measure_decode(llm, c, args.decode_tokens, args.repeats) for c in args.concurrency}
-    conversations = measure_followups(llm, args.conversations, args.turn_tokens)
+    decode_runs = {c: measure_decode(llm, c, args.decode_tokens, args.repeats, images) for c in args.concurrency}
+    conversations = measure_followups(llm, args.conversations, args.turn_tokens, images)
     decode = [summarize_decode(runs) for runs in decode_runs.values()]
     followup = summarize_followups(conversations)
     print(report(decode, followup))
     settings = {"model": str(args.model), "loaded_from": str(model), "load_s": load_s, **ENGINE_OPTIONS,
+                "dtype": args.dtype,
                 "max_num_batched_tokens": args.max_num_batched_tokens, "decode_tokens": args.decode_tokens,
                 "repeats": args.repeats, "turn_tokens": args.turn_tokens, "temperature": 0, "ignore_eos": True,
                 "environment": environment, "versions": versions(), "cpu_count": os.cpu_count(),

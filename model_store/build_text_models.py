@@ -130,6 +130,24 @@ def build(family: str, out: Path, seed: int = 0) -> Path:
     return path
 
 
+def build_bench_twin(out: Path) -> Path:
+    """``models/text-bench``: the language model of ``models/llava-bench`` (its weights, tokenizer and chat
+    template) as a plain Llama checkpoint, so decode benchmarks compare a plain Llama chat model of the
+    same size (118 MB of float32 weights per token) with vLLM and with the VLM."""
+    from transformers import AutoTokenizer, LlamaForCausalLM, LlavaForConditionalGeneration
+
+    source = out / "llava-bench"
+    llava = LlavaForConditionalGeneration.from_pretrained(source, dtype=torch.float32)
+    model = LlamaForCausalLM(llava.config.text_config)
+    model.model.load_state_dict(llava.model.language_model.state_dict())
+    model.lm_head.load_state_dict(llava.lm_head.state_dict())
+    model.generation_config = llava.generation_config
+    path = out / "text-bench"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    return path
+
+
 def ensure(families=FAMILIES, out: Path = Path(__file__).resolve().parent.parent / "models") -> dict[str, Path]:
     """Build what is missing; returns family -> checkpoint directory. Used by tests and make targets."""
     paths = {}

@@ -158,13 +158,13 @@ class ChatService:
         images = [p for m in request.messages for p in m.parts if isinstance(p, ImagePart)]
         if len(images) > self.engine.config.max_images_per_request:
             raise BadRequest(f"at most {self.engine.config.max_images_per_request} images per request")
-        decoded, pixel_values = await loop.run_in_executor(None, self._prepare_images, images)
+        decoded, prepared = await loop.run_in_executor(None, self._prepare_images, images)
         opens = request.opens_session
         stream = EventStream(loop)
         self.engine.submit(GenerationRequest(
             messages=request.messages, sampling=request.sampling, stream=stream,
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
-            pixel_values=pixel_values, image_digests=tuple(d.digest for d in decoded),
+            images=prepared, image_digests=tuple(d.digest for d in decoded),
             image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=self._adapter(request),
             speculative=request.speculative,
         ))

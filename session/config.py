@@ -36,7 +36,8 @@ class EngineConfig:
     default_max_tokens: int = 128  # when a request does not say
     max_batch_size: int = 16  # sessions decoding together in one forward pass
     max_queue: int = 256  # waiting requests per worker before 503
-    kv_block_tokens: int = 256  # KV buffers grow in whole blocks of this many tokens
+    kv_block_tokens: int = 256  # KV blocks of this many tokens (FlashAttention's paged kernel: a multiple of 256)
+    attention: str = "auto"  # decode: auto (cuda_graphs on CUDA, per_row on CPU), batched, per_row, cuda_graphs
     static_kv: bool = False  # fixed-capacity KV + bucketed shapes (session/static_shapes.py), as NeuronCores need
     compile: bool = False  # torch.compile the static-shape step functions (needs static_kv)
     compile_backend: str = "inductor"  # its backend: inductor, aot_eager, or neuron (NeuronCores, Neuron SDK)
@@ -62,7 +63,7 @@ class EngineConfig:
     draft_model_path: str = ""  # a small causal LM with the target's tokenizer (speculative decoding)
     num_speculative_tokens: int = 4  # the most proposals per step; adapted to the observed acceptance
     speculative_max_batch: int = 16  # speculate only while at most this many requests decode (batched)
-    threads: int = 0  # torch intra-op threads; 0 = auto: 1 on CPU (see Engine.__init__), torch's default on CUDA
+    threads: int = 0  # torch intra-op threads; 0 = auto: measured while serving on CPU (session/threads.py), torch's default on CUDA
     seed: int = 0  # default sampling seed when a request gives none
 
     @classmethod
@@ -122,6 +123,9 @@ class EngineConfig:
             raise ConfigError(f"no draft checkpoint at {self.draft_model_path!r} ({ENV_PREFIX}DRAFT_MODEL_PATH)")
         if self.compile and not self.static_kv:
             raise ConfigError(f"{ENV_PREFIX}COMPILE needs {ENV_PREFIX}STATIC_KV=true (compiled steps have static shapes)")
+        if self.attention not in ("auto", "batched", "per_row", "cuda_graphs"):
+            raise ConfigError(f"{ENV_PREFIX}ATTENTION must be auto, batched, per_row or cuda_graphs, "
+                              f"got {self.attention!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"{ENV_PREFIX}DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (Path(self.model_path) / "config.json").exists():

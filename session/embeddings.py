@@ -19,6 +19,7 @@ class EmbeddingEntry:
     digest: str
     tensor: torch.Tensor | None = None  # [num_image_tokens, hidden] on the host, or None until computed
     refs: int = 0  # image occurrences in live sessions and running requests
+    grid: tuple[int, int, int] | None = None  # Qwen-VL: the image's (t, h, w) patch grid, set with the tensor
 
     @property
     def nbytes(self) -> int:

@@ -23,8 +23,6 @@ import threading
 import time
 from typing import Callable
 
-import torch
-
 from session.admission import Admission
 from session.assembly import assemble, preprocess_images
 from session.config import EngineConfig
@@ -37,6 +35,7 @@ from session.sequence import (  # noqa: F401  (re-exported: callers build reques
     AdapterRequest, CancelRequest, CloseRequest, GenerationRequest, Sequence, SessionAdminRequest,
 )
 from session.stats import EngineStats, snapshot
+from session.vision import NO_IMAGES, Images
 
 logger = logging.getLogger(__name__)
 
@@ -112,22 +111,23 @@ class Engine:
         """
         from PIL import Image
 
-        pixel_values = None
+        images = NO_IMAGES
         token_ids = [self.tokenizer.bos_token_id or 0] * 4
-        if self.image_processor is not None:
-            pixel_values = self.preprocess_images([Image.new("RGB", (32, 32))])
-            token_ids += [self.runner.info.image_token_id] * self.runner.info.num_image_tokens
+        if self.vision is not None:
+            images = self.preprocess_images([Image.new("RGB", (32, 32))])
+            token_ids += [self.runner.info.image_token_id] * images.num_tokens[0]
         stream = EventStream()
         self.submit(GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=2), stream=stream,
-                                      token_ids=token_ids, pixel_values=pixel_values, request_id="warmup"))
+                                      token_ids=token_ids, images=images, request_id="warmup"))
         while not isinstance(event := stream.get(timeout=timeout_s), (Finished, Failed, Cancelled)):
             pass
         if isinstance(event, Failed):
             raise event.error
 
-    def preprocess_images(self, images: list) -> torch.Tensor | None:
-        """PIL images -> pixel_values [N, 3, H, W]. Runs in the caller's thread (CPU work, no model)."""
-        return preprocess_images(self.image_processor, images)
+    def preprocess_images(self, images: list) -> Images:
+        """PIL images -> Images (pixels, original sizes, token counts). Runs in the caller's thread
+        (CPU work, no model)."""
+        return preprocess_images(self.vision, images)
 
     def new_session_id(self) -> str:
         return new_session_id(self.config.session_id_tag)

@@ -23,7 +23,7 @@ from session.speculative import SpecRow, SpeculationController, StepCosts, batch
 
 class Executor:
     def __init__(self, *, runner, stepper, formatter, sessions: Sessions, adapters, speculator, config,
-                 max_context: int, pixel_digests):
+                 max_context: int, thread_tuner=None):
         self.runner = runner  # embeddings, images, model info
         self.stepper = runner if stepper is None else stepper  # prefill/decode: dynamic or static shapes
         self.formatter = formatter
@@ -32,7 +32,7 @@ class Executor:
         self.speculator = speculator  # SpeculativeDecoder or None
         self.config = config
         self.max_context = max_context
-        self.pixel_digests = pixel_digests  # pixel_values -> content keys, for requests without image bytes
+        self.thread_tuner = thread_tuner  # ThreadTuner (CPU, RESIDENT_THREADS=0) or None
         self.step_costs = StepCosts()  # decode-step costs by batch size, shared by the rows' controllers
         self.num_prefilled_tokens = 0
         self.num_cached_tokens = 0
@@ -42,18 +42,17 @@ class Executor:
     def prefill(self, seq: Sequence) -> int:
         """Prefill the turn's uncached tokens and commit it to the transcript; returns the first token."""
         request, session = seq.request, seq.session
-        new_ids, num_images = self._prompt(seq)
-        given = 0 if request.pixel_values is None else request.pixel_values.shape[0]
-        if num_images != given:
-            raise BadRequest(f"the prompt has {num_images} image placeholders but {given} images were given")
+        new_ids = self._prompt(seq)
         seq.prompt_tokens = len(session.token_ids) + len(new_ids)
         self._check_length(seq)
         seq.generator = make_generator(request.sampling, self.config.seed, self.runner.device)
-        digests = list(request.image_digests) or self.pixel_digests(request.pixel_values)
+        digests = list(request.image_digests) or request.images.digests()
         if session.adapter is not None:  # resident for as long as the request runs
             seq.adapter_slot = registry_or_404(self.adapters, session.adapter).acquire(session.adapter)
-        embeds = self.sessions.prepare_turn(seq, new_ids, digests, seq.prompt_tokens + request.sampling.max_tokens)
-        logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot)
+        embeds, positions = self.sessions.prepare_turn(seq, new_ids, digests,
+                                                       seq.prompt_tokens + request.sampling.max_tokens)
+        mrope = {} if positions is None else {"positions": positions}  # only M-RoPE models take positions
+        logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot, **mrope)
         self.sessions.commit_turn(seq, new_ids)
         self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
         self.num_cached_tokens += seq.cached_tokens
@@ -63,15 +62,22 @@ class Executor:
             self.speculator.sync_draft(session.token_ids, session.draft_kv)
         return sample_rows(self._never_image(logits[None]), [request.sampling], [seq.generator])[0]
 
-    def _prompt(self, seq: Sequence) -> tuple[list[int], int]:
+    def _prompt(self, seq: Sequence) -> list[int]:
+        """The turn's new ids, each image placeholder expanded to that image's own count."""
         request, session = seq.request, seq.session
-        if request.token_ids is not None:
-            return list(request.token_ids), self.runner.info.count_images(request.token_ids)
+        images = request.images
+        if request.token_ids is not None:  # raw ids (tests, benchmarks): placeholders already expanded
+            image_id = self.runner.info.image_token_id
+            placeholders = 0 if image_id is None else request.token_ids.count(image_id)
+            if placeholders != sum(images.num_tokens):
+                raise BadRequest(f"the prompt has {placeholders} image placeholder tokens but its {len(images)} "
+                                 f"images expand to {sum(images.num_tokens)}")
+            return list(request.token_ids)
         if session.num_turns == 0:
-            piece = self.formatter.opening(request.messages)
+            piece = self.formatter.opening(request.messages, images.num_tokens)
         else:
-            piece = self.formatter.followup(request.messages, session.ended_with_eos)
-        return piece.token_ids, piece.num_images
+            piece = self.formatter.followup(request.messages, session.ended_with_eos, images.num_tokens)
+        return piece.token_ids
 
     def _check_length(self, seq: Sequence) -> None:
         prompt_tokens, max_tokens, session = seq.prompt_tokens, seq.request.sampling.max_tokens, seq.session
@@ -109,9 +115,14 @@ class Executor:
 
     def decode(self, rows: list[Sequence]) -> list[int]:
         """One batched decode step: feeds each row's last token, returns each row's next token."""
+        if self.thread_tuner is not None:
+            self.thread_tuner.choose(len(rows))
         began = time.perf_counter()
+        mrope = {"position_offsets": [s.session.rope_delta for s in rows]} if self.runner.mrope else {}
         logits = self.stepper.decode([s.session.kv for s in rows], [s.next_token for s in rows],
-                                     adapter_slots=[s.adapter_slot for s in rows])
+                                     adapter_slots=[s.adapter_slot for s in rows], **mrope)
+        if self.thread_tuner is not None:
+            self.thread_tuner.observe(len(rows), time.perf_counter() - began)
         tokens = sample_rows(self._never_image(logits), [s.request.sampling for s in rows], [s.generator for s in rows])
         step_s = time.perf_counter() - began  # the cost speculation has to beat, at this batch size
         for seq in rows:

@@ -1,66 +1,252 @@
-"""Per-session KV cache: preallocated buffers that grow in whole blocks.
+"""KV caches: sessions' keys and values, in blocks of a shared pool or in one fixed buffer.
 
-Layout, one tensor each for keys and values: ``[num_layers, num_kv_heads, capacity, head_dim]``.
-A step writes its new positions in place; attention reads the view ``[:, :, :length]``,
-so no decode step allocates cache memory. Capacity grows in multiples of ``block_tokens``
-(amortised copy) or, with ``static=True``, is fixed at ``max_tokens`` from the start: the
-shape a static-shape compiler (NeuronCore, torch.compile without dynamic shapes) needs.
+Paged (the dynamic path): one ``BlockPool`` per model and block size holds every session's keys
+and values, ``[num_layers, num_blocks, block_tokens, num_kv_heads, head_dim]`` each, the layout
+FlashAttention's ``flash_attn_with_kvcache(block_table=...)`` reads. A ``PagedKVCache`` is one
+session's list of block ids (its block table). It grows by taking free blocks, so growth never
+copies what a session already holds, and a decode step for many sessions is one attention call per
+layer over the pool (session/attention.py). Block 0 is the pool's padding block: rows that pad a
+batch (CUDA graphs) write and read there; no session ever holds it.
+
+Static (the fixed-shape path, session/static_shapes.py): ``StaticKVCache`` is one buffer
+``[num_layers, num_kv_heads, max_tokens, head_dim]`` per K and V, allocated whole: the shape a
+static-shape compiler (NeuronCore, torch.compile without dynamic shapes) needs.
+
+Both answer the interface the engine uses: ``length``, ``nbytes``, ``capacity``, ``capacity_for``,
+``ensure_capacity``, ``write``, ``keys``, ``values``, ``crop``, ``release``, and for the host tier
+(session/memory.py) ``to_host`` / ``load``.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+logger = logging.getLogger(__name__)
 
-class KVCache:
+PAD_BLOCK = 0  # the pool's padding block (see the module docstring)
+
+
+class BlockPool:
+    """Fixed-size KV blocks for every paged cache of one model (who calls this: ``ModelRunner``,
+    which owns it, and the caches it hands out; the engine loop thread only).
+
+    The pool is sized once where a device budget is known (``reserve``, from session/assembly.py:
+    on CUDA the budget is never unlimited, so there the pool never grows). Where nothing was
+    reserved (CPU, no budget) it doubles when it runs out of free blocks: that copies the pool, at
+    most log2(blocks) times in a worker's life, and never on a session's own growth.
+    """
+
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, block_tokens: int, max_tokens: int, static: bool = False):
+                 device: torch.device, block_tokens: int, num_blocks: int = 1):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
         self.block_tokens = block_tokens
+        self.k = self._empty(max(num_blocks, 1))
+        self.v = self._empty(max(num_blocks, 1))
+        self.free_ids = list(range(self.num_blocks - 1, PAD_BLOCK, -1))  # popped from the end: lowest id first
+        self.num_grows = 0  # pool copies so far (CUDA graphs captured over the old pool are stale after one)
+
+    def _empty(self, num_blocks: int) -> torch.Tensor:
+        # Zeroed: attention over a padded block table multiplies masked positions by 0, and 0 * NaN
+        # from uninitialised memory would still be NaN.
+        return torch.zeros(self.num_layers, num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim,
+                           dtype=self.dtype, device=self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes one token's keys and values take in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.block_tokens * self.token_nbytes
+
+    def new_cache(self, max_tokens: int) -> "PagedKVCache":
+        return PagedKVCache(self, max_tokens=max_tokens)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` free block ids (growing the pool if it has too few)."""
+        if num_blocks > len(self.free_ids):
+            self.reserve(max(2 * self.num_blocks, self.num_blocks + num_blocks - len(self.free_ids)))
+        taken = self.free_ids[len(self.free_ids) - num_blocks:][::-1]
+        del self.free_ids[len(self.free_ids) - num_blocks:]
+        return taken
+
+    def free(self, block_ids: list[int]) -> None:
+        self.free_ids.extend(sorted(block_ids, reverse=True))
+
+    def reserve(self, num_blocks: int) -> None:
+        """Grow to at least ``num_blocks`` blocks (the padding block included); a no-op when it holds that many."""
+        old = self.num_blocks
+        if num_blocks <= old:
+            return
+        if self.num_grows or old > 1:
+            logger.info("KV block pool grows from %d to %d blocks of %d tokens (copies the pool)", old,
+                        num_blocks, self.block_tokens)
+        k, v = self._empty(num_blocks), self._empty(num_blocks)
+        k[:, :old] = self.k
+        v[:, :old] = self.v
+        self.k, self.v = k, v
+        self.free_ids[:0] = range(num_blocks - 1, old - 1, -1)  # new ids go after (taken after) the old free ones
+        self.num_grows += 1
+
+    def slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """Flat slot numbers (block * block_tokens + offset) of positions start .. end-1 of a block table."""
+        size = self.block_tokens
+        return [block_ids[p // size] * size + p % size for p in range(start, end)]
+
+
+class PagedKVCache:
+    """One session's keys and values: its block table into a ``BlockPool``. Who calls this: the
+    engine loop thread (model runner, sessions, memory manager), never two threads at once."""
+
+    def __init__(self, pool: BlockPool, *, max_tokens: int):
+        self.pool = pool
+        self.num_layers, self.num_kv_heads, self.head_dim = pool.num_layers, pool.num_kv_heads, pool.head_dim
+        self.dtype, self.device = pool.dtype, pool.device
         self.max_tokens = max_tokens
-        self.static = static
+        self.block_ids: list[int] = []  # the block table: position p lives in block_ids[p // block_tokens]
         self.length = 0  # tokens whose keys and values are stored
-        capacity = max_tokens if static else 0
-        self.k = self._empty(capacity)
-        self.v = self._empty(capacity)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.pool.block_tokens
+
+    @property
+    def capacity(self) -> int:
+        return len(self.block_ids) * self.block_tokens
+
+    @property
+    def token_nbytes(self) -> int:
+        return self.pool.token_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes this session holds: its blocks, whole."""
+        return len(self.block_ids) * self.pool.block_nbytes
+
+    def capacity_for(self, num_tokens: int) -> int:
+        """The capacity ``ensure_capacity(num_tokens)`` would leave (never less than today's)."""
+        blocks = -(-num_tokens // self.block_tokens)
+        return max(self.capacity, blocks * self.block_tokens)
+
+    def ensure_capacity(self, num_tokens: int) -> None:
+        """Called before a prefill or decode run with the largest length it may reach. Takes free
+        blocks from the pool; what the session holds stays where it is."""
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"KV cache cannot hold {num_tokens} tokens (max {self.max_tokens})")
+        missing = -(-num_tokens // self.block_tokens) - len(self.block_ids)
+        if missing > 0:
+            self.block_ids += self.pool.allocate(missing)
+
+    def slots(self, start: int, end: int) -> list[int]:
+        return self.pool.slots(self.block_ids, start, end)
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [num_kv_heads, T, head_dim] for positions start .. start+T-1
+        slots = torch.tensor(self.slots(start, start + k.shape[1]), device=self.device)
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        self.pool.k[layer].view(shape).index_copy_(0, slots, k.transpose(0, 1))
+        self.pool.v[layer].view(shape).index_copy_(0, slots, v.transpose(0, 1))
+
+    def keys(self, layer: int, end: int) -> torch.Tensor:
+        """[num_kv_heads, end, head_dim]: a view of the pool when the blocks are consecutive, else a gather."""
+        return self._read(self.pool.k[layer], end)
+
+    def values(self, layer: int, end: int) -> torch.Tensor:
+        return self._read(self.pool.v[layer], end)
+
+    def _read(self, blocks: torch.Tensor, end: int) -> torch.Tensor:
+        # blocks: [num_blocks, block_tokens, KVH, hd] (one layer of the pool)
+        used = self.block_ids[: -(-end // self.block_tokens)]
+        first = used[0] if used else 0
+        if used == list(range(first, first + len(used))):
+            rows = blocks[first : first + len(used)]
+        else:
+            rows = blocks[torch.tensor(used, device=self.device)]
+        return rows.reshape(-1, self.num_kv_heads, self.head_dim)[:end].transpose(0, 1)
+
+    def crop(self, length: int) -> None:
+        """Forget positions from ``length`` on (the blocks stay held)."""
+        self.length = min(self.length, length)
+
+    def release(self) -> None:
+        """Give every block back to the pool; a later ``ensure_capacity`` takes blocks again."""
+        self.pool.free(self.block_ids)
+        self.block_ids = []
+        self.length = 0
+
+    def to_host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact host copies of what is stored: K, V [num_layers, num_kv_heads, length, head_dim]."""
+        used = torch.tensor(self.block_ids[: -(-self.length // self.block_tokens)], device=self.device)
+        shape = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
+        return tuple(pool[:, used].reshape(shape)[:, : self.length].transpose(1, 2).contiguous().cpu()
+                     for pool in (self.pool.k, self.pool.v))
+
+    def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``to_host``'s copies as this (empty) cache's first ``k.shape[2]`` positions."""
+        length = k.shape[2]
+        self.ensure_capacity(length)
+        slots = torch.tensor(self.slots(0, length), device=self.device)
+        shape = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
+        self.pool.k.view(shape)[:, slots] = k.transpose(1, 2).to(self.device)
+        self.pool.v.view(shape)[:, slots] = v.transpose(1, 2).to(self.device)
+        self.length = length
+
+
+class StaticKVCache:
+    """One session's keys and values in a buffer of ``max_tokens`` positions, allocated whole; a
+    step writes its new positions in place. Who calls this: the static-shape runner, the engine loop."""
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, max_tokens: int):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.max_tokens = max_tokens
+        self.length = 0  # tokens whose keys and values are stored
+        self.k = self._empty(max_tokens)
+        self.v = self._empty(max_tokens)
 
     def _empty(self, capacity: int) -> torch.Tensor:
-        # Static caches are read whole under a mask: masked positions get weight 0, and 0 * NaN from
-        # uninitialised memory would still be NaN, so they start zeroed. Dynamic ones never read past length.
-        alloc = torch.zeros if self.static else torch.empty
-        return alloc(self.num_layers, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+        # Read whole under a mask: masked positions get weight 0, and 0 * NaN from uninitialised
+        # memory would still be NaN, so the buffers start zeroed.
+        return torch.zeros(self.num_layers, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,
+                           device=self.device)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
 
     @property
+    def token_nbytes(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+
+    @property
     def nbytes(self) -> int:
         """Bytes held on the device (both buffers, whole capacity)."""
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.capacity * self.token_nbytes
 
     def capacity_for(self, num_tokens: int) -> int:
-        """The capacity ``ensure_capacity(num_tokens)`` would leave (never less than today's)."""
-        if self.static:
-            return self.max_tokens
-        blocks = -(-num_tokens // self.block_tokens)
-        return max(self.capacity, min(blocks * self.block_tokens, self.max_tokens))
+        return self.max_tokens
 
     def ensure_capacity(self, num_tokens: int) -> None:
-        """Called before a prefill or decode run with the largest length it may reach."""
+        """Allocates the buffers again after a ``release``; otherwise only checks ``max_tokens``."""
         if num_tokens > self.max_tokens:
             raise ValueError(f"KV cache cannot hold {num_tokens} tokens (max {self.max_tokens})")
-        if num_tokens <= self.capacity:
-            return
-        capacity = self.capacity_for(num_tokens)
-        k, v = self._empty(capacity), self._empty(capacity)
-        k[:, :, : self.length] = self.k[:, :, : self.length]
-        v[:, :, : self.length] = self.v[:, :, : self.length]
-        self.k, self.v = k, v
+        if num_tokens > self.capacity:
+            self.k, self.v = self._empty(self.max_tokens), self._empty(self.max_tokens)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [num_kv_heads, T, head_dim] for positions start .. start+T-1
@@ -79,7 +265,20 @@ class KVCache:
         self.length = min(self.length, length)
 
     def release(self) -> None:
-        """Free the buffers; a later ``ensure_capacity`` allocates again (static caches: in full)."""
+        """Free the buffers; a later ``ensure_capacity`` allocates them again, in full."""
         self.length = 0
         self.k = self._empty(0)
         self.v = self._empty(0)
+
+    def to_host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, : self.length].to("cpu", copy=True), self.v[:, :, : self.length].to("cpu", copy=True)
+
+    def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        length = k.shape[2]
+        self.ensure_capacity(length)
+        self.k[:, :, :length].copy_(k)
+        self.v[:, :, :length].copy_(v)
+        self.length = length
+
+
+KVCache = PagedKVCache | StaticKVCache

@@ -17,8 +17,6 @@ import enum
 import logging
 from typing import Iterable
 
-import torch
-
 from session.errors import CapacityExceeded
 from session.state import SessionState
 from session.store import SessionStore
@@ -78,10 +76,9 @@ class MemoryManager:
         kv = session.kv
         if session.draft_kv is not None:  # the draft re-reads the transcript lazily: not worth a host copy
             session.draft_kv.release()
-        host_need = 2 * kv.k[:, :, : kv.length].numel() * kv.k.element_size()
+        host_need = kv.length * kv.token_nbytes
         if self.host_budget_bytes > 0 and self._make_host_room(host_need, session):
-            k, v = kv.k[:, :, : kv.length], kv.v[:, :, : kv.length]
-            session.host_kv = (k.to("cpu", copy=True), v.to("cpu", copy=True))
+            session.host_kv = kv.to_host()
             session.host_length = kv.length
             kv.release()
             session.tier = Tier.HOST
@@ -114,13 +111,7 @@ class MemoryManager:
 
     def restore_from_host(self, session: SessionState) -> None:
         """HOST -> DEVICE: copy the compact KV back into the session's (already sized) device cache."""
-        k, v = session.host_kv
-        length = session.host_length
-        kv = session.kv
-        kv.ensure_capacity(length)
-        kv.k[:, :, :length].copy_(k)
-        kv.v[:, :, :length].copy_(v)
-        kv.length = length
+        session.kv.load(*session.host_kv)
         session.host_kv = None
         session.host_length = 0
         session.tier = Tier.DEVICE
@@ -133,5 +124,4 @@ def _least_recent(candidates: Iterable[SessionState]) -> SessionState | None:
 
 def kv_bytes(kv, num_tokens: int) -> int:
     """Device bytes a KV cache of ``kv``'s shape holds once sized for ``num_tokens``."""
-    per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * torch.tensor([], dtype=kv.dtype).element_size()
-    return kv.capacity_for(num_tokens) * per_token
+    return kv.capacity_for(num_tokens) * kv.token_nbytes

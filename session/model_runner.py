@@ -1,9 +1,9 @@
 """The one owner of model weights and forward passes.
 
-Loads a Hugging Face checkpoint by path (a LLaVA model, or a plain Llama-family causal LM)
-and runs it with our own attention over our own KV layout (``session.kv_cache``):
-prefill of one sequence's new tokens, and a decode step batched across sessions whose
-contexts have different lengths. Projections, norms, MLPs and rotary embeddings are the
+Loads a Hugging Face checkpoint by path (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, or a plain
+causal LM of a family ``session/support.py`` admits) and runs it with our own attention over our own
+KV layout (``session.kv_cache``): prefill of one sequence's new tokens, and a decode step batched
+across sessions whose contexts have different lengths. Projections, norms, MLPs and rotary embeddings are the
 checkpoint's own modules, so real weights (and LoRA-wrapped linears) work unchanged.
 
 Who calls this: the engine loop thread only. Nothing here is thread-safe.
@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from session.attention import PagedAttention, PagedBatch, choose_backend, columns, plan_rows, to_batch
 from session.config import EngineConfig
-from session.kv_cache import KVCache
+from session.errors import ConfigError
+from session.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache
 from session.support import check_supported
 
 logger = logging.getLogger(__name__)
+
+# The vision-language model types the runner loads, and their transformers classes (session/support.py
+# decides what is admitted).
+VLM_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+               "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")  # 3-D positions (session/mrope.py): prefill takes them, decode an offset
 
 
 @dataclass(frozen=True)
@@ -36,11 +45,7 @@ class ModelInfo:
     max_positions: int
     eos_token_ids: tuple[int, ...]
     image_token_id: int | None  # None for text-only models
-    num_image_tokens: int  # placeholder tokens one image expands to
-
-    def count_images(self, token_ids: list[int]) -> int:
-        """Images in a transcript: its placeholder tokens over the tokens one image expands to."""
-        return 0 if self.image_token_id is None else token_ids.count(self.image_token_id) // self.num_image_tokens
+    num_image_tokens: int  # placeholder tokens every image expands to; 0 where it varies (session/vision.py)
 
 
 def attention_windows(text_config, num_layers: int) -> list[int | None]:
@@ -72,6 +77,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def default_attention(device: torch.device) -> str:
+    """The decode attention a device gets unless RESIDENT_ATTENTION says otherwise. CUDA: batched (one
+    kernel per layer instead of one per row). CPU: per_row, measured 2x faster at 16 sessions
+    (benchmarks/attention_paths.py, docs/ENGINE.md): SDPA over gathered blocks copies every row's KV
+    each step, while a row whose blocks are consecutive is read in place."""
+    return "batched" if device.type == "cuda" else "per_row"
+
+
 def cpu_has_bf16() -> bool:
     """Native bfloat16 dot products on this CPU (the flags Linux reports in /proc/cpuinfo)."""
     try:
@@ -90,13 +103,16 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         hf_config = AutoConfig.from_pretrained(model_path)
         check_supported(hf_config)  # refuse, naming the feature, before any weight is read
-        self.is_multimodal = hf_config.model_type == "llava"
+        self.hf_config = hf_config
+        self.is_multimodal = hf_config.model_type in VLM_CLASSES
         text_config = hf_config.text_config if self.is_multimodal else hf_config
         self.model = self._load(model_path, hf_config)
+        self.mrope = hf_config.model_type in MROPE_TYPES
+        self.merge_size = hf_config.vision_config.spatial_merge_size if self.mrope else 1  # M-RoPE image grids
         if self.is_multimodal:
             self.lm = self.model.model.language_model
-            self.vision_feature_layer = hf_config.vision_feature_layer
-            self.vision_select = hf_config.vision_feature_select_strategy
+            self.vision_feature_layer = getattr(hf_config, "vision_feature_layer", None)  # LLaVA's
+            self.vision_select = getattr(hf_config, "vision_feature_select_strategy", None)
         else:
             self.lm = self.model.model
         self.lm_head = self.model.lm_head
@@ -104,6 +120,9 @@ class ModelRunner:
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
         self.lora = None  # a LoraBank once enable_lora ran
+        self.kv_pools: dict[int, BlockPool] = {}  # block_tokens -> the pool of paged caches of that block size
+        self.decode_attention = default_attention(self.device)  # "batched" or "per_row" (configure_decode)
+        self.graphs = None  # DecodeGraphs once configure_decode turned CUDA graphs on
 
     def enable_lora(self, num_slots: int, max_rank: int):
         """Wrap the language model's linears for per-row LoRA adapters (once, at start-up)."""
@@ -124,9 +143,9 @@ class ModelRunner:
         return cls(config.model_path, device=config.device, dtype=config.dtype)
 
     def _load(self, path: str, hf_config):
-        from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+        import transformers
 
-        cls = LlavaForConditionalGeneration if self.is_multimodal else AutoModelForCausalLM
+        cls = getattr(transformers, VLM_CLASSES.get(hf_config.model_type, "AutoModelForCausalLM"))
         model = cls.from_pretrained(path, dtype=self.dtype)
         return model.to(self.device).eval().requires_grad_(False)
 
@@ -136,7 +155,7 @@ class ModelRunner:
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos_ids = {e for e in (eos, gen_eos) for e in (e if isinstance(e, list) else [e]) if e is not None}
         num_image_tokens = 0
-        if self.is_multimodal:
+        if hf_config.model_type == "llava":  # llava_next: a count per image (anyres)
             vc = hf_config.vision_config
             num_image_tokens = (vc.image_size // vc.patch_size) ** 2 + (self.vision_select == "full")
         return ModelInfo(
@@ -149,20 +168,47 @@ class ModelRunner:
         )
 
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
-        i = self.info
-        return KVCache(num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim,
-                       dtype=self.dtype, device=self.device, block_tokens=block_tokens,
-                       max_tokens=max_tokens, static=static)
+        """A session's cache: blocks of this runner's pool, or (``static``) one whole fixed buffer."""
+        if static:
+            i = self.info
+            return StaticKVCache(num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim,
+                                 dtype=self.dtype, device=self.device, max_tokens=max_tokens)
+        return self.kv_pool(block_tokens).new_cache(max_tokens)
+
+    def kv_pool(self, block_tokens: int) -> BlockPool:
+        """The pool of paged caches with blocks of ``block_tokens`` (one per size; the engine uses one size)."""
+        pool = self.kv_pools.get(block_tokens)
+        if pool is None:
+            i = self.info
+            pool = self.kv_pools[block_tokens] = BlockPool(
+                num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim, dtype=self.dtype,
+                device=self.device, block_tokens=block_tokens)
+        return pool
 
     # ------------------------------------------------------------------ vision
 
     @torch.inference_mode()
-    def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        """pixel_values: [N, 3, H, W] -> N tensors of [num_image_tokens, hidden]."""
+    def encode_images(self, pixels: Sequence[torch.Tensor], sizes: Sequence[tuple[int, int]] | None = None,
+                      grids: Sequence[tuple[int, int, int]] | None = None) -> list[torch.Tensor]:
+        """Each image's pixels -> one [its image tokens, hidden] tensor per image. Per family, an image's
+        pixels are: LLaVA-1.5 [3, H, W]; LLaVA-NeXT its own [tiles, 3, tile, tile], with its original
+        (height, width) in ``sizes`` (features come back packed: unpadded, ``image_newline`` after each
+        row, base tile first); Qwen-VL its [t*h*w, patch values] with its (t, h, w) in ``grids``."""
+        model_type = self.hf_config.model_type
+        if model_type in MROPE_TYPES:
+            out = self.model.model.get_image_features(torch.cat(list(pixels)).to(self.device, self.dtype),
+                                                      torch.tensor(grids, device=self.device))
+            return [f.contiguous() for f in out.pooler_output]
+        kwargs = {}
+        if model_type == "llava_next":
+            kwargs["image_sizes"] = torch.tensor(sizes, device=self.device)
+            pixel_values = torch.cat(list(pixels))
+        else:
+            pixel_values = torch.stack(list(pixels))
         out = self.model.model.get_image_features(
             pixel_values=pixel_values.to(self.device, self.dtype),
             vision_feature_layer=self.vision_feature_layer,
-            vision_feature_select_strategy=self.vision_select,
+            vision_feature_select_strategy=self.vision_select, **kwargs,
         )
         return [f.contiguous() for f in out.pooler_output]
 
@@ -180,9 +226,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False,
-                adapter_slot: int = 0) -> torch.Tensor:
+                adapter_slot: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``embeds`` [T, hidden] after the ``kv.length`` cached tokens.
 
+        ``positions``: the rotary positions, [T] or M-RoPE's [3, T] (session/mrope.py); by default
+        ``kv.length ..``. Masks and KV slots follow token indices whatever the positions.
         Returns the last position's logits [V], or with ``all_logits`` every position's [T, V]
         (speculative verification scores all proposed tokens in this one pass).
         """
@@ -191,8 +239,9 @@ class ModelRunner:
         kv.ensure_capacity(end)
         self.set_adapters([adapter_slot])
         h = embeds[None]  # [1, T, D]
-        positions = torch.arange(start, end, device=self.device)[None]  # [1, T]
-        cos, sin = self.lm.rotary_emb(h, positions)
+        if positions is None:
+            positions = torch.arange(start, end)
+        cos, sin = self.lm.rotary_emb(h, positions.to(self.device)[..., None, :])  # [1, T] or [3, 1, T]
         # query i (absolute position start+i) sees keys 0 .. start+i; in a sliding-window layer of W,
         # only the last W of them (keys j > start+i-W)
         causal = torch.ones(num_new, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
@@ -209,20 +258,73 @@ class ModelRunner:
         kv.length = end
         return self._logits(h)[0] if all_logits else self._logits(h[:, -1:])[0, 0]
 
-    @torch.inference_mode()
-    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None) -> torch.Tensor:
-        """One step for B sessions: feed token_ids[b] at position kvs[b].length; returns logits [B, V].
+    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...]) -> None:
+        """Called once at start-up (session/assembly.py) with RESIDENT_ATTENTION: auto, batched, per_row or
+        cuda_graphs (batched, replayed as CUDA graphs per batch bucket; auto picks it on CUDA)."""
+        if attention == "auto":
+            attention = "cuda_graphs" if self.device.type == "cuda" else default_attention(self.device)
+        if attention == "cuda_graphs":
+            if self.device.type != "cuda":
+                raise ConfigError("RESIDENT_ATTENTION=cuda_graphs needs a CUDA device")
+            from session.decode_graphs import DecodeGraphs
 
-        Projections and MLPs run batched; attention runs per row over that session's own cache
-        view (no gather of KV into a padded batch: on CPU the copy costs more than the loop).
+            self.graphs = DecodeGraphs(self, batch_buckets)
+            attention = "batched"
+        self.decode_attention = attention
+
+    @torch.inference_mode()
+    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None,
+               position_offsets: list[int] | None = None) -> torch.Tensor:
+        """One step for B sessions: feed token_ids[b] at position kvs[b].length (plus position_offsets[b],
+        an M-RoPE session's rope delta: a generated token is text, the same position in all three rows);
+        returns logits [B, V].
+
+        Batched (the default, see ``default_attention``): one attention call per layer for all rows over
+        the paged pool (session/attention.py), replayed from a CUDA graph per batch bucket where
+        configured. Per row (RESIDENT_ATTENTION=per_row): each row attends over its own cache view.
         """
         lengths = [kv.length for kv in kvs]
         for kv, length in zip(kvs, lengths):
             kv.ensure_capacity(length + 1)
         self.set_adapters(adapter_slots)
+        offsets = None if not any(position_offsets or ()) else torch.tensor(position_offsets, device=self.device)
+        if self.decode_attention == "per_row":
+            logits = self._decode_per_row(kvs, token_ids, lengths, offsets)
+        elif self.graphs is not None and not any(adapter_slots or ()) and offsets is None and self.graphs.fits(kvs):
+            logits = self.graphs.run(kvs, token_ids)  # graphs hold the base model at plain positions only
+        else:
+            plan = torch.tensor([[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1))], device=self.device)
+            logits = self.forward_paged(kvs[0].pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1), offsets)[:, 0]
+        for kv, length in zip(kvs, lengths):
+            kv.length = length + 1
+        return logits
+
+    def forward_paged(self, pool: BlockPool, ids: torch.Tensor, batch: PagedBatch,
+                      position_offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """ids: [B, T] new tokens of B rows whose caches are in ``pool`` -> logits [B, T, V]. Writes the new
+        keys and values where ``batch`` says; dispatches the same operators whatever B and T (no host sync:
+        CUDA graphs capture it). ``position_offsets`` [B]: M-RoPE rope deltas added to the rotary positions
+        (the masks keep following token indices). Callers: ``decode``, DecodeGraphs; a multi-token verify
+        can call it with T > 1."""
+        h = self.lm.embed_tokens(ids)  # [B, T, D]
+        positions = batch.positions if position_offsets is None else batch.positions + position_offsets[:, None]
+        cos, sin = self.lm.rotary_emb(h, positions)
+        attention = PagedAttention(pool, batch, self.windows, choose_backend(pool))
+        for index, layer in enumerate(self.layers):
+            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
+            o = attention(index, q, k, v, window=self.windows[index], scale=layer.self_attn.scaling)
+            h = self.finish_layer(layer, h, o)
+        return self._logits(h)
+
+    def _decode_per_row(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
+                        position_offsets: torch.Tensor | None) -> torch.Tensor:
+        # Projections and MLPs run batched; attention runs per row over that session's own cache view.
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         h = self.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
-        positions = torch.tensor(lengths, device=self.device)[:, None]  # [B, 1]
+        positions = torch.tensor(lengths, device=self.device)
+        if position_offsets is not None:
+            positions = positions + position_offsets
+        positions = positions[:, None]  # [B, 1]
         cos, sin = self.lm.rotary_emb(h, positions)
         gqa = self.info.num_heads != self.info.num_kv_heads
         for index, layer in enumerate(self.layers):
@@ -238,8 +340,6 @@ class ModelRunner:
                     kv.values(index, length + 1)[None, :, first:], scale=attn.scaling, enable_gqa=gqa,
                 ))
             h = self.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
-        for kv, length in zip(kvs, lengths):
-            kv.length = length + 1
         return self._logits(h)[:, 0]
 
     def attention_inputs(self, layer, h, cos, sin):
@@ -275,17 +375,40 @@ class ModelRunner:
         A batched multi-token decode: speculative verification of several sessions at once (each row
         feeds its last token and its proposals) and the draft's catch-up pass. Returns logits [B, T, V],
         T = the longest row; row b's positions from len(token_rows[b]) on are padding (ignore them).
-        Projections and MLPs run over the whole [B, T] block; attention runs per row over its own cache
-        with the mask ``prefill`` uses: query i (position length_b + i) sees keys 0 .. length_b + i, and
-        in a sliding-window layer of W only the last W of them.
+        Query i of row b (position length_b + i) sees keys 0 .. length_b + i, and in a sliding-window
+        layer of W only the last W of them, as in ``prefill``. Attention as ``decode`` does it:
+        batched (paged caches of one pool): one ``forward_paged`` call, shorter rows padded to T with
+        their last token, whose keys land in the row's own blocks past its new length (stale there,
+        overwritten later) and come after every real query of the row, so none attends to them.
+        Per row (CPU's default, static caches): projections and MLPs over [B, T], attention per row over
+        its own cache.
         """
         lengths = [kv.length for kv in kvs]
         counts = [len(row) for row in token_rows]
         width = max(counts)
-        for kv, length, count in zip(kvs, lengths, counts):
-            kv.ensure_capacity(length + count)
-        self.set_adapters(adapter_slots)
         padded = [row + row[-1:] * (width - len(row)) for row in token_rows]
+        self.set_adapters(adapter_slots)
+        if self._extend_batched(kvs, width):
+            for kv, length in zip(kvs, lengths):
+                kv.ensure_capacity(length + width)
+            plan = torch.tensor([[*ids, *row] for ids, row in zip(padded, plan_rows(kvs, width))], device=self.device)
+            logits = self.forward_paged(kvs[0].pool, columns(plan, 0, width), to_batch(plan[:, width:], width))
+        else:
+            for kv, length, count in zip(kvs, lengths, counts):
+                kv.ensure_capacity(length + count)
+            logits = self._extend_per_row(kvs, padded, lengths, counts)
+        for kv, length, count in zip(kvs, lengths, counts):
+            kv.length = length + count
+        return logits
+
+    def _extend_batched(self, kvs: list[KVCache], width: int) -> bool:
+        pool = getattr(kvs[0], "pool", None)
+        return (self.decode_attention == "batched" and pool is not None
+                and all(getattr(kv, "pool", None) is pool and kv.length + width <= kv.max_tokens for kv in kvs))
+
+    def _extend_per_row(self, kvs: list[KVCache], padded: list[list[int]], lengths: list[int],
+                        counts: list[int]) -> torch.Tensor:
+        width = len(padded[0])
         h = self.lm.embed_tokens(torch.tensor(padded, dtype=torch.long, device=self.device))  # [B, T, D]
         positions = torch.tensor(lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)
         cos, sin = self.lm.rotary_emb(h, positions)  # positions: [B, T]
@@ -305,8 +428,6 @@ class ModelRunner:
                 )  # [1, H, count, hd]
                 rows.append(row if count == width else F.pad(row, (0, 0, 0, width - count)))  # padding: zeros
             h = self.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
-        for kv, length, count in zip(kvs, lengths, counts):
-            kv.length = length + count
         return self._logits(h)
 
     def _extend_masks(self, length: int, count: int) -> dict[int | None, torch.Tensor | None]:

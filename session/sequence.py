@@ -14,6 +14,7 @@ import torch
 
 from session.events import EventStream
 from session.protocol import Message, SamplingParams
+from session.vision import NO_IMAGES, Images
 
 if TYPE_CHECKING:
     from session.outputs import Detokenizer
@@ -29,7 +30,7 @@ class GenerationRequest:
     stream: EventStream
     session_id: str | None = None
     open_session: bool = False  # True: create session_id; False with session_id None: stateless
-    pixel_values: torch.Tensor | None = None  # [num_images, 3, H, W], preprocessed by the caller
+    images: Images = NO_IMAGES  # preprocessed by the caller (``Engine.preprocess_images``), in prompt order
     image_digests: tuple[str, ...] = ()  # sha256 of each image's encoded bytes (computed from pixels if absent)
     image_bytes: tuple[bytes, ...] = ()  # the encoded images, for the journal (crash recovery)
     request_id: str = ""  # also the key ``Engine.cancel`` takes
@@ -92,6 +93,7 @@ class TurnMark:
     num_images: int
     num_turns: int
     ended_with_eos: bool
+    rope_delta: int
 
 
 @dataclass(eq=False)
@@ -110,6 +112,7 @@ class Sequence:
     controller: object | None = None  # SpeculationController while speculative decoding is allowed
     mark: TurnMark | None = None  # set when the turn's prefill committed; None while waiting
     images_acquired: tuple[str, ...] = ()  # embedding references this turn holds
+    next_rope_delta: int = 0  # M-RoPE: the session's rope delta once this turn's prefill commits
     cancel_requested: bool = False
     done: bool = False  # its final event was sent
 

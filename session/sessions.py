@@ -26,17 +26,19 @@ from session.protocol import validate_session_id
 from session.sequence import Sequence, TurnMark
 from session.state import SessionState
 from session.store import SessionStore
+from session.vision import Images
 
 logger = logging.getLogger(__name__)
 
 
 class Sessions:
     def __init__(self, *, store: SessionStore, memory: MemoryManager, embeddings: EmbeddingCache,
-                 journal: Journal | None, runner, pixels_from_bytes: Callable[[bytes], torch.Tensor], new_kv: Callable, new_draft_kv: Callable,
+                 journal: Journal | None, runner, images_from_bytes: Callable[[bytes], Images], new_kv: Callable,
+                 new_draft_kv: Callable,
                  draft_text_tokens: Callable[[list[int]], int]):
         self.store, self.memory, self.embeddings, self.journal = store, memory, embeddings, journal
         self.runner = runner
-        self.pixels_from_bytes = pixels_from_bytes  # encoded image -> pixels [3, H, W] (images from the journal)
+        self.images_from_bytes = images_from_bytes  # encoded image -> Images of one (images from the journal)
         self.new_kv = new_kv  # () -> an empty KVCache for the target
         self.new_draft_kv = new_draft_kv  # () -> an empty draft KVCache, or None
         self.draft_text_tokens = draft_text_tokens  # transcript ids -> tokens the draft holds for them
@@ -77,10 +79,12 @@ class Sessions:
 
     # ------------------------------------------------------------------ a turn
 
-    def prepare_turn(self, seq: Sequence, new_ids: list[int], digests: list[str], total_tokens: int) -> torch.Tensor:
+    def prepare_turn(self, seq: Sequence, new_ids: list[int], digests: list[str],
+                     total_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Take the turn's image references, bring the session's KV to the device sized for
         ``total_tokens`` (restoring or recomputing it), and embed what it has not cached.
-        Returns the embeddings to prefill [T, D]; sets ``seq.cached_tokens``. On an exception the
+        Returns the embeddings to prefill [T, D] and, for an M-RoPE model, their positions [3, T]
+        (else None); sets ``seq.cached_tokens`` (and ``seq.next_rope_delta``). On an exception the
         image references are given back (``seq.images_acquired`` empty) and the transcript is untouched."""
         session = seq.session
         for digest in digests:
@@ -106,17 +110,35 @@ class Sessions:
             seq.cached_tokens = kv.length
             # The transcript's unfed tail: normally the previous answer's last token; all of it after a drop.
             old_digests = session.image_digests if kv.length == 0 else []
-            images = self._image_embeddings(old_digests, digests, seq.request.pixel_values)
-            return self.runner.embed(session.token_ids[kv.length:] + new_ids, images)
+            images = self._image_embeddings(old_digests, digests, seq.request.images)
+            segment = session.token_ids[kv.length:] + new_ids
+            return self.runner.embed(segment, images), self._positions(seq, segment, old_digests + digests)
         except BaseException:
             self.release_images(seq)
             raise
+
+    def _positions(self, seq: Sequence, segment: list[int], digests: list[str]) -> torch.Tensor | None:
+        """M-RoPE positions of a prefill segment (None for other models): it starts at the session's
+        next position (0 when its whole transcript is recomputed), its images laid out by their grids."""
+        if not self.runner.mrope:
+            return None
+        from session.mrope import segment_positions
+
+        session, cached = seq.session, seq.session.kv.length
+        start = cached + session.rope_delta if cached else 0
+        grids = [self.embeddings.get(d).grid for d in digests]
+        positions, next_position = segment_positions(segment, self.runner.info.image_token_id, grids,
+                                                     self.runner.merge_size, start)
+        seq.next_rope_delta = next_position - (cached + len(segment))
+        return positions
 
     def commit_turn(self, seq: Sequence, new_ids: list[int]) -> None:
         """The turn's prefill ran: its prompt joins the transcript (until a rollback)."""
         session = seq.session
         seq.mark = TurnMark(num_tokens=len(session.token_ids), num_images=len(session.image_digests),
-                            num_turns=session.num_turns, ended_with_eos=session.ended_with_eos)
+                            num_turns=session.num_turns, ended_with_eos=session.ended_with_eos,
+                            rope_delta=session.rope_delta)
+        session.rope_delta = seq.next_rope_delta
         session.token_ids.extend(new_ids)
         session.image_digests.extend(seq.images_acquired)
         session.num_turns += 1
@@ -135,6 +157,7 @@ class Sessions:
         del session.image_digests[mark.num_images:]
         del session.token_ids[mark.num_tokens:]
         session.num_turns, session.ended_with_eos = mark.num_turns, mark.ended_with_eos
+        session.rope_delta = mark.rope_delta
         self._crop_to_transcript(session)
         seq.mark = None
 
@@ -155,29 +178,30 @@ class Sessions:
             journal = self.journal
             self._journal_io(None, lambda: journal.remove_image(digest))
 
-    def _image_embeddings(self, old_digests: list[str], new_digests: list[str],
-                          pixel_values: torch.Tensor | None) -> list[torch.Tensor]:
+    def _image_embeddings(self, old_digests: list[str], new_digests: list[str], images: Images) -> list[torch.Tensor]:
         """Embeddings for each image occurrence, encoding only those no session has encoded yet."""
-        to_encode: dict[str, torch.Tensor] = {}  # digest -> pixels [3, H, W]
+        to_encode: dict[str, Images] = {}  # digest -> that one image
         for index, digest in enumerate(new_digests):
             if self.embeddings.get(digest).tensor is None:
-                to_encode.setdefault(digest, pixel_values[index])
+                to_encode.setdefault(digest, images.select(index))
                 self.embeddings.num_misses += 1
             else:
                 self.embeddings.num_hits += 1
         for digest in old_digests:
             if self.embeddings.get(digest).tensor is None and digest not in to_encode:
-                to_encode[digest] = self._pixels_from_journal(digest)
+                to_encode[digest] = self._image_from_journal(digest)
         if to_encode:
-            encoded = self.runner.encode_images(torch.stack(list(to_encode.values())))
-            for digest, tensor in zip(to_encode, encoded):
-                self.embeddings.get(digest).tensor = tensor.to("cpu", copy=True)
+            batch = Images.join(to_encode.values())
+            encoded = self.runner.encode_images(list(batch.pixels), list(batch.sizes), list(batch.grids) or None)
+            for digest, tensor, grid in zip(to_encode, encoded, batch.grids or [None] * len(batch)):
+                entry = self.embeddings.get(digest)
+                entry.tensor, entry.grid = tensor.to("cpu", copy=True), grid
         return [self.embeddings.get(d).tensor.to(self.runner.device) for d in old_digests + new_digests]
 
-    def _pixels_from_journal(self, digest: str) -> torch.Tensor:
+    def _image_from_journal(self, digest: str) -> Images:
         if self.journal is None:
             raise RuntimeError(f"image {digest[:12]} has no embedding and no journal to recompute it from")
-        return self.pixels_from_bytes(self.journal.read_image(digest))
+        return self.images_from_bytes(self.journal.read_image(digest))
 
     # ------------------------------------------------------------------ journal
 

@@ -32,6 +32,7 @@ class SessionState:
     host_length: int = 0
     draft_kv: KVCache | None = None  # the draft model's cache (speculative decoding), counted in device_bytes
     recoverable: bool = True  # its journal entry is current (False after a failed journal write)
+    rope_delta: int = 0  # M-RoPE (Qwen-VL): position of the next token minus its index (session/mrope.py)
 
     @property
     def device_bytes(self) -> int:

@@ -2,7 +2,7 @@
 
 AWS NeuronCores (torch-neuronx) compile one graph per input shape, and ``torch.compile``
 without dynamic shapes does the same. Here every tensor shape depends only on buckets:
-- KV caches are static: capacity fixed at the context window ``C`` (``KVCache(static=True)``);
+- KV caches are static: capacity fixed at the context window ``C`` (``StaticKVCache``);
 - a prefill pads its new tokens to a prompt bucket ``T`` and attends over all ``C`` positions
   under a mask, so its graph depends on ``(T, C)`` only;
 - a decode step pads the batch to a batch bucket ``B`` (padding rows write into a scratch cache)
@@ -20,7 +20,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from session.kv_cache import KVCache
+from session.kv_cache import StaticKVCache
 from session.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class StaticShapeRunner:
     # ------------------------------------------------------------------ prefill
 
     @torch.inference_mode()
-    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False,
+    def prefill(self, kv: StaticKVCache, embeds: torch.Tensor, all_logits: bool = False,
                 adapter_slot: int = 0) -> torch.Tensor:
         """Same contract as ``ModelRunner.prefill``; pads the new tokens to a prompt bucket."""
         self._check(kv)
@@ -111,7 +111,7 @@ class StaticShapeRunner:
     # ------------------------------------------------------------------ decode
 
     @torch.inference_mode()
-    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None) -> torch.Tensor:
+    def decode(self, kvs: list[StaticKVCache], token_ids: list[int], adapter_slots: list[int] | None = None) -> torch.Tensor:
         """Same contract as ``ModelRunner.decode``; pads the batch to a batch bucket."""
         for kv in kvs:
             self._check(kv)
@@ -150,7 +150,7 @@ class StaticShapeRunner:
             h = runner.finish_layer(layer, h, torch.cat(rows))
         return runner.lm_head(runner.lm.norm(h)).float()[:, 0]
 
-    def _check(self, kv: KVCache) -> None:
+    def _check(self, kv: StaticKVCache) -> None:
         if kv.capacity != self.capacity:
             raise ValueError(f"static decoding needs KV caches of capacity {self.capacity}, got {kv.capacity}")
 

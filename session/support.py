@@ -10,17 +10,18 @@ from __future__ import annotations
 
 from session.errors import ConfigError
 
-SUPPORTED_VLMS = ("llava",)  # LLaVA-1.5: a CLIP tower (CLS token), a projector, a decoder-only LM
+# LLaVA-1.5: a CLIP tower (CLS token), a projector, a decoder-only LM; LLaVA-NeXT (llava-v1.6): the same
+# with anyres tiling and image_newline (session/anyres.py, session/vision.py).
+# Qwen2-VL / Qwen2.5-VL: a dynamic-resolution tower and a Qwen2 LM with M-RoPE (session/mrope.py).
+SUPPORTED_VLMS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+MROPE_VLMS = ("qwen2_vl", "qwen2_5_vl")
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = {"full_attention", "sliding_attention"}
 SUPPORTED_VISION_TOWERS = ("clip_vision_model",)
 
 # Model types people try, and what about them the engine does not implement yet.
 KNOWN_UNSUPPORTED = {
-    "llava_next": "LLaVA-NeXT (llava-v1.6): anyres image tiling and image_newline",
     "llava_onevision": "LLaVA-OneVision: anyres tiling",
-    "qwen2_vl": "Qwen2-VL: dynamic-resolution images and M-RoPE (3-D positions)",
-    "qwen2_5_vl": "Qwen2.5-VL: dynamic-resolution images and M-RoPE (3-D positions)",
     "mllama": "Llama 3.2 Vision: cross-attention to the image, not image tokens in the prompt",
     "idefics2": "Idefics2: a perceiver resampler",
     "idefics3": "Idefics3: image splitting",
@@ -39,7 +40,9 @@ def check_supported(hf_config) -> None:
     if model_type in KNOWN_UNSUPPORTED:
         raise UnsupportedModel(f"model type {model_type!r} is not supported yet ({KNOWN_UNSUPPORTED[model_type]}); "
                                f"{_supported()}")
-    if model_type in SUPPORTED_VLMS:
+    if model_type in MROPE_VLMS:
+        _check_mrope_text(hf_config.text_config)
+    elif model_type in SUPPORTED_VLMS:
         _check_vision(hf_config)
         _check_text(hf_config.text_config, where="its language model ")
     elif model_type in SUPPORTED_TEXT_MODELS:
@@ -56,9 +59,11 @@ def _check_vision(hf_config) -> None:
     if not isinstance(hf_config.vision_feature_layer, int):
         raise UnsupportedModel(f"vision_feature_layer {hf_config.vision_feature_layer!r}: features from several "
                                "layers are not supported, only one layer")
-    if hf_config.vision_feature_select_strategy not in ("default", "full"):
+    strategies = ("default",) if hf_config.model_type == "llava_next" else ("default", "full")
+    if hf_config.vision_feature_select_strategy not in strategies:
+        # LLaVA-NeXT with "full": transformers' pack_image_features cannot fold the CLS into the tile grid
         raise UnsupportedModel(f"vision_feature_select_strategy {hf_config.vision_feature_select_strategy!r} "
-                               "is not supported (default or full)")
+                               f"is not supported for {hf_config.model_type} ({' or '.join(strategies)})")
 
 
 def _check_text(text_config, where: str) -> None:
@@ -73,8 +78,19 @@ def _check_text(text_config, where: str) -> None:
                                f"implemented: {sorted(LAYER_TYPES)}")
 
 
+def _check_mrope_text(text_config) -> None:
+    """Qwen-VL's language model: full attention and default RoPE folded by mrope_section."""
+    rope_type = (getattr(text_config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise UnsupportedModel(f"its language model's rope_type {rope_type!r} is not supported with M-RoPE (default)")
+    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    if getattr(text_config, "use_sliding_window", False) or layer_types != {"full_attention"}:
+        raise UnsupportedModel("its language model has sliding-window layers: not implemented with M-RoPE yet")
+
+
 def _supported() -> str:
-    return (f"supported: {', '.join(SUPPORTED_VLMS)} (LLaVA-1.5 with a CLIP tower) and the text-only "
+    return (f"supported: {', '.join(SUPPORTED_VLMS)} (LLaVA-1.5 and LLaVA-NeXT with a CLIP tower; Qwen-VL images, "
+            f"not videos) and the text-only "
             f"{', '.join(SUPPORTED_TEXT_MODELS)} (full or sliding-window attention)")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import socket
 from pathlib import Path
 
@@ -13,6 +14,20 @@ from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPO / "models" / "llava-tiny"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def test_dtype():
+    """RESIDENT_TEST_DTYPE (the device check sets float32) is what dtype "auto" resolves to in every
+    engine the tests build: on CUDA "auto" means bfloat16, and the token-exact references are float32."""
+    import session.model_runner as model_runner
+
+    name = os.environ.get("RESIDENT_TEST_DTYPE")
+    original = model_runner.resolve_dtype
+    if name:
+        model_runner.resolve_dtype = lambda dtype, device: original(name if dtype == "auto" else dtype, device)
+    yield name
+    model_runner.resolve_dtype = original
 
 
 @pytest.fixture(scope="session")

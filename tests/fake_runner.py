@@ -1,6 +1,6 @@
 """A model runner with the engine's interface and no model: fast, deterministic, and able to fail.
 
-Its KV caches are real ``KVCache`` objects (1 layer, 1 head, head_dim 1) that store each position's
+Its KV caches are real paged ``KVCache`` objects (1 layer, 1 head, head_dim 1) that store each position's
 token id as its "key", so a test can check that a session's cache holds exactly its transcript. The
 next token is a hash of everything in the cache (and the adapter slot): a cache that lost or
 duplicated a position, or a turn that was not rolled back, answers differently, as a real model would.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from session.kv_cache import KVCache
+from session.kv_cache import BlockPool, KVCache
 from session.model_runner import ModelInfo
 
 
@@ -57,6 +57,7 @@ class FakeBank:
 
 class FakeRunner:
     is_multimodal = True
+    mrope = False
 
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], image_token_id: int,
                  num_image_tokens: int = 3, max_positions: int = 4096):
@@ -67,6 +68,7 @@ class FakeRunner:
         self.fail: dict[str, int] = {"prefill": 0, "decode": 0, "encode": 0}
         self.num_decode_rows = 0
         self.bank = FakeBank()
+        self.pools: dict[int, BlockPool] = {}  # block_tokens -> pool
 
     def _maybe_fail(self, kind: str) -> None:
         if self.fail[kind] > 0:
@@ -74,15 +76,23 @@ class FakeRunner:
             raise InjectedFault(f"injected {kind} fault")
 
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
-        return KVCache(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64, device=self.device,
-                       block_tokens=block_tokens, max_tokens=max_tokens, static=static)
+        return self.kv_pool(block_tokens).new_cache(max_tokens)
+
+    def kv_pool(self, block_tokens: int) -> BlockPool:
+        if block_tokens not in self.pools:
+            self.pools[block_tokens] = BlockPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64,
+                                                 device=self.device, block_tokens=block_tokens)
+        return self.pools[block_tokens]
+
+    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...]) -> None:
+        pass  # the fake decodes row by row whatever the setting
 
     def enable_lora(self, num_slots: int, max_rank: int):
         return self.bank, {(0, "q_proj"): (1, 1)}
 
-    def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+    def encode_images(self, pixels: list[torch.Tensor], sizes=None) -> list[torch.Tensor]:
         self._maybe_fail("encode")
-        return [torch.zeros(self.info.num_image_tokens, 1) for _ in pixel_values]
+        return [torch.zeros(self.info.num_image_tokens, 1) for _ in pixels]
 
     def embed(self, token_ids: list[int], image_embeds: list[torch.Tensor]) -> torch.Tensor:
         # Image placeholders keep their id: the images' content does not steer the fake model.
@@ -130,7 +140,8 @@ class FakeRunner:
         return torch.stack(out)
 
     def _logits(self, kv: KVCache, adapter_slot: int, end: int | None = None) -> torch.Tensor:
-        context = [int(x) for x in kv.k[0, 0, : kv.length if end is None else end, 0].tolist()]
+        end = kv.length if end is None else end
+        context = [int(x) for x in kv.keys(0, end)[0, :, 0].tolist()]
         logits = torch.zeros(self.info.vocab_size)
         name = self.bank.slot_names.get(adapter_slot) if adapter_slot else None
         logits[next_token(context, self.info.vocab_size, adapter_salt(name))] = 1.0
@@ -138,4 +149,4 @@ class FakeRunner:
 
 
 def cache_tokens(kv: KVCache) -> list[int]:
-    return [int(x) for x in kv.k[0, 0, : kv.length, 0].tolist()]
+    return [int(x) for x in kv.keys(0, kv.length)[0, :, 0].tolist()]

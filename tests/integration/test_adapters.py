@@ -183,10 +183,10 @@ def test_unregister_in_use_is_refused(engine):
 
 
 def test_image_session_with_adapter(engine):
-    pixel_values = engine.preprocess_images([make_image(9)])
+    images = engine.preprocess_images([make_image(9)])
     request = GenerationRequest(messages=user(QUESTIONS[0], image=True), sampling=SamplingParams(max_tokens=8),
                                 stream=EventStream(), session_id="img-ad", open_session=True,
-                                pixel_values=pixel_values, adapter="domain")
+                                images=images, adapter="domain")
     with_adapter = finished(run(engine, request)).token_ids
-    base = finished(turn(engine, None, QUESTIONS[0], pixel_values=pixel_values, max_tokens=8)).token_ids
+    base = finished(turn(engine, None, QUESTIONS[0], images=images, max_tokens=8)).token_ids
     assert with_adapter != base

@@ -13,13 +13,14 @@ from session.config import EngineConfig
 from session.engine import Engine, GenerationRequest
 from session.events import EventStream, Failed, Finished, Started, TextDelta
 from session.protocol import SamplingParams
+from session.vision import NO_IMAGES
 from tests.conftest import make_image
 from tests.integration.test_engine import QUESTIONS, finished, turn
 
 NUM_SESSIONS = 5
 
 
-def converse(engine: Engine, index: int, pixel_values, delay_s: float, out: dict) -> None:
+def converse(engine: Engine, index: int, images, delay_s: float, out: dict) -> None:
     time.sleep(delay_s)  # staggered: later sessions join while earlier ones decode
     sid = f"path-{index}"
     tokens = []
@@ -28,7 +29,7 @@ def converse(engine: Engine, index: int, pixel_values, delay_s: float, out: dict
     timeout_s = 900.0 if engine.config.compile else 60.0
     for step, question in enumerate(QUESTIONS[:3]):
         events = turn(engine, sid, question, open_session=step == 0, timeout_s=timeout_s,
-                      pixel_values=pixel_values if step == 0 else None, max_tokens=10 + 3 * index)
+                      images=images if step == 0 else NO_IMAGES, max_tokens=10 + 3 * index)
         tokens.append(finished(events).token_ids)
     out[index] = tokens
 
@@ -64,8 +65,9 @@ def reference(tiny_model_path):
 
 
 @pytest.mark.timeout(1500)  # the compiled variant compiles its buckets under the test's own load
-@pytest.mark.parametrize("overrides", [{}, {"static_kv": True}, {"static_kv": True, "compile": True}],
-                         ids=["batched", "static", "static-compiled"])
+@pytest.mark.parametrize("overrides", [{}, {"attention": "batched"}, {"static_kv": True},
+                                       {"static_kv": True, "compile": True}],
+                         ids=["batched", "batched-attention", "static", "static-compiled"])
 def test_paths_give_the_plain_greedy_tokens(tiny_model_path, reference, overrides):
     engine = make_engine(tiny_model_path, **overrides)
     try:

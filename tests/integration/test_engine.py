@@ -12,6 +12,7 @@ from session.engine import CloseRequest, Engine, GenerationRequest
 from session.errors import ContextLengthExceeded, SessionNotFound
 from session.events import TERMINAL, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.protocol import ImagePart, Message, SamplingParams, TextPart
+from session.vision import NO_IMAGES
 from tests.conftest import make_image
 
 QUESTIONS = ["What is in the picture?", "What colour is it?", "Why is it there?", "Describe it in one line."]
@@ -25,9 +26,10 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    eng = Engine(EngineConfig(model_path=str(tiny_model_path), reaper_interval_s=0.05)).start()
+@pytest.fixture(scope="module", params=["per_row", "batched"])
+def engine(tiny_model_path, request):
+    eng = Engine(EngineConfig(model_path=str(tiny_model_path), reaper_interval_s=0.05,
+                              attention=request.param)).start()
     yield eng
     eng.stop()
 
@@ -48,12 +50,12 @@ def user(text: str, image: bool = False) -> tuple[Message, ...]:
     return (Message("user", parts),)
 
 
-def turn(engine, session_id, text, *, open_session=False, pixel_values=None, max_tokens=12, timeout_s=60.0,
+def turn(engine, session_id, text, *, open_session=False, images=NO_IMAGES, max_tokens=12, timeout_s=60.0,
          **sampling):
     request = GenerationRequest(
-        messages=user(text, image=pixel_values is not None), stream=EventStream(),
+        messages=user(text, image=len(images) > 0), stream=EventStream(),
         sampling=SamplingParams(max_tokens=max_tokens, **sampling), session_id=session_id,
-        open_session=open_session, pixel_values=pixel_values,
+        open_session=open_session, images=images,
     )
     return run(engine, request, timeout_s)
 
@@ -76,19 +78,19 @@ def test_first_turn_matches_transformers_generate(engine, tiny_model_path):
     prompt_len = inputs.input_ids.shape[1]
     expected = engine.runner.model.generate(**inputs, max_new_tokens=12, do_sample=False, min_new_tokens=12,
                                             eos_token_id=None)[0, prompt_len:].tolist()
-    events = turn(engine, None, QUESTIONS[0], pixel_values=engine.preprocess_images([image]))
+    events = turn(engine, None, QUESTIONS[0], images=engine.preprocess_images([image]))
     assert isinstance(events[0], Started) and events[0].prompt_tokens == prompt_len
     assert list(finished(events).token_ids) == expected
 
 
 def test_followups_equal_stateless_runs_over_same_transcript(engine):
     """DESIGN §4.1: every follow-up from the resident session equals a from-scratch run."""
-    pixel_values = engine.preprocess_images([make_image(2)])
+    images = engine.preprocess_images([make_image(2)])
     sid = "equivalence-1"
     answers = []
     for index, question in enumerate(QUESTIONS):
         events = turn(engine, sid, question, open_session=index == 0,
-                      pixel_values=pixel_values if index == 0 else None)
+                      images=images if index == 0 else NO_IMAGES)
         started, done = events[0], finished(events)
         if index > 0:
             assert started.cached_tokens > 0
@@ -98,15 +100,15 @@ def test_followups_equal_stateless_runs_over_same_transcript(engine):
     for prompt, session_tokens in answers:
         reference = finished(run(engine, GenerationRequest(
             messages=(), sampling=SamplingParams(max_tokens=12), stream=EventStream(),
-            token_ids=prompt, pixel_values=pixel_values)))
+            token_ids=prompt, images=images)))
         assert reference.token_ids == session_tokens
     # cached tokens: each follow-up reuses everything but the previous answer's last token
     run(engine, CloseRequest(sid, EventStream()))
 
 
 def test_cached_tokens_count_everything_but_last_answer_token(engine):
-    pixel_values = engine.preprocess_images([make_image(3)])
-    first = turn(engine, "cached-1", QUESTIONS[0], open_session=True, pixel_values=pixel_values)
+    images = engine.preprocess_images([make_image(3)])
+    first = turn(engine, "cached-1", QUESTIONS[0], open_session=True, images=images)
     first_done = finished(first)
     second = turn(engine, "cached-1", QUESTIONS[1])
     expected_cached = first[0].prompt_tokens + first_done.usage.completion_tokens - 1
@@ -117,14 +119,14 @@ def test_cached_tokens_count_everything_but_last_answer_token(engine):
 
 
 def test_identical_sessions_interleaved_concurrently_answer_identically(engine):
-    pixel_values = engine.preprocess_images([make_image(4)])
+    images = engine.preprocess_images([make_image(4)])
     results: dict[str, list] = {"twin-a": [], "twin-b": []}
     engine.max_batch_seen = 0
 
     def converse(sid):
         for index, question in enumerate(QUESTIONS[:3]):
             events = turn(engine, sid, question, open_session=index == 0,
-                          pixel_values=pixel_values if index == 0 else None, max_tokens=16)
+                          images=images if index == 0 else NO_IMAGES, max_tokens=16)
             results[sid].append(finished(events).token_ids)
 
     threads = [threading.Thread(target=converse, args=(sid,)) for sid in results]
@@ -141,7 +143,7 @@ def test_identical_sessions_interleaved_concurrently_answer_identically(engine):
 
 def test_close_frees_exactly_the_session_bytes(engine):
     baseline, baseline_embeddings = engine.memory.device_bytes, engine.embeddings.nbytes
-    turn(engine, "bytes-1", QUESTIONS[0], open_session=True, pixel_values=engine.preprocess_images([make_image(5)]))
+    turn(engine, "bytes-1", QUESTIONS[0], open_session=True, images=engine.preprocess_images([make_image(5)]))
     session = engine.store.get("bytes-1")
     info = engine.runner.info
     kv_bytes = 2 * info.num_layers * info.num_kv_heads * session.kv.capacity * info.head_dim * 4

@@ -118,13 +118,15 @@ def session_turns(num_sessions: int, step: int, prefix: str) -> list[GenerationR
         stream=EventStream(), session_id=f"{prefix}-{i}", open_session=step == 0) for i in range(num_sessions)]
 
 
+@pytest.mark.parametrize("attention", ["per_row", "batched"])
 @pytest.mark.parametrize("num_sessions", [1, 3, 8])
-def test_concurrent_sessions_speculate_in_one_batched_pass(plain, num_sessions):
+def test_concurrent_sessions_speculate_in_one_batched_pass(plain, num_sessions, attention):
     """N sessions decoding at once speculate together: one target pass verifies every row (the verify
     batches reach N rows), and every answer, over two turns, equals plain decoding's token for token.
     Stop strings end some answers inside a speculative run (the rest of the run is rewound)."""
     engine = Engine(EngineConfig(model_path=str(PAIR / "target"), speculative="draft", max_batch_size=8,
-                                 draft_model_path=str(PAIR / "draft"), check_invariants=True)).start()
+                                 draft_model_path=str(PAIR / "draft"), check_invariants=True,
+                                 attention=attention)).start()
     verify_rows: list[int] = []
     extend = engine.runner.extend
 

@@ -35,7 +35,7 @@ def image_request(engine, sid, seed, question, **kwargs):
 
     return GenerationRequest(
         messages=_user(question, image=True), sampling=SamplingParams(max_tokens=kwargs.get("max_tokens", 12)),
-        stream=EventStream(), session_id=sid, open_session=True, pixel_values=engine.preprocess_images([image]),
+        stream=EventStream(), session_id=sid, open_session=True, images=engine.preprocess_images([image]),
         image_digests=(hashlib.sha256(raw).hexdigest(),), image_bytes=(raw,))
 
 
@@ -70,10 +70,12 @@ def unlimited_answers(tiny_model_path):
         engine.stop()
 
 
+@pytest.mark.parametrize("attention", ["per_row", "batched"])
 @pytest.mark.parametrize("host_budget", [1 << 30, 0, 3 * BLOCK_BYTES], ids=["host-tier", "drop-only", "small-host"])
-def test_budget_for_three_sessions_serves_twelve_exactly(tiny_model_path, unlimited_answers, host_budget):
+def test_budget_for_three_sessions_serves_twelve_exactly(tiny_model_path, unlimited_answers, host_budget, attention):
     budget = 3 * 2 * BLOCK_BYTES  # about three sessions of two blocks each
-    engine = engine_with(tiny_model_path, device_budget_bytes=budget, host_budget_bytes=host_budget)
+    engine = engine_with(tiny_model_path, device_budget_bytes=budget, host_budget_bytes=host_budget,
+                         attention=attention)
     samples: list[int] = []
     stop = threading.Event()
 

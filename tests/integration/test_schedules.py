@@ -151,11 +151,11 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
         nonlocal counter
         counter += 1
         prompt = [rng.randrange(3, 498) for _ in range(rng.randrange(1, 6))]
-        request = dict(pixel_values=None, image_digests=(), image_bytes=())
+        request = dict(image_digests=(), image_bytes=())
         if rng.random() < 0.3:
             which = rng.randrange(len(images))
             prompt += [499] * runner.info.num_image_tokens
-            request = dict(pixel_values=pixels[which], image_bytes=(images[which],),
+            request = dict(images=pixels[which], image_bytes=(images[which],),
                            image_digests=(hashlib.sha256(images[which]).hexdigest(),))
         return GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=rng.randrange(1, 24)),
                                  stream=EventStream(), session_id=session_id, open_session=open_session,

@@ -61,7 +61,8 @@ def random_rows(runner: ModelRunner, batch: int, seed: int) -> list[tuple[list[i
     return rows
 
 
-def check_extend_equals_prefill(runner: ModelRunner, batch: int, seed: int) -> None:
+def check_extend_equals_prefill(runner: ModelRunner, batch: int, seed: int, attention: str) -> None:
+    runner.decode_attention = attention  # both of decode's attention paths: batched over the pool, per row
     rows = random_rows(runner, batch, seed)
     expected, kvs = [], []
     for cached, new in rows:
@@ -79,23 +80,26 @@ def check_extend_equals_prefill(runner: ModelRunner, batch: int, seed: int) -> N
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         assert kvs[b].length == len(cached) + len(new)
         end = kvs[b].length
-        torch.testing.assert_close(kvs[b].k[:, :, :end], reference.k[:, :, :end], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kvs[b].v[:, :, :end], reference.v[:, :, :end], atol=1e-5, rtol=1e-5)
+        for layer in range(runner.info.num_layers):
+            torch.testing.assert_close(kvs[b].keys(layer, end), reference.keys(layer, end), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(kvs[b].values(layer, end), reference.values(layer, end), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("attention", ["per_row", "batched"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_multi_row_extend_equals_one_prefill_per_row(pair, batch):
-    check_extend_equals_prefill(pair[0], batch, seed=batch)
+def test_multi_row_extend_equals_one_prefill_per_row(pair, batch, attention):
+    check_extend_equals_prefill(pair[0], batch, seed=batch, attention=attention)
 
 
+@pytest.mark.parametrize("attention", ["per_row", "batched"])
 @pytest.mark.parametrize("batch", [3, 8])
-def test_multi_row_extend_respects_sliding_windows(batch):
+def test_multi_row_extend_respects_sliding_windows(batch, attention):
     """Mistral demo: every layer a 16-key window; the prefixes (up to 60 tokens) cross it."""
     from model_store.build_text_models import ensure
 
     runner = load(ensure(("mistral",))["mistral"])
     assert set(runner.windows) == {16}
-    check_extend_equals_prefill(runner, batch, seed=100 + batch)
+    check_extend_equals_prefill(runner, batch, seed=100 + batch, attention=attention)
 
 
 def batched_greedy(decoder: SpeculativeDecoder, prompts: list[list[int]], budgets: list[int],
@@ -120,10 +124,12 @@ def batched_greedy(decoder: SpeculativeDecoder, prompts: list[list[int]], budget
     return [row.token_ids[len(prompt):] for row, prompt in zip(rows, prompts)]
 
 
+@pytest.mark.parametrize("attention", ["per_row", "batched"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("use_draft", [True, False])
-def test_batched_speculative_steps_equal_plain(pair, prompts, batch, use_draft):
+def test_batched_speculative_steps_equal_plain(pair, prompts, batch, use_draft, attention):
     target, draft = pair
+    target.decode_attention = draft.decode_attention = attention  # plain decoding and verification alike
     decoder = SpeculativeDecoder(target, draft if use_draft else None)
     chosen = [prompts[i][:12 + 4 * i] for i in range(batch)]  # different lengths
     budgets = [NUM_NEW - 3 * i for i in range(batch)]  # rows finish at different steps

@@ -19,14 +19,17 @@ QUESTIONS = ["Write a function that adds two numbers.", "Now make it subtract in
              "And what does it return for 3 and 5?"]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[(f, a) for f in FAMILIES for a in ("per_row", "batched")],
+                ids=lambda p: "-".join(p))
 def family(request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = ensure([request.param])[request.param]
-    engine = Engine(EngineConfig(model_path=str(path), speculative="off", max_device_adapters=0)).start()
+    name, attention = request.param
+    path = ensure([name])[name]
+    engine = Engine(EngineConfig(model_path=str(path), speculative="off", max_device_adapters=0,
+                                 attention=attention)).start()
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    yield request.param, engine, reference, AutoTokenizer.from_pretrained(path)
+    yield name, engine, reference, AutoTokenizer.from_pretrained(path)
     engine.stop()
 
 

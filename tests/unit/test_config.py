@@ -34,7 +34,7 @@ def test_defaults(model_dir):
         "model_path": model_dir, "device": "auto", "dtype": "auto", "session_ttl_s": 1200.0,
         "reaper_interval_s": 1.0, "max_sessions": 1024, "max_context_tokens": 0, "max_new_tokens": 1024,
         "default_max_tokens": 128, "max_batch_size": 16, "max_queue": 256, "kv_block_tokens": 256,
-        "static_kv": False, "compile": False, "compile_backend": "inductor", "max_image_bytes": 6 * 1024 * 1024, "max_image_pixels": 4096 * 4096,
+        "attention": "auto", "static_kv": False, "compile": False, "compile_backend": "inductor", "max_image_bytes": 6 * 1024 * 1024, "max_image_pixels": 4096 * 4096,
         "max_images_per_request": 4, "device_budget_bytes": 0, "device_budget_fraction": 0.0,
         "host_budget_bytes": 2 << 30, "max_session_tokens": 0, "journal_dir": "", "journal_max_bytes": 32 << 20,
             "heartbeat_file": "", "check_invariants": False, "session_id_tag": "", "adapters_dir": "",
@@ -191,3 +191,8 @@ def test_nan_ttl_is_refused(model_dir):
 def test_negative_zero_allowed_settings_are_refused(model_dir, name):
     with pytest.raises(ConfigError, match=f"RESIDENT_{name.upper()}"):
         build(model_dir, env={f"RESIDENT_{name.upper()}": "-5"})
+
+
+def test_bad_attention(model_dir):
+    message = config_error(model_dir, env={"RESIDENT_ATTENTION": "paged"})
+    assert message == "RESIDENT_ATTENTION must be auto, batched, per_row or cuda_graphs, got 'paged'"

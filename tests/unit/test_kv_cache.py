@@ -1,21 +1,28 @@
-"""session/kv_cache.py: block-grown and static per-session KV buffers."""
+"""session/kv_cache.py: paged caches over a shared block pool, and static per-session buffers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from session.kv_cache import KVCache
+from session.kv_cache import PAD_BLOCK, BlockPool, PagedKVCache, StaticKVCache
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, MAX = 2, 3, 4, 8, 20
 
 
-def make(static: bool = False, dtype: torch.dtype = torch.float32) -> KVCache:
-    return KVCache(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
-                   device=torch.device("cpu"), block_tokens=BLOCK, max_tokens=MAX, static=static)
+def make_pool(dtype: torch.dtype = torch.float32, num_blocks: int = 1) -> BlockPool:
+    return BlockPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
+                     device=torch.device("cpu"), block_tokens=BLOCK, num_blocks=num_blocks)
 
 
-def fill(cache: KVCache, start: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make(static: bool = False, dtype: torch.dtype = torch.float32, pool: BlockPool | None = None):
+    if static:
+        return StaticKVCache(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
+                             device=torch.device("cpu"), max_tokens=MAX)
+    return (pool or make_pool(dtype)).new_cache(MAX)
+
+
+def fill(cache, start: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Write distinct values for positions start..start+num_tokens-1 in every layer; returns them."""
     shape = (LAYERS, HEADS, num_tokens, HEAD_DIM)
     k = torch.arange(start * 1000, start * 1000 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
@@ -32,55 +39,99 @@ def expected_nbytes(capacity: int, element_size: int = 4) -> int:
 
 def test_starts_empty():
     cache = make()
-    assert (cache.capacity, cache.length, cache.nbytes) == (0, 0, 0)
-    assert cache.k.shape == (LAYERS, HEADS, 0, HEAD_DIM)
+    assert (cache.capacity, cache.length, cache.nbytes, cache.block_ids) == (0, 0, 0, [])
 
 
-def test_capacity_grows_in_whole_blocks_up_to_max():
+def test_capacity_grows_in_whole_blocks():
     cache = make()
     seen = []
     for num_tokens in (1, 8, 9, 16, 17, 20):
         cache.ensure_capacity(num_tokens)
         seen.append(cache.capacity)
-    assert seen == [8, 8, 16, 16, 20, 20]  # the last block is cut at max_tokens
-    assert cache.k.shape == cache.v.shape == (LAYERS, HEADS, 20, HEAD_DIM)
+    assert seen == [8, 8, 16, 16, 24, 24]  # whole blocks: 20 tokens take 3 blocks
+    assert cache.block_ids == [1, 2, 3]  # block 0 is the pool's padding block
+    assert PAD_BLOCK == 0
 
 
-def test_ensure_capacity_within_capacity_does_not_reallocate():
-    cache = make()
-    cache.ensure_capacity(3)
-    k_ptr, v_ptr = cache.k.data_ptr(), cache.v.data_ptr()
-    for num_tokens in (0, 1, 5, 8):
-        cache.ensure_capacity(num_tokens)
-    assert (cache.k.data_ptr(), cache.v.data_ptr()) == (k_ptr, v_ptr)
-
-
-def test_growing_preserves_written_contents():
-    cache = make()
+def test_growth_takes_free_blocks_and_never_moves_what_the_session_holds():
+    pool = make_pool(num_blocks=8)
+    cache = make(pool=pool)
     cache.ensure_capacity(6)
     k, v = fill(cache, 0, 6)
-    old_ptr = cache.k.data_ptr()
+    first_block = pool.k[:, cache.block_ids[0]]
+    before = first_block.clone()
+    address = first_block.data_ptr()
     cache.ensure_capacity(9)
-    assert cache.capacity == 16
-    assert cache.k.data_ptr() != old_ptr
-    assert cache.length == 6
+    assert cache.capacity == 16 and cache.block_ids[0] == 1 and len(cache.block_ids) == 2
+    assert pool.k[:, cache.block_ids[0]].data_ptr() == address  # the same storage, not a copy
+    assert torch.equal(pool.k[:, cache.block_ids[0]], before)
+    assert pool.num_grows == 0
     for layer in range(LAYERS):
         assert torch.equal(cache.keys(layer, 6), k[layer])
         assert torch.equal(cache.values(layer, 6), v[layer])
-    k2, v2 = fill(cache, 6, 10)  # then keep writing after the copy
-    cache.ensure_capacity(20)
+    k2, v2 = fill(cache, 6, 10)  # then keep writing across the block boundary
     assert torch.equal(cache.keys(1, 16), torch.cat([k[1], k2[1]], dim=1))
     assert torch.equal(cache.values(0, 16), torch.cat([v[0], v2[0]], dim=1))
 
 
-def test_keys_and_values_are_views_of_the_buffers():
+def test_sessions_share_the_pool_and_interleaved_blocks_read_back_in_order():
+    pool = make_pool()
+    a, b = make(pool=pool), make(pool=pool)
+    written = {}
+    for start in (0, 8):  # a and b grow in turn: their blocks interleave in the pool
+        for cache in (a, b):
+            cache.ensure_capacity(start + 8)
+            written[id(cache), start] = fill(cache, start, 8)
+    assert (a.block_ids, b.block_ids) == ([1, 3], [2, 4])
+    for cache in (a, b):
+        assert torch.equal(cache.keys(1, 16), torch.cat([written[id(cache), 0][0][1], written[id(cache), 8][0][1]], 1))
+
+
+def test_keys_are_views_when_blocks_are_consecutive():
     cache = make()
-    cache.ensure_capacity(4)
-    k, _ = fill(cache, 0, 4)
-    view = cache.keys(0, 4)
-    assert view.shape == (HEADS, 4, HEAD_DIM)
-    assert view.data_ptr() == cache.k.data_ptr()
+    cache.ensure_capacity(12)
+    k, _ = fill(cache, 0, 12)
+    view = cache.keys(0, 12)
+    assert view.shape == (HEADS, 12, HEAD_DIM)
+    assert view.data_ptr() == cache.pool.k[0, 1].data_ptr()
     assert torch.equal(cache.keys(0, 2), k[0, :, :2])
+
+
+def test_a_pool_without_free_blocks_grows_and_keeps_every_session():
+    pool = make_pool(num_blocks=2)
+    a, b = make(pool=pool), make(pool=pool)
+    a.ensure_capacity(8)
+    ka, _ = fill(a, 0, 8)
+    b.ensure_capacity(16)  # needs 2 blocks, none free
+    kb, _ = fill(b, 0, 16)
+    assert pool.num_grows == 1 and pool.num_blocks == 4
+    assert torch.equal(a.keys(1, 8), ka[1]) and torch.equal(b.keys(0, 16), kb[0])
+
+
+def test_release_returns_blocks_for_reuse():
+    pool = make_pool(num_blocks=4)
+    a = make(pool=pool)
+    a.ensure_capacity(20)
+    assert pool.free_ids == []
+    a.release()
+    assert (a.length, a.capacity, a.nbytes) == (0, 0, 0)
+    b = make(pool=pool)
+    b.ensure_capacity(3)
+    assert b.block_ids == [1] and pool.num_grows == 0
+
+
+def test_host_copies_round_trip():
+    pool = make_pool()
+    a = make(pool=pool)
+    a.ensure_capacity(13)
+    k, v = fill(a, 0, 13)
+    host_k, host_v = a.to_host()
+    assert host_k.shape == (LAYERS, HEADS, 13, HEAD_DIM) and torch.equal(host_k, k) and torch.equal(host_v, v)
+    a.release()
+    other = make(pool=pool)
+    other.ensure_capacity(8)  # takes a's first block, so the restored cache lies elsewhere
+    a.load(host_k, host_v)
+    assert a.length == 13 and torch.equal(a.keys(1, 13), k[1]) and torch.equal(a.values(0, 13), v[0])
 
 
 def test_static_allocates_max_tokens_up_front_and_never_reallocates():
@@ -115,28 +166,27 @@ def test_nbytes_is_exact():
     assert half.nbytes == expected_nbytes(8, element_size=2) == 2 * 2 * 3 * 8 * 4 * 2 == 768
 
 
-def test_crop_forgets_positions_but_keeps_buffers():
+def test_crop_forgets_positions_but_keeps_blocks():
     cache = make()
     cache.ensure_capacity(10)
     fill(cache, 0, 10)
-    ptr = cache.k.data_ptr()
+    blocks = list(cache.block_ids)
     cache.crop(4)
     assert cache.length == 4
     cache.crop(8)  # cropping never extends
     assert cache.length == 4
-    assert cache.capacity == 16
-    assert cache.k.data_ptr() == ptr
+    assert cache.capacity == 16 and cache.block_ids == blocks
     assert cache.nbytes == expected_nbytes(16)
 
 
-def test_release_frees_the_buffers():
-    cache = make()
-    cache.ensure_capacity(12)
-    fill(cache, 0, 12)
+def test_static_keeps_its_contents_where_they_are():
+    cache = make(static=True)
+    k, v = fill(cache, 0, 6)
+    assert torch.equal(cache.keys(1, 6), k[1]) and cache.keys(0, 6).data_ptr() == cache.k.data_ptr()
+    host_k, host_v = cache.to_host()
     cache.release()
-    assert (cache.length, cache.capacity, cache.nbytes) == (0, 0, 0)
-    cache.ensure_capacity(3)  # usable again
-    assert cache.capacity == 8
+    cache.load(host_k, host_v)
+    assert cache.length == 6 and torch.equal(cache.values(0, 6), v[0]) and cache.capacity == MAX
 
 
 def test_release_of_a_static_cache_frees_its_buffers():

@@ -48,7 +48,7 @@ def image_id(tokenizer) -> int:
 @pytest.fixture(scope="module")
 def formatter(tokenizer, image_id, num_image_tokens) -> ChatFormatter:
     return ChatFormatter(tokenizer, image_token="<image>", image_token_id=image_id,
-                         num_image_tokens=num_image_tokens, eos_token_ids=(tokenizer.eos_token_id,))
+                         eos_token_ids=(tokenizer.eos_token_id,))
 
 
 def user(*parts) -> Message:
@@ -92,7 +92,7 @@ def test_opening_with_image_and_text(formatter, tokenizer, image_id):
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
         add_generation_prompt=True, tokenize=False)
     assert rendered == "USER: <image>\nWhat is this? ASSISTANT:"
-    piece = formatter.opening((user(IMAGE, "What is this?"),))
+    piece = formatter.opening((user(IMAGE, "What is this?"),), (16,))
     ids = piece.token_ids
     assert piece.num_images == 1
     assert ids[0] == tokenizer.bos_token_id
@@ -116,14 +116,27 @@ def test_opening_text_only(formatter, tokenizer, image_id):
 
 
 def test_opening_with_two_images(formatter, image_id):
-    piece = formatter.opening((user(IMAGE, IMAGE, "Compare them."),))
+    piece = formatter.opening((user(IMAGE, IMAGE, "Compare them."),), (16, 16))
     assert piece.num_images == 2
     assert piece.token_ids.count(image_id) == 32
     assert image_runs(piece.token_ids, image_id) == [16, 16]
 
 
+def test_each_image_expands_to_its_own_count(formatter, image_id):
+    """Anyres models (LLaVA-NeXT): the count follows each image's size, in prompt order."""
+    piece = formatter.opening((user(IMAGE, "First."), assistant("Ok."), user(IMAGE, IMAGE, "More?")), (36, 68, 5))
+    assert piece.num_images == 3
+    assert image_runs(piece.token_ids, image_id) == [36, 68, 5]
+
+
+def test_a_count_per_image_is_required(formatter):
+    with pytest.raises(BadRequest) as info:
+        formatter.opening((user(IMAGE, IMAGE, "Compare them."),), (16,))
+    assert info.value.message == "the messages have 2 images but 1 were given"
+
+
 def test_two_images_in_two_messages(formatter, image_id):
-    piece = formatter.opening((user(IMAGE, "First."), assistant("Ok."), user(IMAGE, "Second?")))
+    piece = formatter.opening((user(IMAGE, "First."), assistant("Ok."), user(IMAGE, "Second?")), (16, 16))
     assert piece.num_images == 2
     assert image_runs(piece.token_ids, image_id) == [16, 16]
 
@@ -145,7 +158,7 @@ def test_followup_without_eos_first_closes_the_answer(formatter, tokenizer):
 
 
 def test_followup_with_an_image(formatter, tokenizer, image_id):
-    piece = formatter.followup((user(IMAGE, "And this one?"),), ended_with_eos=True)
+    piece = formatter.followup((user(IMAGE, "And this one?"),), ended_with_eos=True, image_tokens=(16,))
     assert piece.num_images == 1
     assert image_runs(piece.token_ids, image_id) == [16]
     assert tokenizer.decode([t for t in piece.token_ids if t != image_id]) == "USER: \nAnd this one? ASSISTANT:"
@@ -154,9 +167,9 @@ def test_followup_with_an_image(formatter, tokenizer, image_id):
 def test_session_transcript_equals_the_stateless_prompt(formatter, tokenizer):
     """opening + answer + EOS + followup == the opening of the whole conversation (DESIGN §4.1)."""
     first, second = user(IMAGE, "What is this?"), user("And that?")
-    stateful = (formatter.opening((first,)).token_ids + encode(tokenizer, " It is a cat.")
+    stateful = (formatter.opening((first,), (16,)).token_ids + encode(tokenizer, " It is a cat.")
                 + [tokenizer.eos_token_id] + formatter.followup((second,), ended_with_eos=True).token_ids)
-    stateless = formatter.opening((first, assistant("It is a cat."), second)).token_ids
+    stateless = formatter.opening((first, assistant("It is a cat."), second), (16,)).token_ids
     assert stateful == stateless
 
 
@@ -177,12 +190,12 @@ def test_literal_image_token_in_a_followup_is_refused(formatter):
 
 def test_literal_image_token_next_to_a_real_image_is_refused(formatter):
     with pytest.raises(BadRequest) as info:
-        formatter.opening((user(IMAGE, "is <image> this?"),))
+        formatter.opening((user(IMAGE, "is <image> this?"),), (16,))
     assert info.value.message.startswith("the prompt has 2 image placeholders for 1 images")
 
 
 def test_text_only_model_refuses_images(tokenizer):
-    formatter = ChatFormatter(tokenizer, image_token=None, image_token_id=None, num_image_tokens=0,
+    formatter = ChatFormatter(tokenizer, image_token=None, image_token_id=None,
                               eos_token_ids=(tokenizer.eos_token_id,))
     with pytest.raises(BadRequest) as info:
         formatter.opening((user(IMAGE, "hi"),))

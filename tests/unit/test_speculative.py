@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from session.errors import ConfigError
-from session.kv_cache import KVCache
+from session.kv_cache import BlockPool, KVCache
 from session.protocol import SamplingParams
 from session.sampling import sample_one
 from session.speculative import (
@@ -357,8 +357,8 @@ class FakeRunner:
         self.num_fed_tokens = 0
 
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
-        return KVCache(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device=torch.device("cpu"),
-                       block_tokens=block_tokens, max_tokens=max_tokens, static=static)
+        return BlockPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device=torch.device("cpu"),
+                         block_tokens=block_tokens).new_cache(max_tokens)
 
     def embed(self, token_ids: list[int], image_embeds: list) -> torch.Tensor:
         return torch.tensor(token_ids, dtype=torch.float32)  # "embeddings" are the ids
@@ -397,7 +397,7 @@ class FakeRunner:
 
 
 def cached_ids(kv: KVCache) -> list[int]:
-    return [int(x) for x in kv.k[0, 0, : kv.length, 0].tolist()]
+    return [int(x) for x in kv.keys(0, kv.length)[0, :, 0].tolist()]
 
 
 def plain_greedy(runner: FakeRunner, token_ids: list[int], num_new: int) -> list[int]:

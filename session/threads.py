@@ -1,0 +1,116 @@
+"""The CPU thread count, chosen by measuring decode steps while serving.
+
+On a CPU a decode step reads every weight once, and one core cannot draw the memory bandwidth that
+all of them can: on a quiet 2-core machine two threads decode faster than one (15.0 against 16.1 ms
+per token at one session, 277 against 205 tokens/s at 16). But when another process keeps a core
+busy (the TorchServe frontend, the clients, a neighbour), OpenMP's threads wait for each other at
+every barrier and two threads collapse (36.3 against 16.0 ms per token). Neither count is right
+everywhere, and the load changes while a server runs, so the engine measures instead of guessing.
+
+``ThreadTuner`` keeps, for each batch-size bucket, a recent decode-step time per candidate count. It
+runs the fastest (the figure of the count in use follows every step, so a count that slows down is
+left at once), and re-measures each other candidate for a few steps once its figure is older than its
+refresh interval: ``refresh_steps`` steps of that bucket, doubled (up to ``max_refresh_steps``) each
+time a re-measure finds it still slower, so a steady machine pays a few slow steps ever more rarely
+and a count that became faster (a neighbour left) is found within the interval. The first step after
+a switch is not counted (the OpenMP pool resizes). Steps with a prefill are not measured.
+
+Who calls this: the executor, on the engine loop thread: ``choose`` before a decode step,
+``observe`` after it. Nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+def bucket_of(batch: int) -> int:
+    """Batch sizes whose steps cost alike share figures: 1, 2-3, 4-7, 8-15, ... (the power of 2 below)."""
+    return 1 << (max(1, batch).bit_length() - 1)
+
+
+def cpu_candidates() -> tuple[int, ...]:
+    """One thread, and every core this process may run on (when there is more than one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (1, cores) if cores > 1 else (1,)
+
+
+@dataclass
+class _Figure:
+    seconds: float | None = None  # the candidate's recent step time in this bucket
+    age: int = 0  # steps of this bucket since it was last measured
+    interval: int = 0  # re-measure once age reaches this
+
+
+@dataclass
+class _Probe:
+    threads: int
+    samples: list[float] = field(default_factory=list)
+
+
+class ThreadTuner:
+    def __init__(self, candidates: tuple[int, ...], *, probe_steps: int = 4, refresh_steps: int = 256,
+                 max_refresh_steps: int = 2048, smoothing: float = 0.1,
+                 set_threads: Callable[[int], None] = torch.set_num_threads):
+        self.candidates = tuple(sorted(set(candidates)))
+        self.probe_steps = probe_steps  # measured steps per probe (after the discarded first)
+        self.refresh_steps = refresh_steps
+        self.max_refresh_steps = max_refresh_steps
+        self.smoothing = smoothing  # weight of a new step in the running figure of the count in use
+        self._set_threads = set_threads
+        self._figures: dict[int, dict[int, _Figure]] = {}
+        self._probes: dict[int, _Probe] = {}  # bucket -> the candidate being re-measured there
+        self._discard_next = False
+        self.threads = self.candidates[0]
+        self.num_switches = 0
+        set_threads(self.threads)
+
+    def choose(self, batch: int) -> int:
+        """Before a decode step of ``batch`` rows: sets (and returns) the thread count to run it with."""
+        bucket = bucket_of(batch)
+        figures = self._figures.setdefault(bucket, {c: _Figure(interval=self.refresh_steps) for c in self.candidates})
+        if bucket not in self._probes:
+            stale = [c for c in self.candidates if figures[c].seconds is None or figures[c].age >= figures[c].interval]
+            if stale:
+                self._probes[bucket] = _Probe(stale[0])
+        probe = self._probes.get(bucket)
+        threads = probe.threads if probe else min(self.candidates, key=lambda c: figures[c].seconds)
+        if threads != self.threads:
+            self._set_threads(threads)
+            self.threads, self._discard_next = threads, True
+            self.num_switches += 1
+        return threads
+
+    def observe(self, batch: int, seconds: float) -> None:
+        """After the step ``choose`` prepared: its wall time."""
+        bucket = bucket_of(batch)
+        figures = self._figures[bucket]
+        for candidate, figure in figures.items():
+            figure.age += candidate != self.threads
+        if self._discard_next:
+            self._discard_next = False
+            return
+        figure = figures[self.threads]
+        probe = self._probes.get(bucket)
+        if probe is not None and probe.threads == self.threads:
+            probe.samples.append(seconds)
+            if len(probe.samples) >= self.probe_steps:
+                figure.seconds, figure.age = statistics.median(probe.samples), 0
+                others = [f.seconds for c, f in figures.items() if c != self.threads and f.seconds is not None]
+                still_slower = bool(others) and figure.seconds > min(others)
+                figure.interval = min(2 * figure.interval, self.max_refresh_steps) if still_slower \
+                    else self.refresh_steps
+                del self._probes[bucket]
+            return
+        figure.age = 0
+        figure.seconds = seconds if figure.seconds is None else (
+            (1 - self.smoothing) * figure.seconds + self.smoothing * seconds)
+
+    def figures(self) -> dict[int, dict[int, float | None]]:
+        """bucket -> thread count -> its recent step seconds (for logs and tests)."""
+        return {b: {c: f.seconds for c, f in figs.items()} for b, figs in self._figures.items()}

@@ -1,0 +1,85 @@
+"""ThreadTuner on a simulated machine: it settles on the faster thread count, per batch bucket, follows
+a change of load within its refresh window, and is not fooled by the slow first step after a switch."""
+
+from __future__ import annotations
+
+from session.threads import ThreadTuner, bucket_of
+
+QUIET = {1: 0.0161, 2: 0.0150}  # seconds per step, measured on 2 cores (one session)
+BUSY = {1: 0.0160, 2: 0.0363}  # one core kept busy by another process
+
+
+def serve(tuner: ThreadTuner, steps: int, cost, batch=lambda step: 1, start: int = 0) -> list[int]:
+    """Run ``steps`` decode steps; returns the thread count each ran with."""
+    used = []
+    for step in range(start, start + steps):
+        rows = batch(step)
+        threads = tuner.choose(rows)
+        tuner.observe(rows, cost(threads, rows, step))
+        used.append(threads)
+    return used
+
+
+def test_buckets():
+    assert [bucket_of(b) for b in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+
+
+def test_settles_on_the_faster_count_and_sets_it():
+    calls = []
+    tuner = ThreadTuner((1, 2), refresh_steps=64, max_refresh_steps=512, set_threads=calls.append)
+    used = serve(tuner, 3000, lambda threads, rows, step: QUIET[threads])
+    # re-measuring 1 thread costs 5 steps per refresh, ever rarer: after 64, 128, 256, then every 512
+    assert 0 < used[1000:].count(1) <= 5 * 4
+    assert used.count(1) <= 5 + 5 * (1 + 2 + 4 + 8 + 3000 // 512)
+    assert calls[0] == 1 and calls[-1] == 2 and tuner.threads == 2
+    assert tuner.figures()[1] == {1: QUIET[1], 2: QUIET[2]}
+
+
+def test_follows_a_change_of_load():
+    tuner = ThreadTuner((1, 2), refresh_steps=64, max_refresh_steps=512, set_threads=lambda n: None)
+    serve(tuner, 2000, lambda threads, rows, step: QUIET[threads])
+    assert tuner.threads == 2
+    # A neighbour arrives: two threads slow down, the running figure shows it within a few steps.
+    used = serve(tuner, 2000, lambda threads, rows, step: BUSY[threads], start=2000)
+    switched = used.index(1)
+    assert switched <= 10
+    assert used[switched:].count(2) <= 5 * (1 + 2 + 4 + 8 + 2000 // 512)
+    # It leaves: two threads are only re-measured, so it is noticed within the longest interval.
+    used = serve(tuner, 2000, lambda threads, rows, step: QUIET[threads], start=4000)
+    assert used.index(2) <= 512 + 1
+    assert used[512 + 10:].count(2) >= 0.97 * len(used[512 + 10:])
+
+
+def test_the_first_step_after_a_switch_is_not_counted():
+    """Resizing the OpenMP pool makes one step slow; counted, it would make the faster count look slow."""
+    last = {"threads": None}
+
+    def cost(threads, rows, step):
+        first = last["threads"] != threads
+        last["threads"] = threads
+        return QUIET[threads] * (100 if first else 1)
+
+    tuner = ThreadTuner((1, 2), refresh_steps=64, set_threads=lambda n: None)
+    used = serve(tuner, 600, cost)
+    assert used[100:].count(2) >= 0.9 * 500  # 5 of every ~69 steps re-measure one thread
+    assert tuner.figures()[1] == {1: QUIET[1], 2: QUIET[2]}
+
+
+def test_each_batch_bucket_keeps_its_own_choice():
+    """One thread wins at batch 1, two at batch 16 (a compute-bound step): each bucket gets its own."""
+    costs = {1: {1: 0.010, 2: 0.012}, 16: {1: 0.060, 2: 0.040}}
+    tuner = ThreadTuner((1, 2), refresh_steps=256, set_threads=lambda n: None)
+    used = serve(tuner, 2000, lambda threads, rows, step: costs[rows][threads],
+                 batch=lambda step: 1 if (step // 7) % 2 else 16)
+    by_batch = {1: [], 16: []}
+    for step, threads in enumerate(used[200:], start=200):
+        by_batch[1 if (step // 7) % 2 else 16].append(threads)
+    assert by_batch[1].count(1) >= 0.95 * len(by_batch[1])
+    assert by_batch[16].count(2) >= 0.95 * len(by_batch[16])
+
+
+def test_a_single_candidate_never_switches():
+    calls = []
+    tuner = ThreadTuner((1,), set_threads=calls.append)
+    assert set(serve(tuner, 50, lambda threads, rows, step: 0.01)) == {1}
+    assert calls == [1] and tuner.num_switches == 0
