@@ -373,8 +373,8 @@ class SpeculativeDecoder:
         self.min_ngram = min_ngram
         self.clock = clock
         self.image_token_id = target.info.image_token_id
-        self.num_steps = 0  # speculative steps (one target pass each)
-        self.num_plain_steps = 0
+        self.num_steps = 0  # speculative row steps: each row a batched step verified (its "target pass")
+        self.num_plain_steps = 0  # plain row steps through the decoder (plain_step, rows riding along with k=0)
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_draft_synced_tokens = 0  # draft prefill of tokens it had not seen (new turns, after plain steps)
