@@ -175,6 +175,25 @@ class PagedKVCache:
             rows = blocks[torch.tensor(used, device=self.device)]
         return rows.reshape(-1, self.num_kv_heads, self.head_dim)[:end].transpose(0, 1)
 
+    def runs(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values of positions start .. end-1 as views of the pool, [num_kv_heads, n, head_dim]
+        each, one per run of consecutive blocks: no copy however the session grew (the per-row decode
+        attends to each run and merges them by their log-sum-exp)."""
+        size, out = self.block_tokens, []
+        index = start // size
+        while index * size < end:
+            last = index  # extend the run while the next block is the pool's next block
+            while (last + 1) * size < end and self.block_ids[last + 1] == self.block_ids[last] + 1:
+                last += 1
+            first_block = self.block_ids[index]
+            lo, hi = max(start, index * size) - index * size, min(end, (last + 1) * size) - index * size
+            views = tuple(pool[layer][first_block: first_block + last - index + 1]
+                          .reshape(-1, self.num_kv_heads, self.head_dim)[lo:hi].transpose(0, 1)
+                          for pool in (self.pool.k, self.pool.v))
+            out.append(views)
+            index = last + 1
+        return out
+
     def crop(self, length: int) -> None:
         """Forget positions from ``length`` on (the blocks stay held)."""
         self.length = min(self.length, length)

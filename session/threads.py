@@ -12,8 +12,12 @@ runs the fastest (the figure of the count in use follows every step, so a count 
 left at once), and re-measures each other candidate for a few steps once its figure is older than its
 refresh interval: ``refresh_steps`` steps of that bucket, doubled (up to ``max_refresh_steps``) each
 time a re-measure finds it still slower, so a steady machine pays a few slow steps ever more rarely
-and a count that became faster (a neighbour left) is found within the interval. The first step after
-a switch is not counted (the OpenMP pool resizes). Steps with a prefill are not measured.
+and a count that became faster (a neighbour left) is found within the interval. A re-measure ends at
+its first step that is far slower than the best; a new bucket starts from its nearest measured
+bucket's verdict. (Measured before these two rules, on a loaded 2-core machine: re-trying two threads
+in each new bucket made 64-token answers at 16 sessions 3x slower than one thread throughout.) The
+first step after a switch is not counted (the OpenMP pool resizes). Steps with a prefill are not
+measured.
 
 Who calls this: the executor, on the engine loop thread: ``choose`` before a decode step,
 ``observe`` after it. Nothing here is thread-safe.
@@ -55,12 +59,15 @@ class _Probe:
 
 class ThreadTuner:
     def __init__(self, candidates: tuple[int, ...], *, probe_steps: int = 4, refresh_steps: int = 256,
-                 max_refresh_steps: int = 2048, smoothing: float = 0.1,
-                 set_threads: Callable[[int], None] = torch.set_num_threads):
+                 max_refresh_steps: int = 2048, first_probe_after: int = 8, abort_ratio: float = 1.5,
+                 smoothing: float = 0.1, set_threads: Callable[[int], None] = torch.set_num_threads):
         self.candidates = tuple(sorted(set(candidates)))
         self.probe_steps = probe_steps  # measured steps per probe (after the discarded first)
         self.refresh_steps = refresh_steps
         self.max_refresh_steps = max_refresh_steps
+        self.first_probe_after = first_probe_after  # steps before the first measure of another count
+        self.abort_ratio = abort_ratio  # a probe step this much slower than the best ends the probe
+        self._prior: dict[int, int] = {}  # bucket -> the count its nearest measured bucket found best
         self.smoothing = smoothing  # weight of a new step in the running figure of the count in use
         self._set_threads = set_threads
         self._figures: dict[int, dict[int, _Figure]] = {}
@@ -73,18 +80,41 @@ class ThreadTuner:
     def choose(self, batch: int) -> int:
         """Before a decode step of ``batch`` rows: sets (and returns) the thread count to run it with."""
         bucket = bucket_of(batch)
-        figures = self._figures.setdefault(bucket, {c: _Figure(interval=self.refresh_steps) for c in self.candidates})
+        figures = self._figures.get(bucket) or self._new_bucket(bucket)
+        best = self._best(bucket)
         if bucket not in self._probes:
-            stale = [c for c in self.candidates if figures[c].seconds is None or figures[c].age >= figures[c].interval]
+            stale = [c for c in self.candidates if c != best and figures[c].age >= figures[c].interval]
             if stale:
                 self._probes[bucket] = _Probe(stale[0])
         probe = self._probes.get(bucket)
-        threads = probe.threads if probe else min(self.candidates, key=lambda c: figures[c].seconds)
+        threads = probe.threads if probe else best
         if threads != self.threads:
             self._set_threads(threads)
             self.threads, self._discard_next = threads, True
             self.num_switches += 1
         return threads
+
+    def _new_bucket(self, bucket: int) -> dict[int, _Figure]:
+        """A batch size not seen yet starts from the nearest measured bucket's verdict: its best count runs
+        at once, the others are measured after the interval that bucket had for them (so a count found far
+        slower at batch 1 is not re-tried at once at 2, 4, 8 and 16: that cost seconds on a loaded machine)."""
+        measured = [b for b in self._figures if any(f.seconds is not None for f in self._figures[b].values())]
+        figures = {c: _Figure(interval=self.first_probe_after) for c in self.candidates}
+        self._figures[bucket] = figures
+        if measured:
+            near = min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
+            for candidate, figure in figures.items():
+                figure.interval = self._figures[near][candidate].interval
+            self._prior[bucket] = self._best(near)
+        return figures
+
+    def _best(self, bucket: int) -> int:
+        """The count with the best figure in ``bucket``; before any, the prior (or the count in use)."""
+        figures = self._figures[bucket]
+        known = [c for c in self.candidates if figures[c].seconds is not None]
+        if not known:
+            return self._prior.get(bucket, self.threads)
+        return min(known, key=lambda c: figures[c].seconds)
 
     def observe(self, batch: int, seconds: float) -> None:
         """After the step ``choose`` prepared: its wall time."""
@@ -99,9 +129,10 @@ class ThreadTuner:
         probe = self._probes.get(bucket)
         if probe is not None and probe.threads == self.threads:
             probe.samples.append(seconds)
-            if len(probe.samples) >= self.probe_steps:
+            others = [f.seconds for c, f in figures.items() if c != self.threads and f.seconds is not None]
+            far_slower = bool(others) and seconds > self.abort_ratio * min(others)  # no need to see more
+            if len(probe.samples) >= self.probe_steps or far_slower:
                 figure.seconds, figure.age = statistics.median(probe.samples), 0
-                others = [f.seconds for c, f in figures.items() if c != self.threads and f.seconds is not None]
                 still_slower = bool(others) and figure.seconds > min(others)
                 figure.interval = min(2 * figure.interval, self.max_refresh_steps) if still_slower \
                     else self.refresh_steps

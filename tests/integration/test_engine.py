@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from session.config import EngineConfig
 from session.engine import CloseRequest, Engine, GenerationRequest
@@ -65,12 +66,14 @@ def finished(events) -> Finished:
     return events[-1]
 
 
-def test_first_turn_matches_transformers_generate(engine, tiny_model_path):
-    """Our attention and KV layout give exactly what Hugging Face's own generate gives."""
+@pytest.mark.parametrize("size", [(64, 48), (200, 50), (50, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_first_turn_matches_transformers_generate(engine, tiny_model_path, size):
+    """Our attention and KV layout give exactly what Hugging Face's own generate gives (three image
+    sizes and aspects; LLaVA-1.5 resizes each to one square)."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(tiny_model_path)
-    image = make_image(1)
+    image = make_image(1, size)
     text = processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}],
         add_generation_prompt=True)
@@ -103,6 +106,25 @@ def test_followups_equal_stateless_runs_over_same_transcript(engine):
             token_ids=prompt, images=images)))
         assert reference.token_ids == session_tokens
     # cached tokens: each follow-up reuses everything but the previous answer's last token
+    run(engine, CloseRequest(sid, EventStream()))
+
+
+def test_three_turn_session_equals_transformers_generate_over_its_transcript(engine, tiny_model_path):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_model_path)
+    image = make_image(7, (90, 40))
+    pixel_values = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    sid = "generate-3"
+    for index, question in enumerate(QUESTIONS[:3]):
+        events = turn(engine, sid, question, open_session=index == 0,
+                      images=engine.preprocess_images([image]) if index == 0 else NO_IMAGES)
+        started, done = events[0], finished(events)
+        prompt = engine.store.get(sid).token_ids[: started.prompt_tokens]
+        ids = torch.tensor([prompt])
+        expected = engine.runner.model.generate(input_ids=ids, pixel_values=pixel_values, do_sample=False,
+                                                attention_mask=torch.ones_like(ids), max_new_tokens=12)
+        assert list(done.token_ids) == expected[0, len(prompt):].tolist()[: len(done.token_ids)]
     run(engine, CloseRequest(sid, EventStream()))
 
 

@@ -87,6 +87,26 @@ def test_sessions_share_the_pool_and_interleaved_blocks_read_back_in_order():
         assert torch.equal(cache.keys(1, 16), torch.cat([written[id(cache), 0][0][1], written[id(cache), 8][0][1]], 1))
 
 
+def test_runs_are_views_of_each_consecutive_stretch_and_read_back_the_positions():
+    """A session whose blocks interleave with another's: runs() returns one view per stretch of consecutive
+    blocks, sharing the pool's storage, together equal to the gathered keys for any window."""
+    pool = make_pool()
+    a, b = make(pool=pool), make(pool=pool)
+    a.ensure_capacity(16)  # blocks 1, 2: consecutive
+    b.ensure_capacity(8)  # block 3
+    a.ensure_capacity(20)  # block 4: after b's
+    fill(a, 0, 20)
+    assert a.block_ids == [1, 2, 4]
+    runs = a.runs(0, 0, 20)
+    assert [k.shape[1] for k, _ in runs] == [16, 4]
+    assert runs[0][0].data_ptr() == pool.k[0, 1].data_ptr() and runs[1][0].data_ptr() == pool.k[0, 4].data_ptr()
+    for start, end in ((0, 20), (5, 19), (9, 16), (16, 20), (17, 18)):
+        for layer in range(LAYERS):
+            runs = a.runs(layer, start, end)
+            assert torch.equal(torch.cat([k for k, _ in runs], 1), a.keys(layer, end)[:, start:])
+            assert torch.equal(torch.cat([v for _, v in runs], 1), a.values(layer, end)[:, start:])
+
+
 def test_keys_are_views_when_blocks_are_consecutive():
     cache = make()
     cache.ensure_capacity(12)

@@ -58,8 +58,10 @@ def test_per_row_step_grows_with_the_batch(runner):
     totals = {b: sum(operators_of_one_step(runner, "per_row", b).values()) for b in BATCHES}
     print(f"operators per per-row decode step at batch {BATCHES}: {[totals[b] for b in BATCHES]}")
     assert totals[1] < totals[4] < totals[16]
-    sdpa_16 = operators_of_one_step(runner, "per_row", 16)["aten::scaled_dot_product_attention"]
-    assert sdpa_16 == 16 * len(runner.layers)
+    # at least one attention kernel per row and layer (a session whose blocks are not all consecutive
+    # has one per run of consecutive blocks, merged by log-sum-exp: session/model_runner.attend_runs)
+    kernels_16 = operators_of_one_step(runner, "per_row", 16)["aten::_scaled_dot_product_flash_attention_for_cpu"]
+    assert kernels_16 >= 16 * len(runner.layers)
 
 
 def test_decode_paths_give_the_same_logits(runner):

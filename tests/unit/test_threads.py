@@ -1,5 +1,6 @@
 """ThreadTuner on a simulated machine: it settles on the faster thread count, per batch bucket, follows
-a change of load within its refresh window, and is not fooled by the slow first step after a switch."""
+a change of load within its refresh window, is not fooled by the slow first step after a switch, ends
+a re-measure at a far slower step, and starts a new batch size from its neighbour's verdict."""
 
 from __future__ import annotations
 
@@ -83,3 +84,24 @@ def test_a_single_candidate_never_switches():
     tuner = ThreadTuner((1,), set_threads=calls.append)
     assert set(serve(tuner, 50, lambda threads, rows, step: 0.01)) == {1}
     assert calls == [1] and tuner.num_switches == 0
+
+
+def test_a_far_slower_count_costs_one_measured_step_per_probe():
+    costs = {1: 0.016, 2: 0.070}  # two threads beside a busy neighbour: 4x slower
+    tuner = ThreadTuner((1, 2), first_probe_after=8, refresh_steps=64, max_refresh_steps=1024,
+                        set_threads=lambda n: None)
+    used = serve(tuner, 2000, lambda threads, rows, step: costs[threads])
+    probes = sum(1 for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1)
+    assert used.count(2) == 2 * probes  # the discarded step after the switch, and one measured step
+    assert probes <= 1 + 6  # first probe after 8 steps, then intervals 128, 256, 512, 1024, 1024
+
+
+def test_a_new_batch_size_starts_from_its_neighbours_verdict():
+    """Batch 1 found two threads far slower; batches 2, 4, 8, 16 (a ramp as requests join) run one
+    thread from their first step instead of each re-trying two."""
+    costs = {1: 0.016, 2: 0.070}
+    tuner = ThreadTuner((1, 2), first_probe_after=8, refresh_steps=256, set_threads=lambda n: None)
+    serve(tuner, 100, lambda threads, rows, step: costs[threads])
+    ramp = serve(tuner, 5 * 20, lambda threads, rows, step: costs[threads] * rows,
+                 batch=lambda step: (2, 4, 8, 16, 16)[(step - 100) // 20], start=100)
+    assert ramp == [1] * 100
