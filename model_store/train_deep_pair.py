@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from model_store.build_models import build_tokenizer
-from model_store.train_pair import (EVAL_FILES, TRAIN_FILES, VOCAB_SIZE, LlamaSpec, TrainSpec, corpus_ids,
+from model_store.train_pair import (EVAL_FILES, TRAIN_FILES, VOCAB_SIZE, LlamaSpec, TrainSpec, adamw, corpus_ids,
                                     heldout_loss, lr_at, make_model, save, windows)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,10 +57,7 @@ def exit_logits(model, hidden_states) -> torch.Tensor:
 def train_early_exit(model, ids: torch.Tensor, train: TrainSpec, seed: int) -> list[float]:
     """Cross-entropy at the last layer + EXIT_WEIGHT * KL(final || exit), per token."""
     generator = torch.Generator().manual_seed(seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=train.lr, betas=(0.9, 0.95))
+    optimizer = adamw(model, train)
     model.train()
     losses = []
     began = time.perf_counter()

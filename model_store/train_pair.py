@@ -154,15 +154,20 @@ def teacher_sequences(teacher, ids: torch.Tensor, num: int, train: TrainSpec, se
     ])
 
 
+def adamw(model, train: TrainSpec) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms and biases), as both trainers use it."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=train.lr, betas=(0.9, 0.95))
+
+
 def train(model, ids: torch.Tensor, train: TrainSpec, seed: int, teacher=None, sequences=None,
           label: str = "") -> list[float]:
     """Next-token cross-entropy, or (with ``teacher``) KL(teacher || model) on the same windows; with
     ``sequences`` [N, seq_len + 1], half of each batch is drawn from them instead of the corpus."""
     generator = torch.Generator().manual_seed(seed)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=train.lr, betas=(0.9, 0.95))
+    optimizer = adamw(model, train)
     model.train()
     losses = []
     began = time.perf_counter()
