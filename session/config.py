@@ -28,6 +28,7 @@ class EngineConfig:
     model_path: str = "models/llava-tiny"
     device: str = "auto"  # "auto" -> cuda if available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" -> float32 on cpu, bfloat16 on cuda; or float32/bfloat16/float16
+    kv_dtype: str = "auto"  # KV cache and attention: "auto" = dtype; or float32 (faster on CPU under bfloat16)
     session_ttl_s: float = 1200.0  # idle sessions expire after this many seconds
     reaper_interval_s: float = 1.0  # how often the engine looks for expired sessions
     max_sessions: int = 1024  # live sessions per worker; opening one more answers 503
@@ -128,6 +129,8 @@ class EngineConfig:
                               f"got {self.attention!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"{ENV_PREFIX}DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_dtype not in ("auto", "float32"):
+            raise ConfigError(f"{ENV_PREFIX}KV_DTYPE must be auto or float32, got {self.kv_dtype!r}")
         if not (Path(self.model_path) / "config.json").exists():
             raise ConfigError(f"no Hugging Face checkpoint at {self.model_path!r}: set {ENV_PREFIX}MODEL_PATH "
                               "(or MODEL for make serve) to a directory with config.json")

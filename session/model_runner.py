@@ -116,12 +116,13 @@ def cpu_has_bf16() -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto"):
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto"):
         from transformers import AutoConfig
 
         self.model_path = model_path
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = self.dtype if kv_dtype == "auto" else getattr(torch, kv_dtype)  # see RESIDENT_KV_DTYPE
         hf_config = AutoConfig.from_pretrained(model_path)
         check_supported(hf_config)  # refuse, naming the feature, before any weight is read
         self.hf_config = hf_config
@@ -161,7 +162,7 @@ class ModelRunner:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "ModelRunner":
-        return cls(config.model_path, device=config.device, dtype=config.dtype)
+        return cls(config.model_path, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype)
 
     def _load(self, path: str, hf_config):
         import transformers
@@ -193,7 +194,7 @@ class ModelRunner:
         if static:
             i = self.info
             return StaticKVCache(num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim,
-                                 dtype=self.dtype, device=self.device, max_tokens=max_tokens)
+                                 dtype=self.kv_dtype, device=self.device, max_tokens=max_tokens)
         return self.kv_pool(block_tokens).new_cache(max_tokens)
 
     def kv_pool(self, block_tokens: int) -> BlockPool:
@@ -202,7 +203,7 @@ class ModelRunner:
         if pool is None:
             i = self.info
             pool = self.kv_pools[block_tokens] = BlockPool(
-                num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim, dtype=self.dtype,
+                num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim, dtype=self.kv_dtype,
                 device=self.device, block_tokens=block_tokens)
         return pool
 
@@ -379,12 +380,14 @@ class ModelRunner:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = attn.v_proj(x).view(batch, num_new, -1, hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if self.kv_dtype != q.dtype:  # attention (and the cache) in kv_dtype (RESIDENT_KV_DTYPE)
+            q, k, v = q.to(self.kv_dtype), k.to(self.kv_dtype), v.to(self.kv_dtype)
         return q, k, v
 
     def finish_layer(self, layer, h, attn_out):
         # attn_out: [B, H, T, hd] -> [B, T, H*hd]
         batch, _, num_new, _ = attn_out.shape
-        o = attn_out.transpose(1, 2).reshape(batch, num_new, -1)
+        o = attn_out.transpose(1, 2).reshape(batch, num_new, -1).to(h.dtype)
         h = h + layer.self_attn.o_proj(o)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
