@@ -60,6 +60,8 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
     tokenizer, image_processor = _load_processing(config.model_path, runner)
     vision = ImagePreprocessor.for_runner(runner, image_processor) if image_processor is not None else None
+    if vision is not None:  # what one image may cost the KV budget (anyres, dynamic resolution: up to this)
+        logger.info("images: up to %d tokens each", vision.max_tokens_per_image)
     formatter = ChatFormatter(
         tokenizer, image_token=getattr(tokenizer, "image_token", None) if info.image_token_id else None,
         image_token_id=info.image_token_id, eos_token_ids=info.eos_token_ids)

@@ -301,9 +301,9 @@ class ModelRunner:
         an M-RoPE session's rope delta: a generated token is text, the same position in all three rows);
         returns logits [B, V].
 
-        Batched (the default, see ``default_attention``): one attention call per layer for all rows over
-        the paged pool (session/attention.py), replayed from a CUDA graph per batch bucket where
-        configured. Per row (RESIDENT_ATTENTION=per_row): each row attends over its own cache view.
+        Batched (CUDA's default, see ``default_attention``): one attention call per layer for all rows
+        over the paged pool (session/attention.py), replayed from a CUDA graph per batch bucket where
+        configured. Per row (CPU's default): each row attends over its own blocks in place.
         """
         lengths = [kv.length for kv in kvs]
         for kv, length in zip(kvs, lengths):

@@ -22,6 +22,7 @@ from session.embeddings import EmbeddingCache
 from session.errors import BadRequest, SessionExists, SessionNotFound
 from session.journal import Journal, JournalEntry
 from session.memory import MemoryManager, Tier, kv_bytes
+from session.mrope import segment_positions
 from session.protocol import validate_session_id
 from session.sequence import Sequence, TurnMark
 from session.state import SessionState
@@ -122,8 +123,6 @@ class Sessions:
         next position (0 when its whole transcript is recomputed), its images laid out by their grids."""
         if not self.runner.mrope:
             return None
-        from session.mrope import segment_positions
-
         session, cached = seq.session, seq.session.kv.length
         start = cached + session.rope_delta if cached else 0
         grids = [self.embeddings.get(d).grid for d in digests]
