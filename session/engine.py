@@ -35,6 +35,7 @@ from session.sequence import (  # noqa: F401  (re-exported: callers build reques
     AdapterRequest, CancelRequest, CloseRequest, GenerationRequest, Sequence, SessionAdminRequest,
 )
 from session.stats import EngineStats, snapshot
+from session.threads import ComputeThread
 from session.vision import NO_IMAGES, Images
 
 logger = logging.getLogger(__name__)
@@ -45,14 +46,18 @@ class Engine:
                  clock: Callable[[], float] = time.time):
         self.config = config
         self.clock = clock
-        parts = assemble(config, runner, clock)
+        self._compute = ComputeThread("resident-engine")  # loads the model here, runs the loop later
+        try:
+            parts = self._compute.call(lambda: assemble(config, runner, clock))
+        except BaseException:
+            self._compute.close(timeout=1.0)
+            raise
         # The parts by name (engine.store, engine.memory, ...): tests and benchmarks read them.
         self.__dict__.update(vars(parts))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._num_submitted = 0  # submitted, not yet taken from the inbox; guarded by _submit_lock
         self._num_waiting = 0  # admitted, not yet prefilled (published by the loop thread)
         self._submit_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._next_reap = 0.0
         self.heartbeat = time.monotonic()  # the loop's last iteration
@@ -65,22 +70,20 @@ class Engine:
         self._stats: EngineStats | None = None
         self.admission = Admission(self, on_barrier=self._publish_stats)
         if self.journal is not None:
-            self.sessions.restore_journal(self.clock())
+            self._compute.call(lambda: self.sessions.restore_journal(self.clock()))
         self._publish_stats()
 
     # ------------------------------------------------------------------ caller side (any thread)
 
     def start(self) -> "Engine":
-        self._thread = threading.Thread(target=self._loop, name="resident-engine", daemon=True)
-        self._thread.start()
+        self._compute.post(self._loop)
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop; every request still in flight or queued gets Failed(ServiceStopping)."""
         self._stop.set()
         self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._compute.close(timeout)
 
     def submit(self, request) -> None:
         """Queue a request; its events arrive on ``request.stream``. Raises CapacityExceeded when full."""

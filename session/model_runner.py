@@ -23,6 +23,7 @@ from session.attention import PagedAttention, PagedBatch, choose_backend, column
 from session.config import EngineConfig
 from session.errors import ConfigError
 from session.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache
+from session.packed_linear import can_pack, pack_linears
 from session.support import check_supported
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ def cpu_has_bf16() -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto"):
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto",
+                 pack_weights: bool = True):
         from transformers import AutoConfig
 
         self.model_path = model_path
@@ -139,6 +141,9 @@ class ModelRunner:
             self.lm = self.model.model
         self.lm_head = self.model.lm_head
         self.layers = list(self.lm.layers)
+        self.packed_linears = 0  # language-model linears prepacked for oneDNN (session/packed_linear.py)
+        if pack_weights and can_pack(self.device, self.dtype):
+            self.packed_linears = pack_linears(self.layers + [self.lm_head])
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
         self.lora = None  # a LoraBank once enable_lora ran
@@ -162,7 +167,9 @@ class ModelRunner:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "ModelRunner":
-        return cls(config.model_path, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype)
+        # compiled graphs (RESIDENT_COMPILE) trace dense weights: dynamo does not take oneDNN's opaque tensors
+        return cls(config.model_path, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
+                   pack_weights=config.pack_weights and not config.compile)
 
     def _load(self, path: str, hf_config):
         import transformers

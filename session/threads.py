@@ -26,7 +26,10 @@ Who calls this: the executor, on the engine loop thread: ``choose`` before a dec
 from __future__ import annotations
 
 import os
+import queue
 import statistics
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -145,3 +148,45 @@ class ThreadTuner:
     def figures(self) -> dict[int, dict[int, float | None]]:
         """bucket -> thread count -> its recent step seconds (for logs and tests)."""
         return {b: {c: f.seconds for c, f in figs.items()} for b, figs in self._figures.items()}
+
+
+class ComputeThread:
+    """The one OS thread that runs every torch operator of an engine: loading the model, then the loop.
+
+    OpenMP keeps a team of worker threads for each thread that runs parallel regions, and GNU OpenMP
+    stops spinning between regions once its threads outnumber the cores: with a model loaded on the
+    caller's thread and decoded on the loop thread, a 2-thread decode step on a 2-core machine measured
+    1.6x slower (text-bench, one session: 12 against 20 ms). Running both on this thread keeps one team.
+    Who calls this: ``Engine`` (construction, start, stop), from the caller's thread.
+    """
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (function, future); None ends the thread
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            function, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function())
+                except BaseException as exc:  # handed to the caller, raised there
+                    future.set_exception(exc)
+
+    def post(self, function: Callable[[], object]) -> Future:
+        """Run ``function`` on the thread after what was posted before; its Future holds the outcome."""
+        future: Future = Future()
+        self._calls.put((function, future))
+        return future
+
+    def call(self, function: Callable[[], object]):
+        """Run ``function`` on the thread and return its result (or raise its exception) here."""
+        if threading.current_thread() is self._thread:
+            return function()
+        return self.post(function).result()
+
+    def close(self, timeout: float) -> None:
+        """End the thread once what was posted has run (waits up to ``timeout`` seconds)."""
+        self._calls.put(None)
+        self._thread.join(timeout)

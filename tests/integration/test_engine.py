@@ -35,6 +35,14 @@ def engine(tiny_model_path, request):
     eng.stop()
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    """Transformers' own model on dense weights (the engine's linears are oneDNN-packed on CPU)."""
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(tiny_model_path).eval()
+
+
 def run(engine: Engine, request, timeout_s: float = 60.0) -> list:
     """Submit and collect events until the terminal one (each within ``timeout_s``)."""
     engine.submit(request)
@@ -67,7 +75,7 @@ def finished(events) -> Finished:
 
 
 @pytest.mark.parametrize("size", [(64, 48), (200, 50), (50, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_first_turn_matches_transformers_generate(engine, tiny_model_path, size):
+def test_first_turn_matches_transformers_generate(engine, reference, tiny_model_path, size):
     """Our attention and KV layout give exactly what Hugging Face's own generate gives (three image
     sizes and aspects; LLaVA-1.5 resizes each to one square)."""
     from transformers import AutoProcessor
@@ -79,8 +87,8 @@ def test_first_turn_matches_transformers_generate(engine, tiny_model_path, size)
         add_generation_prompt=True)
     inputs = processor(text=text, images=image, return_tensors="pt")
     prompt_len = inputs.input_ids.shape[1]
-    expected = engine.runner.model.generate(**inputs, max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                                            eos_token_id=None)[0, prompt_len:].tolist()
+    expected = reference.generate(**inputs, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                  eos_token_id=None)[0, prompt_len:].tolist()
     events = turn(engine, None, QUESTIONS[0], images=engine.preprocess_images([image]))
     assert isinstance(events[0], Started) and events[0].prompt_tokens == prompt_len
     assert list(finished(events).token_ids) == expected
@@ -109,7 +117,7 @@ def test_followups_equal_stateless_runs_over_same_transcript(engine):
     run(engine, CloseRequest(sid, EventStream()))
 
 
-def test_three_turn_session_equals_transformers_generate_over_its_transcript(engine, tiny_model_path):
+def test_three_turn_session_equals_transformers_generate_over_its_transcript(engine, reference, tiny_model_path):
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(tiny_model_path)
@@ -122,8 +130,8 @@ def test_three_turn_session_equals_transformers_generate_over_its_transcript(eng
         started, done = events[0], finished(events)
         prompt = engine.store.get(sid).token_ids[: started.prompt_tokens]
         ids = torch.tensor([prompt])
-        expected = engine.runner.model.generate(input_ids=ids, pixel_values=pixel_values, do_sample=False,
-                                                attention_mask=torch.ones_like(ids), max_new_tokens=12)
+        expected = reference.generate(input_ids=ids, pixel_values=pixel_values, do_sample=False,
+                                      attention_mask=torch.ones_like(ids), max_new_tokens=12)
         assert list(done.token_ids) == expected[0, len(prompt):].tolist()[: len(done.token_ids)]
     run(engine, CloseRequest(sid, EventStream()))
 

@@ -1,10 +1,15 @@
 """ThreadTuner on a simulated machine: it settles on the faster thread count, per batch bucket, follows
 a change of load within its refresh window, is not fooled by the slow first step after a switch, ends
-a re-measure at a far slower step, and starts a new batch size from its neighbour's verdict."""
+a re-measure at a far slower step, and starts a new batch size from its neighbour's verdict. And the
+ComputeThread an engine loads and loops on."""
 
 from __future__ import annotations
 
-from session.threads import ThreadTuner, bucket_of
+import threading
+
+import pytest
+
+from session.threads import ComputeThread, ThreadTuner, bucket_of
 
 QUIET = {1: 0.0161, 2: 0.0150}  # seconds per step, measured on 2 cores (one session)
 BUSY = {1: 0.0160, 2: 0.0363}  # one core kept busy by another process
@@ -105,3 +110,65 @@ def test_a_new_batch_size_starts_from_its_neighbours_verdict():
     ramp = serve(tuner, 5 * 20, lambda threads, rows, step: costs[threads] * rows,
                  batch=lambda step: (2, 4, 8, 16, 16)[(step - 100) // 20], start=100)
     assert ramp == [1] * 100
+
+
+def test_compute_thread_runs_everything_on_one_other_thread_in_order():
+    compute = ComputeThread("test-compute")
+    seen = []
+    first = compute.call(threading.get_ident)
+    futures = [compute.post(lambda i=i: seen.append((i, threading.get_ident()))) for i in range(5)]
+    assert compute.call(lambda: compute.call(threading.get_ident)) == first  # a nested call runs inline
+    for future in futures:
+        assert future.result(timeout=5) is None
+    assert first != threading.get_ident()
+    assert seen == [(i, first) for i in range(5)]
+    compute.close(timeout=5)
+    assert not compute._thread.is_alive()
+
+
+def test_compute_thread_hands_exceptions_to_the_caller_and_keeps_serving():
+    compute = ComputeThread("test-compute")
+
+    def fail():
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        compute.call(fail)
+    assert compute.call(lambda: 6 * 7) == 42
+    compute.close(timeout=5)
+
+
+def test_engine_loads_and_decodes_on_its_loop_thread(monkeypatch, tiny_model_path):
+    """One OpenMP team: the model is loaded (assemble) on the thread that later runs the loop."""
+    import session.engine as engine_module
+    from session.config import EngineConfig
+    from session.engine import Engine, GenerationRequest
+    from session.events import EventStream, Finished
+    from session.protocol import SamplingParams
+
+    threads = {}
+    assemble = engine_module.assemble
+
+    def recording_assemble(*args):
+        threads["load"] = threading.get_ident()
+        return assemble(*args)
+
+    monkeypatch.setattr(engine_module, "assemble", recording_assemble)
+    engine = Engine(EngineConfig(model_path=str(tiny_model_path), max_device_adapters=0)).start()
+    try:
+        decode = engine.runner.decode
+
+        def recording_decode(*args, **kwargs):
+            threads["decode"] = threading.get_ident()
+            return decode(*args, **kwargs)
+
+        engine.runner.decode = recording_decode
+        stream = EventStream()
+        engine.submit(GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=3), stream=stream,
+                                        token_ids=[1, 5, 6, 7]))
+        while not isinstance(event := stream.get(timeout=60), Finished):
+            assert not hasattr(event, "error"), event
+        assert len(event.token_ids) == 3
+    finally:
+        engine.stop()
+    assert threads["decode"] == threads["load"] != threading.get_ident()
