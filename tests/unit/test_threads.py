@@ -37,7 +37,7 @@ def test_settles_on_the_faster_count_and_sets_it():
     # re-measuring 1 thread costs 5 steps per refresh, ever rarer: after 64, 128, 256, then every 512
     assert 0 < used[1000:].count(1) <= 5 * 4
     assert used.count(1) <= 5 + 5 * (1 + 2 + 4 + 8 + 3000 // 512)
-    assert calls[0] == 1 and calls[-1] == 2 and tuner.threads == 2
+    assert calls[0] == 2 and calls[-1] == 2 and tuner.threads == 2  # starts with all cores
     assert tuner.figures()[1] == {1: QUIET[1], 2: QUIET[2]}
 
 
@@ -96,6 +96,8 @@ def test_a_far_slower_count_costs_one_measured_step_per_probe():
     tuner = ThreadTuner((1, 2), first_probe_after=8, refresh_steps=64, max_refresh_steps=1024,
                         set_threads=lambda n: None)
     used = serve(tuner, 2000, lambda threads, rows, step: costs[threads])
+    assert used[:8] == [2] * 8 and used[8] == 1  # all cores first, until the first measure of one thread
+    used = used[8:]
     probes = sum(1 for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1)
     assert used.count(2) == 2 * probes  # the discarded step after the switch, and one measured step
     assert probes <= 1 + 6  # first probe after 8 steps, then intervals 128, 256, 512, 1024, 1024
