@@ -72,7 +72,7 @@ def to_batch(plan: torch.Tensor, num_new: int) -> PagedBatch:
 
 def choose_backend(pool: BlockPool) -> str:
     """flash_attn where it applies (see the module docstring), else sdpa."""
-    if (pool.device.type != "cuda" or pool.dtype not in (torch.float16, torch.bfloat16)
+    if (pool.device.type != "cuda" or pool.head_major or pool.dtype not in (torch.float16, torch.bfloat16)
             or pool.block_tokens % FLASH_BLOCK_MULTIPLE):
         return "sdpa"
     try:
@@ -113,17 +113,12 @@ class PagedAttention:
                  scale: float) -> torch.Tensor:
         """q: [B, H, T, hd]; k, v: [B, KVH, T, hd] (the new tokens) -> attention output [B, H, T, hd]."""
         pool, batch = self.pool, self.batch
-        shape = (-1, pool.num_kv_heads, pool.head_dim)
-        # [B, T, KVH, hd] into their slots (index_put_, not item assignment: that views away leading 1s)
-        pool.k[layer].view(shape).index_put_((batch.slots,), k.transpose(1, 2))
-        pool.v[layer].view(shape).index_put_((batch.slots,), v.transpose(1, 2))
-        if self.backend == "flash_attn":
+        pool.write_rows(layer, batch.slots, k, v)
+        if self.backend == "flash_attn":  # token-major pools only (CUDA: see choose_backend)
             out = self.flash(q.transpose(1, 2), pool.k[layer], pool.v[layer], cache_seqlens=batch.seq_lens,
                              block_table=batch.block_table, softmax_scale=scale, causal=True,
                              window_size=(-1, -1) if window is None else (window - 1, 0))  # [B, T, H, hd]
             return out.transpose(1, 2)
-        num_rows = q.shape[0]
-        keys = pool.k[layer][batch.block_table].view(num_rows, -1, *shape[1:]).transpose(1, 2)  # [B, KVH, S, hd]
-        values = pool.v[layer][batch.block_table].view(num_rows, -1, *shape[1:]).transpose(1, 2)
+        keys, values = pool.gather(layer, batch.block_table)  # [B, KVH, S, hd]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.masks[window], scale=scale,
                                               enable_gqa=q.shape[1] != keys.shape[1])

@@ -1,8 +1,13 @@
 """KV caches: sessions' keys and values, in blocks of a shared pool or in one fixed buffer.
 
 Paged (the dynamic path): one ``BlockPool`` per model and block size holds every session's keys
-and values, ``[num_layers, num_blocks, block_tokens, num_kv_heads, head_dim]`` each, the layout
-FlashAttention's ``flash_attn_with_kvcache(block_table=...)`` reads. A ``PagedKVCache`` is one
+and values. On accelerators they are token-major, ``[num_layers, num_blocks, block_tokens,
+num_kv_heads, head_dim]`` each, the layout FlashAttention's ``flash_attn_with_kvcache(block_table=...)``
+reads. On CPU they are head-major, ``[num_layers, num_kv_heads, num_blocks, block_tokens, head_dim]``:
+a head's keys over a run of consecutive blocks are then one contiguous stream, and torch's CPU flash
+kernel read them 1.6-2x faster per decode row than the token-major view, with the same bits
+(benchmarks/attention_paths.py --layouts). Only this module and session/attention.py know the
+layout; everything else goes through the pool's methods. A ``PagedKVCache`` is one
 session's list of block ids (its block table). It grows by taking free blocks, so growth never
 copies what a session already holds, and a decode step for many sessions is one attention call per
 layer over the pool (session/attention.py). Block 0 is the pool's padding block: rows that pad a
@@ -39,7 +44,9 @@ class BlockPool:
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, block_tokens: int, num_blocks: int = 1):
+                 device: torch.device, block_tokens: int, num_blocks: int = 1, head_major: bool | None = None):
+        self.head_major = device.type == "cpu" if head_major is None else head_major  # see the module docstring
+        self.block_dim = 2 if self.head_major else 1  # the blocks' dimension of k and v
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -54,12 +61,15 @@ class BlockPool:
     def _empty(self, num_blocks: int) -> torch.Tensor:
         # Zeroed: attention over a padded block table multiplies masked positions by 0, and 0 * NaN
         # from uninitialised memory would still be NaN.
-        return torch.zeros(self.num_layers, num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim,
-                           dtype=self.dtype, device=self.device)
+        if self.head_major:
+            shape = (self.num_layers, self.num_kv_heads, num_blocks, self.block_tokens, self.head_dim)
+        else:
+            shape = (self.num_layers, num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[self.block_dim]
 
     @property
     def token_nbytes(self) -> int:
@@ -93,8 +103,8 @@ class BlockPool:
             logger.info("KV block pool grows from %d to %d blocks of %d tokens (copies the pool)", old,
                         num_blocks, self.block_tokens)
         k, v = self._empty(num_blocks), self._empty(num_blocks)
-        k[:, :old] = self.k
-        v[:, :old] = self.v
+        k.narrow(self.block_dim, 0, old).copy_(self.k)
+        v.narrow(self.block_dim, 0, old).copy_(self.v)
         self.k, self.v = k, v
         self.free_ids[:0] = range(num_blocks - 1, old - 1, -1)  # new ids go after (taken after) the old free ones
         self.num_grows += 1
@@ -103,6 +113,83 @@ class BlockPool:
         """Flat slot numbers (block * block_tokens + offset) of positions start .. end-1 of a block table."""
         size = self.block_tokens
         return [block_ids[p // size] * size + p % size for p in range(start, end)]
+
+    # ---- the layout, in one place: views and copies by slot, block and layer
+
+    def _flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """k or v (or one layer of it) with its blocks and tokens merged into slots: head-major
+        [..., KVH, slots, hd], token-major [..., slots, KVH, hd] (views)."""
+        lead = tensor.shape[:-4]
+        if self.head_major:
+            return tensor.view(*lead, self.num_kv_heads, -1, self.head_dim)
+        return tensor.view(*lead, -1, self.num_kv_heads, self.head_dim)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [KVH, T, hd] into ``slots`` [T] of ``layer``."""
+        for pool, new in ((self.k, k), (self.v, v)):
+            if self.head_major:
+                self._flat(pool[layer]).index_copy_(1, slots, new)
+            else:
+                self._flat(pool[layer]).index_copy_(0, slots, new.transpose(0, 1))
+
+    def write_rows(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, KVH, T, hd] into ``slots`` [B, T] of ``layer`` (no host sync: CUDA graphs capture it)."""
+        for pool, new in ((self.k, k), (self.v, v)):
+            if self.head_major:
+                self._flat(pool[layer])[:, slots] = new.transpose(0, 1)  # [KVH, B, T, hd]
+            else:  # index_put_, not item assignment: that views away leading 1s
+                self._flat(pool[layer]).index_put_((slots,), new.transpose(1, 2))
+
+    def run(self, layer: int, first_block: int, num_blocks: int, lo: int, hi: int):
+        """Keys and values of tokens lo .. hi-1 of ``num_blocks`` consecutive blocks from ``first_block``:
+        [KVH, hi - lo, hd] views of the pool (no copy)."""
+        out = []
+        for pool in (self.k, self.v):
+            blocks = pool[layer].narrow(self.block_dim - 1, first_block, num_blocks)
+            flat = self._flat(blocks)
+            out.append(flat[:, lo:hi] if self.head_major else flat[lo:hi].transpose(0, 1))
+        return tuple(out)
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the blocks ``block_ids`` [B, NB] (a copy): [B, KVH, NB * block_tokens, hd] each."""
+        num_rows = block_ids.shape[0]
+        out = []
+        for pool in (self.k, self.v):
+            if self.head_major:  # [KVH, B, NB, bt, hd] -> [B, KVH, S, hd] (a view of the gathered copy)
+                rows = pool[layer][:, block_ids].view(self.num_kv_heads, num_rows, -1, self.head_dim)
+                out.append(rows.transpose(0, 1))
+            else:
+                out.append(pool[layer][block_ids].view(num_rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2))
+        return tuple(out)
+
+    def read(self, layer: int, block_ids: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0 .. end-1 of a block table: [KVH, end, hd] each; views when the
+        blocks are consecutive, else a gather."""
+        used = block_ids[: -(-end // self.block_tokens)]
+        first = used[0] if used else 0
+        if used == list(range(first, first + len(used))):
+            return self.run(layer, first, len(used), 0, end)
+        gathered = self.gather(layer, torch.tensor([used], device=self.device))
+        return tuple(t[0, :, :end] for t in gathered)
+
+    def host_copy(self, block_ids: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact host copies of positions 0 .. length-1: K, V [num_layers, KVH, length, hd]."""
+        used = torch.tensor(block_ids[: -(-length // self.block_tokens)], device=self.device)
+        out = []
+        for pool in (self.k, self.v):
+            blocks = pool.index_select(self.block_dim, used)
+            flat = self._flat(blocks)  # head-major [L, KVH, S, hd]; token-major [L, S, KVH, hd]
+            flat = flat[:, :, :length] if self.head_major else flat[:, :length].transpose(1, 2)
+            out.append(flat.contiguous().cpu())
+        return tuple(out)
+
+    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``host_copy``'s K, V [num_layers, KVH, T, hd] into ``slots`` [T] of every layer."""
+        for pool, saved in ((self.k, k), (self.v, v)):
+            if self.head_major:
+                self._flat(pool)[:, :, slots] = saved.to(self.device)
+            else:
+                self._flat(pool)[:, slots] = saved.transpose(1, 2).to(self.device)
 
 
 class PagedKVCache:
@@ -153,27 +240,14 @@ class PagedKVCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [num_kv_heads, T, head_dim] for positions start .. start+T-1
-        slots = torch.tensor(self.slots(start, start + k.shape[1]), device=self.device)
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        self.pool.k[layer].view(shape).index_copy_(0, slots, k.transpose(0, 1))
-        self.pool.v[layer].view(shape).index_copy_(0, slots, v.transpose(0, 1))
+        self.pool.write(layer, torch.tensor(self.slots(start, start + k.shape[1]), device=self.device), k, v)
 
     def keys(self, layer: int, end: int) -> torch.Tensor:
         """[num_kv_heads, end, head_dim]: a view of the pool when the blocks are consecutive, else a gather."""
-        return self._read(self.pool.k[layer], end)
+        return self.pool.read(layer, self.block_ids, end)[0]
 
     def values(self, layer: int, end: int) -> torch.Tensor:
-        return self._read(self.pool.v[layer], end)
-
-    def _read(self, blocks: torch.Tensor, end: int) -> torch.Tensor:
-        # blocks: [num_blocks, block_tokens, KVH, hd] (one layer of the pool)
-        used = self.block_ids[: -(-end // self.block_tokens)]
-        first = used[0] if used else 0
-        if used == list(range(first, first + len(used))):
-            rows = blocks[first : first + len(used)]
-        else:
-            rows = blocks[torch.tensor(used, device=self.device)]
-        return rows.reshape(-1, self.num_kv_heads, self.head_dim)[:end].transpose(0, 1)
+        return self.pool.read(layer, self.block_ids, end)[1]
 
     def runs(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Keys and values of positions start .. end-1 as views of the pool, [num_kv_heads, n, head_dim]
@@ -185,12 +259,8 @@ class PagedKVCache:
             last = index  # extend the run while the next block is the pool's next block
             while (last + 1) * size < end and self.block_ids[last + 1] == self.block_ids[last] + 1:
                 last += 1
-            first_block = self.block_ids[index]
             lo, hi = max(start, index * size) - index * size, min(end, (last + 1) * size) - index * size
-            views = tuple(pool[layer][first_block: first_block + last - index + 1]
-                          .reshape(-1, self.num_kv_heads, self.head_dim)[lo:hi].transpose(0, 1)
-                          for pool in (self.pool.k, self.pool.v))
-            out.append(views)
+            out.append(self.pool.run(layer, self.block_ids[index], last - index + 1, lo, hi))
             index = last + 1
         return out
 
@@ -206,19 +276,13 @@ class PagedKVCache:
 
     def to_host(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Compact host copies of what is stored: K, V [num_layers, num_kv_heads, length, head_dim]."""
-        used = torch.tensor(self.block_ids[: -(-self.length // self.block_tokens)], device=self.device)
-        shape = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
-        return tuple(pool[:, used].reshape(shape)[:, : self.length].transpose(1, 2).contiguous().cpu()
-                     for pool in (self.pool.k, self.pool.v))
+        return self.pool.host_copy(self.block_ids, self.length)
 
     def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``to_host``'s copies as this (empty) cache's first ``k.shape[2]`` positions."""
         length = k.shape[2]
         self.ensure_capacity(length)
-        slots = torch.tensor(self.slots(0, length), device=self.device)
-        shape = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
-        self.pool.k.view(shape)[:, slots] = k.transpose(1, 2).to(self.device)
-        self.pool.v.view(shape)[:, slots] = v.transpose(1, 2).to(self.device)
+        self.pool.store(torch.tensor(self.slots(0, length), device=self.device), k, v)
         self.length = length
 
 

@@ -8,11 +8,24 @@ import torch
 from session.kv_cache import PAD_BLOCK, BlockPool, PagedKVCache, StaticKVCache
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, MAX = 2, 3, 4, 8, 20
+LAYOUT = {"head_major": True}  # the layout make_pool builds (the autouse fixture runs every test in both)
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["head-major", "token-major"])
+def layout(request):
+    LAYOUT["head_major"] = request.param
+    yield request.param
 
 
 def make_pool(dtype: torch.dtype = torch.float32, num_blocks: int = 1) -> BlockPool:
     return BlockPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
-                     device=torch.device("cpu"), block_tokens=BLOCK, num_blocks=num_blocks)
+                     device=torch.device("cpu"), block_tokens=BLOCK, num_blocks=num_blocks,
+                     head_major=LAYOUT["head_major"])
+
+
+def block_keys(pool: BlockPool, layer: int, block: int) -> torch.Tensor:
+    """One block's keys in ``layer``, [KVH, block_tokens, hd], a view of the pool in either layout."""
+    return pool.run(layer, block, 1, 0, BLOCK)[0]
 
 
 def make(static: bool = False, dtype: torch.dtype = torch.float32, pool: BlockPool | None = None):
@@ -58,13 +71,13 @@ def test_growth_takes_free_blocks_and_never_moves_what_the_session_holds():
     cache = make(pool=pool)
     cache.ensure_capacity(6)
     k, v = fill(cache, 0, 6)
-    first_block = pool.k[:, cache.block_ids[0]]
+    first_block = block_keys(pool, 1, cache.block_ids[0])
     before = first_block.clone()
     address = first_block.data_ptr()
     cache.ensure_capacity(9)
     assert cache.capacity == 16 and cache.block_ids[0] == 1 and len(cache.block_ids) == 2
-    assert pool.k[:, cache.block_ids[0]].data_ptr() == address  # the same storage, not a copy
-    assert torch.equal(pool.k[:, cache.block_ids[0]], before)
+    assert block_keys(pool, 1, cache.block_ids[0]).data_ptr() == address  # the same storage, not a copy
+    assert torch.equal(block_keys(pool, 1, cache.block_ids[0]), before)
     assert pool.num_grows == 0
     for layer in range(LAYERS):
         assert torch.equal(cache.keys(layer, 6), k[layer])
@@ -99,7 +112,8 @@ def test_runs_are_views_of_each_consecutive_stretch_and_read_back_the_positions(
     assert a.block_ids == [1, 2, 4]
     runs = a.runs(0, 0, 20)
     assert [k.shape[1] for k, _ in runs] == [16, 4]
-    assert runs[0][0].data_ptr() == pool.k[0, 1].data_ptr() and runs[1][0].data_ptr() == pool.k[0, 4].data_ptr()
+    assert runs[0][0].data_ptr() == block_keys(pool, 0, 1).data_ptr()
+    assert runs[1][0].data_ptr() == block_keys(pool, 0, 4).data_ptr()
     for start, end in ((0, 20), (5, 19), (9, 16), (16, 20), (17, 18)):
         for layer in range(LAYERS):
             runs = a.runs(layer, start, end)
@@ -113,7 +127,7 @@ def test_keys_are_views_when_blocks_are_consecutive():
     k, _ = fill(cache, 0, 12)
     view = cache.keys(0, 12)
     assert view.shape == (HEADS, 12, HEAD_DIM)
-    assert view.data_ptr() == cache.pool.k[0, 1].data_ptr()
+    assert view.data_ptr() == block_keys(cache.pool, 0, 1).data_ptr()
     assert torch.equal(cache.keys(0, 2), k[0, :, :2])
 
 
@@ -213,3 +227,36 @@ def test_release_of_a_static_cache_frees_its_buffers():
     cache = make(static=True)
     cache.release()
     assert (cache.length, cache.capacity, cache.nbytes) == (0, 0, 0)
+
+
+def test_a_cpu_pool_is_head_major_and_each_heads_run_is_one_contiguous_stream():
+    pool = BlockPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
+                     device=torch.device("cpu"), block_tokens=BLOCK)
+    assert pool.head_major and pool.k.shape == (LAYERS, HEADS, 1, BLOCK, HEAD_DIM)
+    cache = pool.new_cache(MAX)
+    cache.ensure_capacity(20)
+    k, _ = fill(cache, 0, 20)
+    (keys, _), = cache.runs(1, 0, 20)
+    assert keys.shape == (HEADS, 20, HEAD_DIM) and keys.stride()[1:] == (HEAD_DIM, 1)  # tokens, then dims
+    assert torch.equal(keys, k[1])
+
+
+def test_batched_writes_and_gathers_agree_with_per_session_reads():
+    """write_rows / gather (the batched attention path) against write / keys (per session), any layout."""
+    pool = make_pool()
+    a, b = make(pool=pool), make(pool=pool)
+    a.ensure_capacity(12)
+    b.ensure_capacity(5)
+    ka, va = fill(a, 0, 11)
+    kb, vb = fill(b, 0, 4)
+    # one more token for each row, written as the batched path writes it
+    new_k = torch.randn(2, HEADS, 1, HEAD_DIM)
+    new_v = torch.randn(2, HEADS, 1, HEAD_DIM)
+    slots = torch.tensor([a.slots(11, 12), b.slots(4, 5)])
+    pool.write_rows(0, slots, new_k, new_v)
+    table = torch.tensor([a.block_ids[:2], b.block_ids[:1] + [PAD_BLOCK]])
+    keys, values = pool.gather(0, table)
+    assert keys.shape == (2, HEADS, 2 * BLOCK, HEAD_DIM)
+    assert torch.equal(keys[0, :, :12], torch.cat([ka[0], new_k[0]], 1))
+    assert torch.equal(values[1, :, :5], torch.cat([vb[0], new_v[1]], 1))
+    assert torch.equal(a.keys(0, 12), keys[0, :, :12]) and torch.equal(b.values(0, 5), values[1, :, :5])
