@@ -7,6 +7,9 @@ same contexts), so background load hits both paths alike; the table gives the me
 and per token, and the ratio per_row / batched (> 1: batched is faster).
 
 Run: python -m benchmarks.attention_paths [--levels 1 16] [--steps 32] [--context 600] [--threads 1]
+
+``--layouts`` instead times the per-row path over a head-major and a token-major pool
+(session/kv_cache.py; CPU uses head-major) and checks that both give the same logits.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ from launch.torchserve import ensure_demo_models
 
 PATHS = ("per_row", "batched")
 LAYOUTS = ("consecutive", "interleaved")  # how each session's blocks lie in the pool
+POOL_LAYOUTS = ("head-major", "token-major")  # the pool's own layout (session/kv_cache.py)
 
 
-def sessions(runner, num_rows: int, context: int, block_tokens: int, interleaved: bool) -> list:
+def sessions(runner, num_rows: int, context: int, block_tokens: int, interleaved: bool, pool=None) -> list:
     """``num_rows`` caches holding ``context`` tokens each (distinct random embeddings). ``interleaved``
     prefills them a block at a time in turn, so that no session's blocks are consecutive in the pool
     (as after sessions grew side by side while decoding): per-row reads then gather instead of slicing."""
     generator = torch.Generator().manual_seed(num_rows)
-    kvs = [runner.new_kv_cache(block_tokens=block_tokens, max_tokens=runner.info.max_positions)
+    kvs = [pool.new_cache(runner.info.max_positions) if pool is not None else
+           runner.new_kv_cache(block_tokens=block_tokens, max_tokens=runner.info.max_positions)
            for _ in range(num_rows)]
     embeds = [torch.randn(context, runner.info.hidden_size, generator=generator).to(runner.dtype) for _ in kvs]
     chunk = block_tokens if interleaved else context
@@ -59,6 +64,29 @@ def measure(runner, num_rows: int, context: int, steps: int, block_tokens: int) 
     return {case: median(t) for case, t in times.items()}
 
 
+def measure_pool_layouts(runner, num_rows: int, context: int, steps: int, block_tokens: int) -> dict:
+    """Median seconds per per-row decode step over a head-major and a token-major pool (the same
+    contexts, consecutive blocks), measured round-robin; and whether both gave the same logits."""
+    from session.kv_cache import BlockPool
+
+    info = runner.info
+    pools = {layout: BlockPool(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                               dtype=runner.kv_dtype, device=runner.device, block_tokens=block_tokens,
+                               head_major=layout == "head-major") for layout in POOL_LAYOUTS}
+    caches = {layout: sessions(runner, num_rows, context, block_tokens, False, pool) for layout, pool in pools.items()}
+    times: dict[str, list[float]] = {layout: [] for layout in pools}
+    logits = {}
+    runner.decode_attention = "per_row"
+    for step in range(steps + 2):  # the first two rounds warm up
+        for layout, kvs in caches.items():
+            began = time.perf_counter()
+            logits[layout] = runner.decode(kvs, [7] * num_rows)
+            if step >= 2:
+                times[layout].append(time.perf_counter() - began)
+    same = torch.equal(*logits.values())
+    return {layout: median(t) for layout, t in times.items()} | {"same_logits": same}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default=str(BENCH_MODEL))
@@ -68,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the engine's CPU default is 1)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="RESIDENT_DTYPE of the runner")
+    parser.add_argument("--layouts", action="store_true",
+                        help="instead: per-row decode over a head-major vs a token-major pool (CPU's choice)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     if Path(args.model_path).resolve() == BENCH_MODEL.resolve():
@@ -76,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from session.model_runner import ModelRunner
 
-    runner = ModelRunner(args.model_path, device=args.device)
+    runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype)
+    if args.layouts:
+        return main_layouts(args, runner)
     results, rows = {}, []
     for level in args.levels:
         step_s = measure(runner, level, args.context, args.steps, args.block_tokens)
@@ -91,6 +124,21 @@ def main(argv: list[str] | None = None) -> int:
                         "batched ms/token", "per_row / batched"], rows))
     write_json(args.out / "attention_paths.json", {"settings": vars(args) | {"out": str(args.out)},
                                                    "results": results})
+    return 0
+
+
+def main_layouts(args, runner) -> int:
+    results, rows = {}, []
+    for level in args.levels:
+        step_s = measure_pool_layouts(runner, level, args.context, args.steps, args.block_tokens)
+        results[str(level)] = step_s
+        rows.append([level, 1000 * step_s["head-major"], 1000 * step_s["token-major"],
+                     step_s["token-major"] / step_s["head-major"], step_s["same_logits"]])
+    print(f"device {runner.device}, {runner.dtype}, {torch.get_num_threads()} threads, context {args.context} "
+          f"tokens, blocks of {args.block_tokens}, per-row attention")
+    print(format_table(["batch", "head-major ms/step", "token-major ms/step", "token / head", "same logits"], rows))
+    write_json(args.out / "attention_layouts.json", {"settings": vars(args) | {"out": str(args.out)},
+                                                     "results": results})
     return 0
 
 

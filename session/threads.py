@@ -1,10 +1,10 @@
 """The CPU thread count, chosen by measuring decode steps while serving.
 
 On a CPU a decode step reads every weight once, and one core cannot draw the memory bandwidth that
-all of them can: on a quiet 2-core machine two threads decode faster than one (15.0 against 16.1 ms
-per token at one session, 277 against 205 tokens/s at 16). But when another process keeps a core
-busy (the TorchServe frontend, the clients, a neighbour), OpenMP's threads wait for each other at
-every barrier and two threads collapse (36.3 against 16.0 ms per token). Neither count is right
+all of them can: on a quiet 2-core machine two threads decode faster than one (10.9 against 16.4 ms
+per token at one session, 379 against 245 tokens/s at 16; text-bench, float32). But when another
+process keeps a core busy (the TorchServe frontend, the clients, a neighbour), OpenMP's threads wait
+for each other at every barrier and two threads collapse (38.3 against 15.5 ms per token). Neither count is right
 everywhere, and the load changes while a server runs, so the engine measures instead of guessing.
 
 ``ThreadTuner`` keeps, for each batch-size bucket, a recent decode-step time per candidate count. It
