@@ -157,7 +157,8 @@ class ComputeThread:
     stops spinning between regions once its threads outnumber the cores: with a model loaded on the
     caller's thread and decoded on the loop thread, a 2-thread decode step on a 2-core machine measured
     1.6x slower (text-bench, one session: 12 against 20 ms). Running both on this thread keeps one team.
-    Who calls this: ``Engine`` (construction, start, stop), from the caller's thread.
+    Who calls this: ``Engine`` (construction, start, stop), from the caller's thread. Work runs in the
+    order posted; once the engine loop is posted, later work waits for the loop to end.
     """
 
     def __init__(self, name: str):
