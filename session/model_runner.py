@@ -61,25 +61,46 @@ def attention_windows(text_config, num_layers: int) -> list[int | None]:
     return [None] * num_layers
 
 
+MASKED = -1e30  # attend_runs' additive mask value (finite: see there)
+
+
 def attend_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                gqa: bool) -> torch.Tensor:
-    """One decode query q [1, H, 1, hd] over keys and values given as runs of [KVH, n, hd] views (CPU).
+                gqa: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Queries q [1, H, T, hd] over keys and values given as runs of [KVH, n, hd] views (CPU);
+    ``mask`` [T, L] (True: may attend; None: every key) over the runs' L keys in order.
 
     One run is one SDPA call, as over a contiguous cache. Several (a session whose blocks are not all
     consecutive in the pool) are attended one by one and merged by their log-sum-exp, which is exact
-    up to float rounding, instead of gathering the session's whole cache every step (that copy made 16
-    sessions decode 2x slower than transformers' generate)."""
+    up to float rounding, instead of gathering the session's whole cache (that copy made 16 sessions
+    decode 2x slower than transformers' generate, and cost every follow-up's prefill and speculative
+    verify a copy of the whole context). Callers gather sliding-window layers instead."""
     if len(runs) == 1:
         k, v = runs[0]
-        return F.scaled_dot_product_attention(q, k[None], v[None], scale=scale, enable_gqa=gqa)
-    heads, kv_heads = q.shape[1], runs[0][0].shape[0]
-    grouped = q.reshape(1, kv_heads, heads // kv_heads, q.shape[-1])  # a KV head's query heads as its queries
-    outs, lses = zip(*(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(grouped, k[None], v[None],
-                                                                                  scale=scale)[:2]
-                       for k, v in runs))
-    lse = torch.stack(lses)  # [R, 1, KVH, G]
-    weights = torch.softmax(lse, dim=0)[..., None]  # each run's share of the total attention mass
-    return (torch.stack(outs) * weights).sum(0).reshape(q.shape)
+        return F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=gqa)
+    heads, num_queries, hd = q.shape[1], q.shape[2], q.shape[3]
+    kv_heads = runs[0][0].shape[0]
+    group = heads // kv_heads
+    # a KV head's query heads, each with its T queries, as that head's G*T queries (no repeat_kv copy)
+    grouped = q.reshape(1, kv_heads, group * num_queries, hd)
+    bias = None
+    if mask is not None:  # rows g*T + t take query t's mask; the CPU kernel takes an additive float mask
+        # finite, not -inf: a causal query sees no key of a run that starts after it, and a row masked
+        # whole would come out NaN; with -1e30 it comes out finite with a log-sum-exp near -1e30, so
+        # the merge gives it weight 0 (exp underflows), as -inf does to masked keys within a run
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, MASKED)
+        bias = bias.repeat(group, 1)
+    outs, lses, first = [], [], 0
+    for k, v in runs:
+        n = k.shape[1]
+        run_bias = None if bias is None else bias[:, first: first + n]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            grouped, k[None], v[None], attn_mask=run_bias, scale=scale)[:2]
+        outs.append(out)
+        lses.append(lse)
+        first += n
+    weights = torch.softmax(torch.stack(lses), dim=0)[..., None]  # [R, 1, KVH, G*T, 1]: each run's share
+    merged = (torch.stack(outs) * weights).sum(0)  # [1, KVH, G*T, hd]
+    return merged.reshape(1, heads, num_queries, hd).to(q.dtype)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -275,17 +296,25 @@ class ModelRunner:
         # only the last W of them (keys j > start+i-W)
         causal = torch.ones(num_new, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         masks = {w: causal if w is None else causal.triu(diagonal=start - w + 1) for w in set(self.windows)}
+        gqa = self.info.num_heads != self.info.num_kv_heads
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
+            window = self.windows[index]
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
             kv.write(index, start, k[0], v[0])
-            o = F.scaled_dot_product_attention(
-                q, kv.keys(index, end)[None], kv.values(index, end)[None], attn_mask=masks[self.windows[index]],
-                scale=attn.scaling, enable_gqa=self.info.num_heads != self.info.num_kv_heads,
-            )
+            if self._in_place(kv, window):  # the cache's runs of blocks in place, however it grew
+                o = attend_runs(q, kv.runs(index, 0, end), attn.scaling, gqa, masks[window])
+            else:
+                o = F.scaled_dot_product_attention(q, kv.keys(index, end)[None], kv.values(index, end)[None],
+                                                   attn_mask=masks[window], scale=attn.scaling, enable_gqa=gqa)
             h = self.finish_layer(layer, h, o)
         kv.length = end
         return self._logits(h)[0] if all_logits else self._logits(h[:, -1:])[0, 0]
+
+    def _in_place(self, kv: KVCache, window: int | None) -> bool:
+        """Attend over a paged cache's runs of blocks in place (``attend_runs``) rather than a gathered
+        copy: on CPU, in layers without a sliding window (whose masks can hide a whole run from a query)."""
+        return self.device.type == "cpu" and window is None and isinstance(kv, PagedKVCache)
 
     def configure_decode(self, attention: str, batch_buckets: tuple[int, ...]) -> None:
         """Called once at start-up (session/assembly.py) with RESIDENT_ATTENTION: auto, batched, per_row or
@@ -455,11 +484,15 @@ class ModelRunner:
             rows = []
             for b, (kv, length, count) in enumerate(zip(kvs, lengths, counts)):
                 kv.write(index, length, k[b, :, :count], v[b, :, :count])
-                row = F.scaled_dot_product_attention(
-                    q[b:b + 1, :, :count], kv.keys(index, length + count)[None],
-                    kv.values(index, length + count)[None], attn_mask=masks[b][window],
-                    scale=attn.scaling, enable_gqa=gqa,
-                )  # [1, H, count, hd]
+                if self._in_place(kv, window):
+                    row = attend_runs(q[b:b + 1, :, :count], kv.runs(index, 0, length + count), attn.scaling, gqa,
+                                      masks[b][window])
+                else:
+                    row = F.scaled_dot_product_attention(
+                        q[b:b + 1, :, :count], kv.keys(index, length + count)[None],
+                        kv.values(index, length + count)[None], attn_mask=masks[b][window],
+                        scale=attn.scaling, enable_gqa=gqa,
+                    )  # [1, H, count, hd]
                 rows.append(row if count == width else F.pad(row, (0, 0, 0, width - count)))  # padding: zeros
             h = self.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
         return self._logits(h)

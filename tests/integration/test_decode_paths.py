@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from session.config import EngineConfig
 from session.engine import Engine, GenerationRequest
@@ -152,3 +153,40 @@ def test_compiled_static_path_has_one_graph_per_bucket_and_never_recompiles(tiny
         assert sum(counters["recompiles"].values()) == 0
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fragmented_cache_prefill_and_verify_match_a_consecutive_one(family):
+    """A session whose blocks interleave with another's (as when sessions grow side by side) is
+    attended run by run in place: a follow-up prefill and a multi-token verify (extend) give the logits
+    they give over consecutive blocks (grouped-query heads, causal masks over several runs)."""
+    from model_store.build_text_models import ensure
+    from session.model_runner import ModelRunner
+
+    runner = ModelRunner(str(ensure([family])[family]), device="cpu", dtype="float32")
+    assert runner.info.num_heads != runner.info.num_kv_heads
+    generator = torch.Generator().manual_seed(3)
+    history = torch.randint(5, 200, (40,), generator=generator).tolist()
+    followup = torch.randint(5, 200, (7,), generator=generator).tolist()
+    results = {}
+    for layout in ("consecutive", "fragmented"):
+        pool = runner.kv_pool(8)
+        kv, other = pool.new_cache(256), pool.new_cache(256)
+        for start in range(0, len(history), 8):  # fragmented: the other session takes a block in between
+            runner.prefill(kv, runner.embed(history[start:start + 8], []))
+            if layout == "fragmented":
+                other.ensure_capacity(other.capacity + 8)
+        assert (len(kv.runs(0, 0, kv.length)) > 1) == (layout == "fragmented")
+
+        def gathered(*args):
+            raise AssertionError("read the whole cache as one tensor (a gather) instead of its runs")
+
+        kv.keys = kv.values = gathered  # neither path may copy the cache, fragmented or not
+        prefill = runner.prefill(kv, runner.embed(followup, []), all_logits=True)
+        runner.decode_attention = "per_row"
+        verify = runner.extend([kv], [[7, 8, 9]])
+        results[layout] = (prefill, verify)
+        kv.release()
+        other.release()
+    for got, want in zip(results["fragmented"], results["consecutive"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
