@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(["engine", "concurrency", "ms/token", "tokens/s"], rows))
     if followups:
         print()
-        print(format_table(["2-turn chat, turn 2", "median s", "answer tokens"],
-                           [[name, f["followup_s_median"], f.get("answer_tokens", args.turn_tokens)]
+        print(format_table(["2-turn chat", "turn 1 (new image) median s", "turn 2 median s", "answer tokens"],
+                           [[name, f["first_s_median"], f["followup_s_median"], f.get("answer_tokens", args.turn_tokens)]
                             for name, f in followups.items()]))
     ours = results["ours"]
     summary = {}
@@ -289,8 +289,8 @@ def measure_ours(args, variants: dict, base: dict, followups: dict):
 def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
     """The vLLM peer's 2-turn chat on our engine: turn 1 opens a session with a new image and
     FIRST_QUESTION, turn 2 asks a follow-up in it (only its new tokens prefilled); each turn answers
-    ``turn_tokens`` tokens. Same seeds and questions as benchmarks/vllm_peer.py. Timed: turn 2, submit
-    to its final event."""
+    ``turn_tokens`` tokens. Same seeds and questions as benchmarks/vllm_peer.py. Timed: each turn, from
+    its image decoding (turn 1) or submission to its final event."""
     from benchmarks.common import image_data_url
     from benchmarks.first_vs_followup import FIRST_QUESTION, FOLLOWUP_QUESTIONS, WARMUP_SEED, opening_message
     from benchmarks.vllm_peer import FOLLOWUP_SEED_BASE
@@ -300,12 +300,12 @@ def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
     from session.protocol import ImagePart, Message, SamplingParams, TextPart
 
     def turn(sid, messages, images, opens) -> tuple[float, Finished]:
+        start = time.perf_counter()  # image decoding and preprocessing count, as in vLLM's turn
         decoded = [decode_data_url(url, max_bytes=1 << 24, max_pixels=1 << 24) for url in images]
         request = GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=turn_tokens),
                                     stream=EventStream(), session_id=sid, open_session=opens,
                                     images=engine.preprocess_images([d.image for d in decoded]),
                                     image_digests=tuple(d.digest for d in decoded))
-        start = time.perf_counter()
         engine.submit(request)
         while not isinstance(event := request.stream.get(timeout=600), (Finished, Failed)):
             pass
@@ -313,21 +313,22 @@ def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
             raise event.error
         return time.perf_counter() - start, event
 
-    def converse(seed: int, question: str) -> tuple[float, int]:
+    def converse(seed: int, question: str) -> tuple[float, float, int]:
         sid, url = engine.new_session_id(), image_data_url(seed)
         if engine.vision is None:  # a text model: the document the vLLM peer sends instead of the image
-            turn(sid, (Message("user", (TextPart(opening_message(seed, images=False)["content"][0]["text"]),)),),
-                 [], True)
+            first, _ = turn(sid, (Message("user", (TextPart(opening_message(seed, images=False)["content"][0]["text"]),)),),
+                            [], True)
         else:
-            turn(sid, (Message("user", (ImagePart(url), TextPart(FIRST_QUESTION))),), [url], True)
+            first, _ = turn(sid, (Message("user", (ImagePart(url), TextPart(FIRST_QUESTION))),), [url], True)
         seconds, finished = turn(sid, (Message("user", (TextPart(question),)),), [], False)
         engine.submit(CloseRequest(sid, EventStream()))
-        return seconds, len(finished.token_ids)
+        return first, seconds, len(finished.token_ids)
 
     converse(WARMUP_SEED, FOLLOWUP_QUESTIONS[0])
     runs = [converse(FOLLOWUP_SEED_BASE + i, FOLLOWUP_QUESTIONS[i % len(FOLLOWUP_QUESTIONS)])
             for i in range(conversations)]
-    return {"followup_s_median": median([s for s, _ in runs]), "answer_tokens": [n for _, n in runs]}
+    return {"followup_s_median": median([s for _, s, _ in runs]), "first_s_median": median([f for f, _, _ in runs]),
+            "answer_tokens": [n for _, _, n in runs]}
 
 
 def run_vllm(args) -> tuple[dict, dict]:
@@ -339,7 +340,7 @@ def run_vllm(args) -> tuple[dict, dict]:
     peer = json.loads(out.read_text())
     decode = {d["concurrency"]: {"per_token_s": d["per_token_ms_median"] / 1000,
                                  "tokens_per_s": d["decode_tokens_per_s"]} for d in peer["decode"]}
-    return decode, {"followup_s_median": peer["followup"]["followup_s_median"]}
+    return decode, {key: peer["followup"][key] for key in ("followup_s_median", "first_s_median")}
 
 
 def bandwidth_floor(runner) -> dict:
