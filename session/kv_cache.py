@@ -143,11 +143,15 @@ class BlockPool:
     def run(self, layer: int, first_block: int, num_blocks: int, lo: int, hi: int):
         """Keys and values of tokens lo .. hi-1 of ``num_blocks`` consecutive blocks from ``first_block``:
         [KVH, hi - lo, hd] views of the pool (no copy)."""
+        return tuple(t[layer] for t in self.run_all_layers(first_block, num_blocks, lo, hi))
+
+    def run_all_layers(self, first_block: int, num_blocks: int, lo: int, hi: int):
+        """``run`` for every layer at once: [num_layers, KVH, hi - lo, hd] views (a decode step builds
+        them once per row, then takes one layer's with an index)."""
         out = []
         for pool in (self.k, self.v):
-            blocks = pool[layer].narrow(self.block_dim - 1, first_block, num_blocks)
-            flat = self._flat(blocks)
-            out.append(flat[:, lo:hi] if self.head_major else flat[lo:hi].transpose(0, 1))
+            flat = self._flat(pool.narrow(self.block_dim, first_block, num_blocks))
+            out.append(flat[:, :, lo:hi] if self.head_major else flat[:, lo:hi].transpose(1, 2))
         return tuple(out)
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,6 +257,11 @@ class PagedKVCache:
         """Keys and values of positions start .. end-1 as views of the pool, [num_kv_heads, n, head_dim]
         each, one per run of consecutive blocks: no copy however the session grew (the per-row decode
         attends to each run and merges them by their log-sum-exp)."""
+        return [self.pool.run(layer, *bounds) for bounds in self.run_bounds(start, end)]
+
+    def run_bounds(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """Positions start .. end-1 as runs of consecutive blocks: (first block, number of blocks, first
+        token, end token within the run) each, for ``BlockPool.run`` / ``run_all_layers``."""
         size, out = self.block_tokens, []
         index = start // size
         while index * size < end:
@@ -260,7 +269,7 @@ class PagedKVCache:
             while (last + 1) * size < end and self.block_ids[last + 1] == self.block_ids[last] + 1:
                 last += 1
             lo, hi = max(start, index * size) - index * size, min(end, (last + 1) * size) - index * size
-            out.append(self.pool.run(layer, self.block_ids[index], last - index + 1, lo, hi))
+            out.append((self.block_ids[index], last - index + 1, lo, hi))
             index = last + 1
         return out
 

@@ -385,17 +385,30 @@ class ModelRunner:
         positions = positions[:, None]  # [B, 1]
         cos, sin = self.lm.rotary_emb(h, positions)
         gqa = self.info.num_heads != self.info.num_kv_heads
+        pool = kvs[0].pool
+        one_pool = all(kv.pool is pool for kv in kvs)  # then one store per layer for every row's new keys
+        slots = torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=self.device)
+        row_runs = {}  # window -> per row, its runs' [layers, KVH, n, hd] views: built once per step, not per layer
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]
+            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
             rows = []
             window = self.windows[index]
+            if one_pool:
+                pool.write_rows(index, slots, k, v)
             for b, (kv, length) in enumerate(zip(kvs, lengths)):
-                kv.write(index, length, k[b], v[b])
-                first = 0 if window is None else max(0, length + 1 - window)  # a sliding window: the last W keys
+                if not one_pool:
+                    kv.write(index, length, k[b], v[b])
                 if self.device.type == "cpu":  # the session's blocks in place, however it grew
-                    rows.append(attend_runs(q[b : b + 1], kv.runs(index, first, length + 1), attn.scaling, gqa))
+                    if window not in row_runs:  # a sliding window: the last W keys
+                        row_runs[window] = [
+                            [kv.pool.run_all_layers(*bounds) for bounds in
+                             kv.run_bounds(0 if window is None else max(0, n + 1 - window), n + 1)]
+                            for kv, n in zip(kvs, lengths)]
+                    runs = [(keys[index], values[index]) for keys, values in row_runs[window][b]]
+                    rows.append(attend_runs(q[b : b + 1], runs, attn.scaling, gqa))
                     continue
+                first = 0 if window is None else max(0, length + 1 - window)
                 rows.append(F.scaled_dot_product_attention(
                     q[b : b + 1], kv.keys(index, length + 1)[None, :, first:],
                     kv.values(index, length + 1)[None, :, first:], scale=attn.scaling, enable_gqa=gqa,
