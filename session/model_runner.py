@@ -388,7 +388,7 @@ class ModelRunner:
         pool = kvs[0].pool
         one_pool = all(kv.pool is pool for kv in kvs)  # then one store per layer for every row's new keys
         slots = torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=self.device)
-        row_runs = {}  # window -> per row, its runs' [layers, KVH, n, hd] views: built once per step, not per layer
+        row_runs = {}  # window -> _runs_of_rows: built once per step, not once per layer
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
@@ -400,11 +400,8 @@ class ModelRunner:
                 if not one_pool:
                     kv.write(index, length, k[b], v[b])
                 if self.device.type == "cpu":  # the session's blocks in place, however it grew
-                    if window not in row_runs:  # a sliding window: the last W keys
-                        row_runs[window] = [
-                            [kv.pool.run_all_layers(*bounds) for bounds in
-                             kv.run_bounds(0 if window is None else max(0, n + 1 - window), n + 1)]
-                            for kv, n in zip(kvs, lengths)]
+                    if window not in row_runs:
+                        row_runs[window] = self._runs_of_rows(kvs, lengths, window)
                     runs = [(keys[index], values[index]) for keys, values in row_runs[window][b]]
                     rows.append(attend_runs(q[b : b + 1], runs, attn.scaling, gqa))
                     continue
@@ -415,6 +412,14 @@ class ModelRunner:
                 ))
             h = self.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
         return self._logits(h)[:, 0]
+
+    @staticmethod
+    def _runs_of_rows(kvs: list[PagedKVCache], lengths: list[int], window: int | None) -> list[list[tuple]]:
+        """Per row, the runs of blocks its next decode query attends (in a sliding window of W: the last
+        W keys, its own included), as (keys, values) views [layers, KVH, n, hd] of every layer."""
+        return [[kv.pool.run_all_layers(*bounds)
+                 for bounds in kv.run_bounds(0 if window is None else max(0, n + 1 - window), n + 1)]
+                for kv, n in zip(kvs, lengths)]
 
     def attention_inputs(self, layer, h, cos, sin):
         """h: [B, T, D] -> rotated q [B, H, T, hd], k and v [B, KVH, T, hd]."""
