@@ -385,8 +385,7 @@ class ModelRunner:
         positions = positions[:, None]  # [B, 1]
         cos, sin = self.lm.rotary_emb(h, positions)
         gqa = self.info.num_heads != self.info.num_kv_heads
-        pool = kvs[0].pool
-        one_pool = all(kv.pool is pool for kv in kvs)  # then one store per layer for every row's new keys
+        pool, one_pool = kvs[0].pool, self._one_pool(kvs)
         slots = torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=self.device)
         row_runs = {}  # window -> _runs_of_rows: built once per step, not once per layer
         for index, layer in enumerate(self.layers):
@@ -400,8 +399,9 @@ class ModelRunner:
                 if not one_pool:
                     kv.write(index, length, k[b], v[b])
                 if self.device.type == "cpu":  # the session's blocks in place, however it grew
-                    if window not in row_runs:
-                        row_runs[window] = self._runs_of_rows(kvs, lengths, window)
+                    if window not in row_runs:  # in a sliding window of W: the last W keys, its own included
+                        starts = [0 if window is None else max(0, n + 1 - window) for n in lengths]
+                        row_runs[window] = self._runs_of_rows(kvs, starts, [n + 1 for n in lengths])
                     runs = [(keys[index], values[index]) for keys, values in row_runs[window][b]]
                     rows.append(attend_runs(q[b : b + 1], runs, attn.scaling, gqa))
                     continue
@@ -414,12 +414,17 @@ class ModelRunner:
         return self._logits(h)[:, 0]
 
     @staticmethod
-    def _runs_of_rows(kvs: list[PagedKVCache], lengths: list[int], window: int | None) -> list[list[tuple]]:
-        """Per row, the runs of blocks its next decode query attends (in a sliding window of W: the last
-        W keys, its own included), as (keys, values) views [layers, KVH, n, hd] of every layer."""
-        return [[kv.pool.run_all_layers(*bounds)
-                 for bounds in kv.run_bounds(0 if window is None else max(0, n + 1 - window), n + 1)]
-                for kv, n in zip(kvs, lengths)]
+    def _runs_of_rows(kvs: list[PagedKVCache], starts: list[int], ends: list[int]) -> list[list[tuple]]:
+        """Per row, the runs of blocks holding its positions starts[b] .. ends[b]-1, as (keys, values)
+        views [layers, KVH, n, hd] of every layer (a step builds them once, then indexes a layer)."""
+        return [[kv.pool.run_all_layers(*bounds) for bounds in kv.run_bounds(start, end)]
+                for kv, start, end in zip(kvs, starts, ends)]
+
+    @staticmethod
+    def _one_pool(kvs: list[KVCache]) -> bool:
+        """Every cache is paged in the same pool: a step stores all rows' new keys in one call per layer."""
+        pool = getattr(kvs[0], "pool", None)
+        return pool is not None and all(getattr(kv, "pool", None) is pool for kv in kvs)
 
     def attention_inputs(self, layer, h, cos, sin):
         """h: [B, T, D] -> rotated q [B, H, T, hd], k and v [B, KVH, T, hd]."""
@@ -495,16 +500,29 @@ class ModelRunner:
         cos, sin = self.lm.rotary_emb(h, positions)  # positions: [B, T]
         masks = [self._extend_masks(length, count) for length, count in zip(lengths, counts)]
         gqa = self.info.num_heads != self.info.num_kv_heads
+        one_pool = self._one_pool(kvs)
+        if one_pool:  # every row's real new tokens (not its padding): row, column, and slot in the pool
+            new_rows = torch.tensor([b for b, count in enumerate(counts) for _ in range(count)], device=self.device)
+            new_columns = torch.tensor([t for count in counts for t in range(count)], device=self.device)
+            slots = torch.tensor([slot for kv, length, count in zip(kvs, lengths, counts)
+                                  for slot in kv.slots(length, length + count)], device=self.device)
+        row_runs = None  # _runs_of_rows, built once per step for the layers that attend in place
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             window = self.windows[index]
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
+            if one_pool:  # [N, KVH, hd] -> [KVH, N, hd]
+                kvs[0].pool.write(index, slots, k[new_rows, :, new_columns].transpose(0, 1),
+                                  v[new_rows, :, new_columns].transpose(0, 1))
             rows = []
             for b, (kv, length, count) in enumerate(zip(kvs, lengths, counts)):
-                kv.write(index, length, k[b, :, :count], v[b, :, :count])
+                if not one_pool:
+                    kv.write(index, length, k[b, :, :count], v[b, :, :count])
                 if self._in_place(kv, window):
-                    row = attend_runs(q[b:b + 1, :, :count], kv.runs(index, 0, length + count), attn.scaling, gqa,
-                                      masks[b][window])
+                    if row_runs is None:
+                        row_runs = self._runs_of_rows(kvs, [0] * len(kvs), [n + c for n, c in zip(lengths, counts)])
+                    runs = [(keys[index], values[index]) for keys, values in row_runs[b]]
+                    row = attend_runs(q[b:b + 1, :, :count], runs, attn.scaling, gqa, masks[b][window])
                 else:
                     row = F.scaled_dot_product_attention(
                         q[b:b + 1, :, :count], kv.keys(index, length + count)[None],
