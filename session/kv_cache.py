@@ -5,9 +5,10 @@ and values. On accelerators they are token-major, ``[num_layers, num_blocks, blo
 num_kv_heads, head_dim]`` each, the layout FlashAttention's ``flash_attn_with_kvcache(block_table=...)``
 reads. On CPU they are head-major, ``[num_layers, num_kv_heads, num_blocks, block_tokens, head_dim]``:
 a head's keys over a run of consecutive blocks are then one contiguous stream, and torch's CPU flash
-kernel read them faster than the token-major view, with the same bits (a 16-session decode step 1.4x
-faster in float32, 1.7x in bfloat16: benchmarks/attention_paths.py --layouts). Only this module and session/attention.py know the
-layout; everything else goes through the pool's methods. A ``PagedKVCache`` is one
+kernel read them faster than the token-major view, with the same bits (a 16-session decode step
+1.4x faster in float32, 1.7x in bfloat16: benchmarks/attention_paths.py --layouts). Only the pool's
+methods know the layout (and session/attention.py's FlashAttention call, token-major pools only).
+A ``PagedKVCache`` is one
 session's list of block ids (its block table). It grows by taking free blocks, so growth never
 copies what a session already holds, and a decode step for many sessions is one attention call per
 layer over the pool (session/attention.py). Block 0 is the pool's padding block: rows that pad a
@@ -148,33 +149,31 @@ class BlockPool:
     def run_all_layers(self, first_block: int, num_blocks: int, lo: int, hi: int):
         """``run`` for every layer at once: [num_layers, KVH, hi - lo, hd] views (a decode step builds
         them once per row, then takes one layer's with an index)."""
-        out = []
-        for pool in (self.k, self.v):
-            flat = self._flat(pool.narrow(self.block_dim, first_block, num_blocks))
-            out.append(flat[:, :, lo:hi] if self.head_major else flat[:, lo:hi].transpose(1, 2))
-        return tuple(out)
+        return tuple(self._run_of(pool, first_block, num_blocks, lo, hi) for pool in (self.k, self.v))
+
+    def _run_of(self, pool: torch.Tensor, first_block: int, num_blocks: int, lo: int, hi: int) -> torch.Tensor:
+        flat = self._flat(pool.narrow(self.block_dim, first_block, num_blocks))
+        return flat[:, :, lo:hi] if self.head_major else flat[:, lo:hi].transpose(1, 2)
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the blocks ``block_ids`` [B, NB] (a copy): [B, KVH, NB * block_tokens, hd] each."""
-        num_rows = block_ids.shape[0]
-        out = []
-        for pool in (self.k, self.v):
-            if self.head_major:  # [KVH, B, NB, bt, hd] -> [B, KVH, S, hd] (a view of the gathered copy)
-                rows = pool[layer][:, block_ids].view(self.num_kv_heads, num_rows, -1, self.head_dim)
-                out.append(rows.transpose(0, 1))
-            else:
-                out.append(pool[layer][block_ids].view(num_rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2))
-        return tuple(out)
+        return tuple(self._gather_of(pool[layer], block_ids) for pool in (self.k, self.v))
 
-    def read(self, layer: int, block_ids: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions 0 .. end-1 of a block table: [KVH, end, hd] each; views when the
-        blocks are consecutive, else a gather."""
+    def _gather_of(self, blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        num_rows = block_ids.shape[0]
+        if self.head_major:  # [KVH, B, NB, bt, hd] -> [B, KVH, S, hd] (a view of the gathered copy)
+            return blocks[:, block_ids].view(self.num_kv_heads, num_rows, -1, self.head_dim).transpose(0, 1)
+        return blocks[block_ids].view(num_rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def read(self, layer: int, block_ids: list[int], end: int, values: bool = False) -> torch.Tensor:
+        """The keys (or ``values``) of positions 0 .. end-1 of a block table, [KVH, end, hd]: a view
+        when the blocks are consecutive, else a gather."""
+        pool = self.v if values else self.k
         used = block_ids[: -(-end // self.block_tokens)]
         first = used[0] if used else 0
         if used == list(range(first, first + len(used))):
-            return self.run(layer, first, len(used), 0, end)
-        gathered = self.gather(layer, torch.tensor([used], device=self.device))
-        return tuple(t[0, :, :end] for t in gathered)
+            return self._run_of(pool, first, len(used), 0, end)[layer]
+        return self._gather_of(pool[layer], torch.tensor([used], device=self.device))[0, :, :end]
 
     def host_copy(self, block_ids: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Compact host copies of positions 0 .. length-1: K, V [num_layers, KVH, length, hd]."""
@@ -248,10 +247,10 @@ class PagedKVCache:
 
     def keys(self, layer: int, end: int) -> torch.Tensor:
         """[num_kv_heads, end, head_dim]: a view of the pool when the blocks are consecutive, else a gather."""
-        return self.pool.read(layer, self.block_ids, end)[0]
+        return self.pool.read(layer, self.block_ids, end)
 
     def values(self, layer: int, end: int) -> torch.Tensor:
-        return self.pool.read(layer, self.block_ids, end)[1]
+        return self.pool.read(layer, self.block_ids, end, values=True)
 
     def runs(self, layer: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Keys and values of positions start .. end-1 as views of the pool, [num_kv_heads, n, head_dim]

@@ -4,8 +4,9 @@ On a CPU a decode step reads every weight once, and one core cannot draw the mem
 all of them can: on a quiet 2-core machine two threads decode faster than one (10.9 against 16.4 ms
 per token at one session, 379 against 245 tokens/s at 16; text-bench, float32). But when another
 process keeps a core busy (the TorchServe frontend, the clients, a neighbour), OpenMP's threads wait
-for each other at every barrier and two threads collapse (38.3 against 15.5 ms per token). Neither count is right
-everywhere, and the load changes while a server runs, so the engine measures instead of guessing.
+for each other at every barrier and two threads collapse (38.3 against 15.5 ms per token). Neither
+count is right everywhere, and the load changes while a server runs, so the engine measures instead
+of guessing.
 
 ``ThreadTuner`` keeps, for each batch-size bucket, a recent decode-step time per candidate count. It
 runs the fastest (the figure of the count in use follows every step, so a count that slows down is
