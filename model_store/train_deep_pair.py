@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from model_store.build_models import build_tokenizer
-from model_store.train_pair import (EVAL_FILES, TRAIN_FILES, VOCAB_SIZE, LlamaSpec, TrainSpec, adamw, corpus_ids,
-                                    heldout_loss, lr_at, make_model, save, windows)
+from model_store.train_pair import (EVAL_FILES, TRAIN_FILES, VOCAB_SIZE, LlamaSpec, TrainSpec, corpus_ids, fit,
+                                    heldout_loss, make_model, save, windows)
 
 REPO = Path(__file__).resolve().parent.parent
 DEEP_PAIR_DIR = Path(__file__).resolve().parent / "deep_pair"
@@ -56,14 +56,8 @@ def exit_logits(model, hidden_states) -> torch.Tensor:
 
 def train_early_exit(model, ids: torch.Tensor, train: TrainSpec, seed: int) -> list[float]:
     """Cross-entropy at the last layer + EXIT_WEIGHT * KL(final || exit), per token."""
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = adamw(model, train)
-    model.train()
-    losses = []
-    began = time.perf_counter()
-    for step in range(train.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, train)
+
+    def step_loss(generator):
         batch = windows(ids, train, generator)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, S] each
         out = model(input_ids=inputs, output_hidden_states=True)
@@ -71,17 +65,9 @@ def train_early_exit(model, ids: torch.Tensor, train: TrainSpec, seed: int) -> l
         final_logp = F.log_softmax(out.logits.detach(), dim=-1)  # [B, S, V]: the exit follows, never leads
         exit_logp = F.log_softmax(exit_logits(model, out.hidden_states), dim=-1)
         agree = F.kl_div(exit_logp.flatten(0, 1), final_logp.flatten(0, 1), log_target=True, reduction="batchmean")
-        loss = final + EXIT_WEIGHT * agree
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(final.item())
-        if step % 200 == 0 or step == train.steps - 1:
-            print(f"step {step:4d} final CE {final.item():.3f} exit KL {agree.item():.3f} "
-                  f"({time.perf_counter() - began:.0f} s)", flush=True)
-    model.eval()
-    return losses
+        return final + EXIT_WEIGHT * agree, {"final CE": final.item(), "exit KL": agree.item()}
+
+    return fit(model, train, seed, step_loss)
 
 
 def cut_draft(target_dir: Path, out: Path) -> Path:

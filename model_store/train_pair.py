@@ -162,18 +162,37 @@ def adamw(model, train: TrainSpec) -> torch.optim.AdamW:
                               {"params": no_decay, "weight_decay": 0.0}], lr=train.lr, betas=(0.9, 0.95))
 
 
-def train(model, ids: torch.Tensor, train: TrainSpec, seed: int, teacher=None, sequences=None,
-          label: str = "") -> list[float]:
-    """Next-token cross-entropy, or (with ``teacher``) KL(teacher || model) on the same windows; with
-    ``sequences`` [N, seq_len + 1], half of each batch is drawn from them instead of the corpus."""
+def fit(model, train: TrainSpec, seed: int, step_loss, label: str = "") -> list[float]:
+    """The training loop of both pairs: AdamW (``adamw``) on the warm-up/cosine schedule (``lr_at``),
+    gradients clipped to norm 1. ``step_loss(generator)`` draws its batch with ``generator`` and
+    returns (the loss to minimise, {name: value} to print); each step's first value is returned."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = adamw(model, train)
     model.train()
-    losses = []
+    recorded = []
     began = time.perf_counter()
     for step in range(train.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, train)
+        loss, shown = step_loss(generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        recorded.append(next(iter(shown.values())))
+        if step % 200 == 0 or step == train.steps - 1:
+            values = " ".join(f"{name} {value:.3f}" for name, value in shown.items())
+            print(f"{label} step {step:4d} {values} ({time.perf_counter() - began:.0f} s)".lstrip(), flush=True)
+    model.eval()
+    return recorded
+
+
+def train(model, ids: torch.Tensor, train: TrainSpec, seed: int, teacher=None, sequences=None,
+          label: str = "") -> list[float]:
+    """Next-token cross-entropy, or (with ``teacher``) KL(teacher || model) on the same windows; with
+    ``sequences`` [N, seq_len + 1], half of each batch is drawn from them instead of the corpus."""
+
+    def step_loss(generator):
         batch = windows(ids, train, generator)
         if sequences is not None:
             rows = torch.randint(0, len(sequences), (train.batch // 2,), generator=generator)
@@ -187,15 +206,9 @@ def train(model, ids: torch.Tensor, train: TrainSpec, seed: int, teacher=None, s
                 teacher_logp = F.log_softmax(teacher(input_ids=inputs).logits, dim=-1)
             loss = F.kl_div(F.log_softmax(logits, dim=-1), teacher_logp, log_target=True, reduction="batchmean")
             loss = loss / inputs.shape[1]  # batchmean divides by B only: per-token KL
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        if step % 200 == 0 or step == train.steps - 1:
-            print(f"{label} step {step:4d} loss {loss.item():.3f} ({time.perf_counter() - began:.0f} s)", flush=True)
-    model.eval()
-    return losses
+        return loss, {"loss": loss.item()}
+
+    return fit(model, train, seed, step_loss, label)
 
 
 @torch.no_grad()

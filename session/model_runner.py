@@ -488,9 +488,8 @@ class ModelRunner:
         return logits
 
     def _extend_batched(self, kvs: list[KVCache], width: int) -> bool:
-        pool = getattr(kvs[0], "pool", None)
-        return (self.decode_attention == "batched" and pool is not None
-                and all(getattr(kv, "pool", None) is pool and kv.length + width <= kv.max_tokens for kv in kvs))
+        return (self.decode_attention == "batched" and self._one_pool(kvs)
+                and all(kv.length + width <= kv.max_tokens for kv in kvs))
 
     def _extend_per_row(self, kvs: list[KVCache], padded: list[list[int]], lengths: list[int],
                         counts: list[int]) -> torch.Tensor:
