@@ -179,7 +179,7 @@ def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):
     draft = None
     if mode == "draft":
         draft = ModelRunner(config.draft_model_path, device=config.device, dtype=config.dtype,
-                            pack_weights=config.pack_weights and not config.compile)
+                            pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels)
         from transformers import AutoTokenizer
 
         check_compatible(tokenizer, AutoTokenizer.from_pretrained(config.draft_model_path))

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from session import cpu_attention
 from session.attention import PagedAttention, PagedBatch, choose_backend, columns, plan_rows, to_batch
 from session.config import EngineConfig
 from session.errors import ConfigError
-from session.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache
+from session.kv_cache import PAD_BLOCK, BlockPool, KVCache, PagedKVCache, StaticKVCache
 from session.packed_linear import can_pack, pack_linears
 from session.support import check_supported
 
@@ -139,7 +140,7 @@ def cpu_has_bf16() -> bool:
 
 class ModelRunner:
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto",
-                 pack_weights: bool = True):
+                 pack_weights: bool = True, cpu_kernels: bool = True):
         from transformers import AutoConfig
 
         self.model_path = model_path
@@ -167,6 +168,9 @@ class ModelRunner:
             self.packed_linears = pack_linears(self.layers + [self.lm_head])
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
+        # bfloat16 decode attention on CPU: our kernel, one call per layer (session/cpu_attention.py)
+        self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.kv_dtype == torch.bfloat16
+                              and self.info.head_dim % 16 == 0 and cpu_attention.load())
         self.lora = None  # a LoraBank once enable_lora ran
         self.kv_pools: dict[int, BlockPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.decode_attention = default_attention(self.device)  # "batched" or "per_row" (configure_decode)
@@ -190,7 +194,7 @@ class ModelRunner:
     def from_config(cls, config: EngineConfig) -> "ModelRunner":
         # compiled graphs (RESIDENT_COMPILE) trace dense weights: dynamo does not take oneDNN's opaque tensors
         return cls(config.model_path, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
-                   pack_weights=config.pack_weights and not config.compile)
+                   pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels)
 
     def _load(self, path: str, hf_config):
         import transformers
@@ -374,18 +378,24 @@ class ModelRunner:
             h = self.finish_layer(layer, h, o)
         return self._logits(h)
 
-    def _decode_per_row(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
-                        position_offsets: torch.Tensor | None) -> torch.Tensor:
-        # Projections and MLPs run batched; attention runs per row over that session's own cache view.
+    def _step_inputs(self, token_ids: list[int], lengths: list[int], position_offsets: torch.Tensor | None):
+        """A decode step's embeddings h [B, 1, D] and rotary cos/sin at positions lengths[b] (+ offsets)."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         h = self.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
         positions = torch.tensor(lengths, device=self.device)
         if position_offsets is not None:
             positions = positions + position_offsets
-        positions = positions[:, None]  # [B, 1]
-        cos, sin = self.lm.rotary_emb(h, positions)
-        gqa = self.info.num_heads != self.info.num_kv_heads
+        cos, sin = self.lm.rotary_emb(h, positions[:, None])
+        return h, cos, sin
+
+    def _decode_per_row(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
+                        position_offsets: torch.Tensor | None) -> torch.Tensor:
+        # Projections and MLPs run batched; attention runs per row over that session's own cache view.
         pool, one_pool = kvs[0].pool, self._one_pool(kvs)
+        if self.pooled_decode and one_pool and pool.head_major:
+            return self._decode_pooled(kvs, token_ids, lengths, position_offsets)
+        h, cos, sin = self._step_inputs(token_ids, lengths, position_offsets)
+        gqa = self.info.num_heads != self.info.num_kv_heads
         slots = torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=self.device)
         row_runs = {}  # window -> _runs_of_rows: built once per step, not once per layer
         for index, layer in enumerate(self.layers):
@@ -411,6 +421,29 @@ class ModelRunner:
                     kv.values(index, length + 1)[None, :, first:], scale=attn.scaling, enable_gqa=gqa,
                 ))
             h = self.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
+        return self._logits(h)[:, 0]
+
+    def _decode_pooled(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
+                       position_offsets: torch.Tensor | None) -> torch.Tensor:
+        """The per-row step with bfloat16 attention by our CPU kernel: every row of a layer in one call,
+        reading the head-major pool through the rows' block tables (session/cpu_attention.py)."""
+        h, cos, sin = self._step_inputs(token_ids, lengths, position_offsets)
+        pool = kvs[0].pool
+        slots = torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=self.device)
+        width = max(len(kv.block_ids) for kv in kvs)
+        table = torch.tensor([kv.block_ids + [PAD_BLOCK] * (width - len(kv.block_ids)) for kv in kvs],
+                             dtype=torch.int32)
+        ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
+        starts = {}  # window -> [B] int32: a sliding window of W sees the last W keys, its own included
+        for window in set(self.windows):
+            starts[window] = torch.tensor([0 if window is None else max(0, n + 1 - window) for n in lengths],
+                                          dtype=torch.int32)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
+            pool.write_rows(index, slots, k, v)
+            o = cpu_attention.decode_attention(q[:, :, 0].contiguous(), pool.k[index], pool.v[index], table,
+                                               starts[self.windows[index]], ends, layer.self_attn.scaling)
+            h = self.finish_layer(layer, h, o[:, :, None])
         return self._logits(h)[:, 0]
 
     @staticmethod

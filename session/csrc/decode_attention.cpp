@@ -1,0 +1,219 @@
+// One decode step's attention for every row of a batch, over a head-major bfloat16 KV pool (CPU).
+//
+// resident::decode_attention_bf16(q [B, H, hd], k_layer, v_layer [KVH, NB, bt, hd], block_table
+// [B, W] int32, starts [B] int32, ends [B] int32, scale) -> [B, H, hd]: row b's query heads attend
+// to its positions starts[b] .. ends[b]-1, found through its block table. One call per layer for
+// the whole batch, reading keys and values where they lie (no gather, no per-row call).
+//
+// It computes what torch's CPU flash-attention kernel computes for a bfloat16 query of one token
+// over the same keys (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), in the same steps, so
+// that greedy decoding stays token-for-token with transformers' bfloat16 SDPA:
+// - keys in splits of 512 positions from the first attended one, a running max and sum per split;
+// - scores in float32, times the scale; exponentials of (score - max) with ATen's fexp_u20 (a
+//   degree-3 approximation) over whole 16-lane vectors and std::exp over a split's tail;
+// - the split's sum: 16 lane sums folded as ATen's vec_reduce_all, then the tail in order;
+// - probabilities rounded to bfloat16 before they weight the values, accumulated in float32;
+// - the output: the float32 accumulator times 1 / sum, rounded to bfloat16.
+// Where it cannot follow torch is the order of float32 additions inside the two products (torch
+// calls MKL's bfloat16 GEMM, whose order is its own): that moves a float32 result by rounding, and
+// about 1 output in 3,000 lands one bfloat16 step away from torch's (tests/unit/test_cpu_attention.py
+// bounds both). Written-out attention without fexp_u20 and the bfloat16 probabilities differed in
+// 1 output in 60, and greedy answers diverged from transformers' within a few tokens.
+//
+// Built at run time by session/cpu_attention.py with -mavx512f -mavx512bw -mfma -ffp-contract=off;
+// used only where the CPU reports AVX-512.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int kSplit = 512;  // torch's kv_split_size for a one-token query
+constexpr int kLanes = 16;
+
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float bf16_to_float(uint16_t x) { return from_bits(uint32_t(x) << 16); }
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as c10::BFloat16
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return uint16_t((u + ((u >> 16) & 1) + 0x7FFF) >> 16);
+}
+
+inline __m512 load_bf16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32 (exact)
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// ATen's Vectorized<float>::fexp_u20 (AVX-512), step for step.
+inline __m512 fexp_u20(__m512 values) {
+  const __m512 c0 = _mm512_set1_ps(0.00010703434948458272f);
+  const __m512 c1 = _mm512_set1_ps(0.30354260500649682f);
+  const __m512 c2 = _mm512_set1_ps(-0.22433836478672356f);
+  const __m512 c3 = _mm512_set1_ps(-0.079204240219773236f);
+  const __m512 log2e = _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b));
+  const __m512 a = _mm512_set1_ps(8388608.f);  // 2^23 / log2(2)
+  const __m512 b = _mm512_set1_ps(8388608.f * 127.f);
+  const __m512 ln_flt_min = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));
+  const __m512 ln_flt_max = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));
+  const __m512i infinity = _mm512_set1_epi32(0x7F800000);
+  const __m512i zero = _mm512_setzero_si512();
+  __mmask16 min_mask = _mm512_cmp_ps_mask(values, ln_flt_min, _CMP_LT_OS);
+  __mmask16 max_mask = _mm512_cmp_ps_mask(values, ln_flt_max, _CMP_GT_OS);
+  __m512 src = _mm512_mul_ps(values, log2e);
+  __m512 fractional = _mm512_sub_ps(src, _mm512_floor_ps(src));
+  __m512 res = _mm512_fmadd_ps(fractional, c3, c2);
+  res = _mm512_fmadd_ps(fractional, res, c1);
+  res = _mm512_fmadd_ps(fractional, res, c0);
+  src = _mm512_sub_ps(src, res);
+  __m512 tmp = _mm512_fmadd_ps(a, src, b);
+  __m512i casted = _mm512_cvttps_epi32(tmp);
+  casted = _mm512_mask_mov_epi32(casted, min_mask, zero);
+  casted = _mm512_mask_mov_epi32(casted, max_mask, infinity);
+  return _mm512_castsi512_ps(casted);
+}
+
+// ATen's vec_reduce_all(x + y) for 16 lanes: halves folded 8, 4, 2, 1 lanes apart.
+inline float reduce_add(__m512 v) {
+  alignas(64) float lanes[kLanes];
+  _mm512_store_ps(lanes, v);
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) lanes[i] = lanes[i] + lanes[i + width];
+  return lanes[0];
+}
+
+inline float dot(const float* q, const uint16_t* k, int head_dim) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int d = 0; d < head_dim; d += kLanes)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_bf16(k + d), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+struct Pool {
+  const uint16_t* data;
+  int64_t head_stride, block_stride, token_stride;  // elements
+  int block_tokens;
+  const uint16_t* token(int kv_head, int block, int offset) const {
+    return data + kv_head * head_stride + block * block_stride + offset * token_stride;
+  }
+};
+
+// One (row, query head): positions start .. end-1 of the row whose blocks are `table`.
+void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const int32_t* table, int start,
+            int end, int kv_head, int head_dim, float scale, uint16_t* out) {
+  alignas(64) float q[512];
+  alignas(64) float scores[kSplit];
+  alignas(64) float probs[kSplit];  // bfloat16-rounded, held as float32
+  alignas(64) float dst[512];
+  for (int d = 0; d < head_dim; ++d) q[d] = bf16_to_float(q_bf16[d]);
+  float running_max = -std::numeric_limits<float>::infinity(), running_sum = 0.f;
+  const int bt = keys.block_tokens;
+  for (int n = start; n < end; n += kSplit) {
+    const int size = std::min(kSplit, end - n);
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < size; ++i) {
+      const int p = n + i;
+      scores[i] = dot(q, keys.token(kv_head, table[p / bt], p % bt), head_dim) * scale;
+      block_max = std::max(block_max, scores[i]);
+    }
+    const float new_max = running_max > block_max ? running_max : block_max;
+    // exponentials and their sum, as _exp_reduce_sum_fusion_kernel
+    const int vectorized = size - size % kLanes;
+    const __m512 max_v = _mm512_set1_ps(new_max);
+    __m512 lane_sum = _mm512_setzero_ps();
+    for (int i = 0; i < vectorized; i += kLanes) {
+      __m512 e = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(scores + i), max_v));
+      lane_sum = _mm512_add_ps(lane_sum, e);
+      _mm512_storeu_ps(probs + i, e);
+    }
+    float block_sum = reduce_add(lane_sum);
+    for (int i = vectorized; i < size; ++i) {
+      const float e = std::exp(scores[i] - new_max);
+      block_sum += e;
+      probs[i] = e;
+    }
+    for (int i = 0; i < size; ++i) probs[i] = bf16_to_float(float_to_bf16(probs[i]));
+    const float rescale = std::exp(running_max - new_max);
+    running_sum = std::fma(rescale, running_sum, block_sum);  // fused or not: no measurable difference
+    running_max = new_max;
+    // this split's probabilities times values, added to the rescaled accumulator
+    if (n == start) {
+      for (int d = 0; d < head_dim; ++d) dst[d] = 0.f;
+    } else {
+      for (int d = 0; d < head_dim; ++d) dst[d] = dst[d] * rescale;
+    }
+    for (int i = 0; i < size; ++i) {
+      const int p = n + i;
+      const uint16_t* v = values.token(kv_head, table[p / bt], p % bt);
+      const __m512 w = _mm512_set1_ps(probs[i]);
+      for (int d = 0; d < head_dim; d += kLanes)
+        _mm512_storeu_ps(dst + d, _mm512_fmadd_ps(w, load_bf16(v + d), _mm512_loadu_ps(dst + d)));
+    }
+  }
+  const float reciprocal = 1.f / (running_sum == 0.f ? 1.f : running_sum);
+  for (int d = 0; d < head_dim; ++d) out[d] = float_to_bf16(dst[d] * reciprocal);
+}
+
+Pool pool_of(const at::Tensor& t) {
+  return Pool{reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.stride(0), t.stride(1), t.stride(2),
+              static_cast<int>(t.size(2))};
+}
+
+at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends,
+                                 double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: [B, H, hd] bfloat16");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && k.stride(3) == 1 && v.stride(3) == 1,
+              "k, v: [KVH, NB, bt, hd] bfloat16, last dimension contiguous");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2,
+              "block_table: [B, W] int32");
+  TORCH_CHECK(starts.scalar_type() == at::kInt && ends.scalar_type() == at::kInt, "starts, ends: int32");
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2), kv_heads = k.size(0);
+  TORCH_CHECK(head_dim == k.size(3) && head_dim % kLanes == 0 && head_dim <= 512, "head_dim: a multiple of 16, <= 512");
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(block_table.size(0) == batch && starts.numel() == batch && ends.numel() == batch, "one row per query");
+  auto out = at::empty_like(q);
+  const Pool keys = pool_of(k), vals = pool_of(v);
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* st = starts.data_ptr<int32_t>();
+  const int32_t* en = ends.data_ptr<int32_t>();
+  const int64_t width = block_table.size(1), group = heads / kv_heads;
+  const float s = static_cast<float>(scale);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(0 <= st[b] && st[b] < en[b] && en[b] <= width * keys.block_tokens, "row ", b, ": bad range");
+  }
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t item = begin; item < stop; ++item) {
+      const int64_t b = item / heads, h = item % heads;
+      attend(qd + item * head_dim, keys, vals, table + b * width, st[b], en[b], static_cast<int>(h / group),
+             static_cast<int>(head_dim), s, od + item * head_dim);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(resident, m) {
+  m.def("decode_attention_bf16(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor starts, Tensor ends, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(resident, CPU, m) { m.impl("decode_attention_bf16", &decode_attention_bf16); }

@@ -1,0 +1,69 @@
+"""bfloat16 decoding on CPU through our attention kernel (session/cpu_attention.py), one call per layer
+for the batch, against transformers' own bfloat16 forward on every text family: grouped-query heads
+(Qwen2, Qwen3), Mistral's 16-key sliding window crossed, sessions whose blocks interleave in the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_store.build_text_models import FAMILIES, ensure
+from session import cpu_attention
+from session.model_runner import ModelRunner, cpu_has_bf16
+
+pytestmark = pytest.mark.skipif(not (cpu_has_bf16() and cpu_attention.load()),
+                                reason="needs AVX512-BF16 and the kernel built (a C++ compiler)")
+
+STEPS = 24  # crosses a 16-token block boundary: the three sessions' new blocks interleave in the pool
+
+
+def ours(runner: ModelRunner, prompts: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
+    """Sessions prefilled, then STEPS decode steps together fed ``tokens`` -> logits [STEPS, B, V]."""
+    kvs = [runner.new_kv_cache(block_tokens=16, max_tokens=512) for _ in prompts]
+    for kv, prompt in zip(kvs, prompts):
+        runner.prefill(kv, runner.embed(prompt, []))
+    steps = [runner.decode(kvs, column) for column in tokens]
+    assert any(kv.block_ids[-1] != kv.block_ids[-2] + 1 for kv in kvs)  # blocks no longer consecutive
+    for kv in kvs:
+        kv.release()
+    return torch.stack(steps)
+
+
+def transformers_steps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' own bfloat16 forward, one token at a time over its cache (what generate does)."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        logits, cache = [], out.past_key_values
+        for token in tokens:
+            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+            logits.append(out.logits[0, -1].float())
+            cache = out.past_key_values
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pooled_decode_follows_transformers(family, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    path = ensure([family])[family]
+    runner = ModelRunner(str(path), device="cpu", dtype="bfloat16")
+    assert runner.pooled_decode
+    calls = []
+    kernel = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    prompts = [list(range(3, 40 + 7 * i)) for i in range(3)]
+    tokens = torch.randint(5, runner.info.vocab_size, (STEPS, 3), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = ours(runner, prompts, tokens)
+    # one kernel call per layer and step, for all three rows
+    assert calls == [(3, runner.info.num_heads, runner.info.head_dim)] * (STEPS * runner.info.num_layers)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for row, prompt in enumerate(prompts):
+        theirs = transformers_steps(reference, prompt, [step[row] for step in tokens])
+        assert torch.equal(logits[:, row].argmax(-1), theirs.argmax(-1))
+        torch.testing.assert_close(logits[:, row], theirs, atol=0.05, rtol=0.02)
+
+
+def test_float32_and_off_keep_torch_kernel(tiny_model_path):
+    assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="float32").pooled_decode
+    assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", cpu_kernels=False).pooled_decode
+    assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", kv_dtype="float32").pooled_decode

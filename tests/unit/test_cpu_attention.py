@@ -1,0 +1,85 @@
+"""The bfloat16 decode-attention kernel (session/cpu_attention.py) against torch's own SDPA: lengths
+around its 512-key splits and 16-lane tails, grouped-query heads, windows (a start past 0), block
+tables in any order, many rows in one call. Every output is within a bfloat16 step of torch's (float32
+summation order inside the products), and at least 99.9% are torch's bits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from session import cpu_attention
+
+pytestmark = pytest.mark.skipif(not cpu_attention.load(), reason="kernel not buildable here (no compiler/AVX-512)")
+
+
+def paged(keys: list[torch.Tensor], block_tokens: int, generator: torch.Generator):
+    """Rows' [KVH, n, hd] keys scattered over a head-major pool in shuffled blocks -> (pool, block table)."""
+    kv_heads, head_dim = keys[0].shape[0], keys[0].shape[2]
+    counts = [-(-k.shape[1] // block_tokens) for k in keys]
+    order = (torch.randperm(sum(counts), generator=generator) + 1).tolist()  # block 0 stays padding
+    pool = torch.zeros(kv_heads, sum(counts) + 1, block_tokens, head_dim, dtype=torch.bfloat16)
+    table = torch.zeros(len(keys), max(counts), dtype=torch.int32)
+    for row, k in enumerate(keys):
+        for index in range(counts[row]):
+            block = order.pop()
+            table[row, index] = block
+            chunk = k[:, index * block_tokens: (index + 1) * block_tokens]
+            pool[:, block, : chunk.shape[1]] = chunk
+    return pool, table
+
+
+def run_case(lengths, starts, heads=8, kv_heads=8, head_dim=64, block_tokens=16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16)
+    q = rand(len(lengths), heads, head_dim, scale=2.0)
+    keys = [rand(kv_heads, n, head_dim) for n in lengths]
+    values = [rand(kv_heads, n, head_dim) for n in lengths]
+    k_pool, table = paged(keys, block_tokens, torch.Generator().manual_seed(seed + 1))
+    v_pool, table_v = paged(values, block_tokens, torch.Generator().manual_seed(seed + 1))
+    assert torch.equal(table, table_v)
+    scale = head_dim ** -0.5
+    out = cpu_attention.decode_attention(q, k_pool, v_pool, table, torch.tensor(starts, dtype=torch.int32),
+                                         torch.tensor(lengths, dtype=torch.int32), scale)
+    expected = torch.stack([F.scaled_dot_product_attention(
+        q[row: row + 1, :, None], keys[row][None, :, start:n], values[row][None, :, start:n], scale=scale,
+        enable_gqa=heads != kv_heads)[0, :, 0] for row, (n, start) in enumerate(zip(lengths, starts))])
+    assert out.shape == expected.shape
+    # a bfloat16 step (2^-7 relative), or 1e-5 where cancellation left an output near 0
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    return int((out != expected).sum()), out.numel()
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 37, 64, 300])
+def test_short_rows_match_sdpa_bit_for_bit(length):
+    assert run_case([length], [0], seed=length)[0] == 0
+
+
+def test_many_rows_in_one_call():
+    differ = total = 0
+    for seed in range(8):  # lengths around the 512-key splits and the 16-lane tails
+        lengths = [5, 300, 511, 512, 513, 600, 1024, 1025, 17, 1500, 2100]
+        d, n = run_case(lengths, [0] * len(lengths), seed=seed)
+        differ, total = differ + d, total + n
+    assert differ <= total // 1000, (differ, total)
+
+
+def test_grouped_query_heads():
+    assert run_case([40, 700], [0, 0], heads=8, kv_heads=2, seed=4)[0] <= 2
+
+
+def test_window_starts_past_zero():
+    assert run_case([700, 300, 1200], [188, 0, 150], seed=5)[0] <= 2
+
+
+def test_head_dim_128_and_block_tokens_256():
+    assert run_case([900, 100], [0, 0], heads=4, kv_heads=4, head_dim=128, block_tokens=256, seed=6)[0] <= 2
+
+
+def test_bad_range_is_refused():
+    q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    pool = torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16)
+    table = torch.tensor([[1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="bad range"):
+        cpu_attention.decode_attention(q, pool, pool, table, torch.tensor([0], dtype=torch.int32),
+                                       torch.tensor([17], dtype=torch.int32), 0.125)
