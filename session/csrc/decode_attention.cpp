@@ -6,19 +6,20 @@
 // the whole batch, reading keys and values where they lie (no gather, no per-row call).
 //
 // It computes what torch's CPU flash-attention kernel computes for a bfloat16 query of one token
-// over the same keys (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), in the same steps, so
-// that greedy decoding stays token-for-token with transformers' bfloat16 SDPA:
+// over the same keys (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), bit for bit, so that greedy
+// decoding stays token-for-token with transformers' bfloat16 SDPA:
 // - keys in splits of 512 positions from the first attended one, a running max and sum per split;
-// - scores in float32, times the scale; exponentials of (score - max) with ATen's fexp_u20 (a
-//   degree-3 approximation) over whole 16-lane vectors and std::exp over a split's tail;
-// - the split's sum: 16 lane sums folded as ATen's vec_reduce_all, then the tail in order;
+// - scores q.k in float32 and the probabilities times values, each added in the order of the GEMM
+//   torch calls there (MKL's bfloat16 GEMM on one thread; probed bit for bit, see dots4 and the
+//   values loop), then times the scale;
+// - exponentials of (score - max) with ATen's fexp_u20 (a degree-3 approximation) over whole 16-lane
+//   vectors and std::exp over a split's tail; the split's sum as 16 lane sums folded as ATen's
+//   vec_reduce_all, then the tail in order;
 // - probabilities rounded to bfloat16 before they weight the values, accumulated in float32;
 // - the output: the float32 accumulator times 1 / sum, rounded to bfloat16.
-// Where it cannot follow torch is the order of float32 additions inside the two products (torch
-// calls MKL's bfloat16 GEMM, whose order is its own): that moves a float32 result by rounding, and
-// about 1 output in 3,000 lands one bfloat16 step away from torch's (tests/unit/test_cpu_attention.py
-// bounds both). Written-out attention without fexp_u20 and the bfloat16 probabilities differed in
-// 1 output in 60, and greedy answers diverged from transformers' within a few tokens.
+// Written-out attention with exact exponentials and float32 probabilities differed from torch in
+// 1 output in 60; with every step above but another order of additions, in 1 in 3,000, which was
+// enough for 1 of 20 greedy answers to leave transformers' after 14 tokens.
 //
 // Built at run time by session/cpu_attention.py with -mavx512f -mavx512bw -mfma -ffp-contract=off;
 // used only where the CPU reports AVX-512.
@@ -96,11 +97,31 @@ inline float reduce_add(__m512 v) {
   return lanes[0];
 }
 
-inline float dot(const float* q, const uint16_t* k, int head_dim) {
+// q . k for four keys, added in the order of the GEMM torch's kernel calls (MKL's bfloat16 GEMM on
+// one thread, probed bit for bit: tests/unit/test_cpu_attention.py): four partial sums, the one for
+// l adding the products at d = l, l + 4, l + 8, ... in turn, then (s0 + s2) + (s1 + s3). Products of
+// two bfloat16 are exact in float32, so only the order of additions matters. Lanes: 128-bit block j
+// of the accumulator holds key j's four partial sums.
+inline void dots4(const float* q, const uint16_t* const* k, int head_dim, float* out) {
   __m512 acc = _mm512_setzero_ps();
-  for (int d = 0; d < head_dim; d += kLanes)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_bf16(k + d), acc);
-  return _mm512_reduce_add_ps(acc);
+  for (int d = 0; d < head_dim; d += kLanes) {
+    const __m512 qd = _mm512_load_ps(q + d);
+    const __m512 p0 = _mm512_mul_ps(qd, load_bf16(k[0] + d));  // block m: products at d + 4m .. d + 4m + 3
+    const __m512 p1 = _mm512_mul_ps(qd, load_bf16(k[1] + d));
+    const __m512 p2 = _mm512_mul_ps(qd, load_bf16(k[2] + d));
+    const __m512 p3 = _mm512_mul_ps(qd, load_bf16(k[3] + d));
+    // 4x4 transpose of 128-bit blocks: step m holds block m of p0, p1, p2, p3
+    const __m512 a = _mm512_shuffle_f32x4(p0, p1, 0x44), b = _mm512_shuffle_f32x4(p0, p1, 0xEE);
+    const __m512 c = _mm512_shuffle_f32x4(p2, p3, 0x44), e = _mm512_shuffle_f32x4(p2, p3, 0xEE);
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(a, c, 0x88));
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(a, c, 0xDD));
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(b, e, 0x88));
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(b, e, 0xDD));
+  }
+  const __m512 pairs = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));  // lane 0: s0 + s2, lane 1: s1 + s3
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1)));
+  for (int j = 0; j < 4; ++j) out[j] = sums[4 * j];
 }
 
 struct Pool {
@@ -112,22 +133,42 @@ struct Pool {
   }
 };
 
+// A row's positions in order, as pointers into the pool (one division per split, not per key).
+struct Cursor {
+  const Pool& pool;
+  const int32_t* table;
+  int kv_head, index, offset;
+  Cursor(const Pool& pool, const int32_t* table, int kv_head, int position)
+      : pool(pool), table(table), kv_head(kv_head), index(position / pool.block_tokens),
+        offset(position % pool.block_tokens) {}
+  const uint16_t* next() {
+    const uint16_t* at = pool.token(kv_head, table[index], offset);
+    if (++offset == pool.block_tokens) offset = 0, ++index;
+    return at;
+  }
+};
+
 // One (row, query head): positions start .. end-1 of the row whose blocks are `table`.
 void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const int32_t* table, int start,
             int end, int kv_head, int head_dim, float scale, uint16_t* out) {
   alignas(64) float q[512];
-  alignas(64) float scores[kSplit];
+  alignas(64) float scores[kSplit + 4];
   alignas(64) float probs[kSplit];  // bfloat16-rounded, held as float32
   alignas(64) float dst[512];
   for (int d = 0; d < head_dim; ++d) q[d] = bf16_to_float(q_bf16[d]);
   float running_max = -std::numeric_limits<float>::infinity(), running_sum = 0.f;
-  const int bt = keys.block_tokens;
+  const uint16_t* rows[4];
   for (int n = start; n < end; n += kSplit) {
     const int size = std::min(kSplit, end - n);
+    Cursor key_at(keys, table, kv_head, n), value_at(values, table, kv_head, n);
+    for (int i = 0; i < size; i += 4) {
+      const int count = std::min(4, size - i);
+      for (int j = 0; j < 4; ++j) rows[j] = j < count ? key_at.next() : rows[0];  // a short group repeats a key
+      dots4(q, rows, head_dim, scores + i);
+    }
     float block_max = -std::numeric_limits<float>::infinity();
     for (int i = 0; i < size; ++i) {
-      const int p = n + i;
-      scores[i] = dot(q, keys.token(kv_head, table[p / bt], p % bt), head_dim) * scale;
+      scores[i] = scores[i] * scale;
       block_max = std::max(block_max, scores[i]);
     }
     const float new_max = running_max > block_max ? running_max : block_max;
@@ -148,20 +189,41 @@ void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const 
     }
     for (int i = 0; i < size; ++i) probs[i] = bf16_to_float(float_to_bf16(probs[i]));
     const float rescale = std::exp(running_max - new_max);
-    running_sum = std::fma(rescale, running_sum, block_sum);  // fused or not: no measurable difference
+    running_sum = block_sum + rescale * running_sum;
     running_max = new_max;
-    // this split's probabilities times values, added to the rescaled accumulator
+    // this split's probabilities times values, added to the rescaled accumulator in the GEMM's order
+    // (as above, probed): whole fours of positions from the split's first, each four summed as
+    // (p0 v0 + p2 v2) + (p1 v1 + p3 v3) and then added; the last size % 4 added one by one, last first
     if (n == start) {
       for (int d = 0; d < head_dim; ++d) dst[d] = 0.f;
     } else {
       for (int d = 0; d < head_dim; ++d) dst[d] = dst[d] * rescale;
     }
-    for (int i = 0; i < size; ++i) {
-      const int p = n + i;
-      const uint16_t* v = values.token(kv_head, table[p / bt], p % bt);
-      const __m512 w = _mm512_set1_ps(probs[i]);
-      for (int d = 0; d < head_dim; d += kLanes)
-        _mm512_storeu_ps(dst + d, _mm512_fmadd_ps(w, load_bf16(v + d), _mm512_loadu_ps(dst + d)));
+    const int fours = size - size % 4;
+    for (int d = 0; d < head_dim; d += 4 * kLanes) {  // 64 outputs at a time, held in registers
+      Cursor at = value_at;
+      const int chunks = std::min(4, (head_dim - d) / kLanes);
+      __m512 acc[4];
+      for (int c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(dst + d + c * kLanes);
+      for (int i = 0; i < fours; i += 4) {
+        const uint16_t* v[4];
+        __m512 w[4];
+        for (int j = 0; j < 4; ++j) v[j] = at.next() + d, w[j] = _mm512_set1_ps(probs[i + j]);
+        for (int c = 0; c < chunks; ++c) {
+          const int o = c * kLanes;
+          const __m512 even = _mm512_add_ps(_mm512_mul_ps(w[0], load_bf16(v[0] + o)), _mm512_mul_ps(w[2], load_bf16(v[2] + o)));
+          const __m512 odd = _mm512_add_ps(_mm512_mul_ps(w[1], load_bf16(v[1] + o)), _mm512_mul_ps(w[3], load_bf16(v[3] + o)));
+          acc[c] = _mm512_add_ps(acc[c], _mm512_add_ps(even, odd));
+        }
+      }
+      const uint16_t* rest[3];
+      for (int i = fours; i < size; ++i) rest[i - fours] = at.next() + d;
+      for (int i = size - 1; i >= fours; --i) {
+        const __m512 w = _mm512_set1_ps(probs[i]);
+        for (int c = 0; c < chunks; ++c)
+          acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(w, load_bf16(rest[i - fours] + c * kLanes)));
+      }
+      for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(dst + d + c * kLanes, acc[c]);
     }
   }
   const float reciprocal = 1.f / (running_sum == 0.f ? 1.f : running_sum);
