@@ -26,6 +26,7 @@ every row's proposals at its own cache length.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -136,6 +137,8 @@ class StepCosts:
     step's costs, so batch size B keeps window * B observations (the same ``window`` steps).
     """
 
+    MIN_STEPS = 4  # speculative steps a batch size needs before what they delivered is weighed
+
     def __init__(self, window: int = 8):
         self.window = window
         self._plain: dict[int, deque] = {}  # batch size -> recent plain target decode steps
@@ -168,11 +171,13 @@ class StepCosts:
         self._speculative.setdefault(batch_size, deque(maxlen=self.window)).append((num_tokens, step_s))
 
     def speculative_rate(self, batch_size: int) -> float | None:
-        """Tokens per second the recent speculative steps of this batch size delivered, all told."""
-        steps = self._speculative.get(batch_size)
-        if not steps:
+        """Tokens per second the recent speculative steps of this batch size delivered: the median step's,
+        once there are MIN_STEPS (a step's first pass at a new shape builds oneDNN primitives, and one such
+        slow step must not stop speculation for long)."""
+        steps = self._speculative.get(batch_size, ())
+        if len(steps) < self.MIN_STEPS:
             return None
-        return sum(tokens for tokens, _ in steps) / sum(seconds for _, seconds in steps)
+        return statistics.median(tokens / seconds for tokens, seconds in steps)
 
     def plain_rate(self, batch_size: int) -> float | None:
         plain = self.plain_step_s(batch_size)
