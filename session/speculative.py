@@ -26,7 +26,6 @@ every row's proposals at its own cache length.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -137,8 +136,6 @@ class StepCosts:
     step's costs, so batch size B keeps window * B observations (the same ``window`` steps).
     """
 
-    MIN_STEPS = 4  # speculative steps a batch size needs before what they delivered is weighed
-
     def __init__(self, window: int = 8):
         self.window = window
         self._plain: dict[int, deque] = {}  # batch size -> recent plain target decode steps
@@ -171,13 +168,11 @@ class StepCosts:
         self._speculative.setdefault(batch_size, deque(maxlen=self.window)).append((num_tokens, step_s))
 
     def speculative_rate(self, batch_size: int) -> float | None:
-        """Tokens per second the recent speculative steps of this batch size delivered: the median step's,
-        once there are MIN_STEPS (a step's first pass at a new shape builds oneDNN primitives, and one such
-        slow step must not stop speculation for long)."""
-        steps = self._speculative.get(batch_size, ())
-        if len(steps) < self.MIN_STEPS:
+        """Tokens per second the recent speculative steps of this batch size delivered, all told."""
+        steps = self._speculative.get(batch_size)
+        if not steps:
             return None
-        return statistics.median(tokens / seconds for tokens, seconds in steps)
+        return sum(tokens for tokens, _ in steps) / sum(seconds for _, seconds in steps)
 
     def plain_rate(self, batch_size: int) -> float | None:
         plain = self.plain_step_s(batch_size)
