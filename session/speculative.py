@@ -142,7 +142,6 @@ class StepCosts:
         self._draft: dict[int, deque] = {}  # batch size -> recent costs of one proposal (draft pass, or lookup)
         self._verify_extra: dict[int, deque] = {}  # batch size -> the verify pass's extra cost per proposed token
         self._speculative: dict[int, deque] = {}  # batch size -> recent speculative steps' (tokens, seconds)
-        self.failed_probes: dict[int, int] = {}  # batch size -> tries since speculation last delivered there
 
     def plain_step_s(self, batch_size: int) -> float | None:
         return min(self._plain.get(batch_size, ()), default=None)
@@ -296,25 +295,16 @@ def batch_should_speculate(controllers: list[SpeculationController]) -> bool:
     larger batches: at 8 sessions it kept speculating while the steps delivered 0.89-0.94x plain
     decoding's tokens per second (benchmarks/speculative_sessions.py, 1 CPU thread). So what the recent
     speculative steps of this batch size actually delivered has the last word: below plain's rate times
-    min_speedup, the batch decodes plainly and tries speculation again after a pause that grows while
-    the tries keep finding it so.
+    min_speedup, speculate only when a probe is due (which keeps that measurement fresh).
     """
     if not controllers or any(c.plain_step_s is None for c in controllers):
         return False
-    first = controllers[0]
-    costs, batch_size, min_speedup = first.costs, first.batch_size, first.min_speedup
-    delivered, plain = costs.speculative_rate(batch_size), costs.plain_rate(batch_size)
-    if delivered is not None and plain is not None and delivered < plain * min_speedup:
-        # underdelivered at this batch size: try again after a pause that doubles with each try that
-        # found it still so (16, 32, 64, then every 128 plain steps), so probing costs < 1% at length
-        pause = first.probe_interval << min(costs.failed_probes.get(batch_size, 0), 3)
-        if max(c.num_plain_since_probe for c in controllers) < pause:
-            return False
-        costs.failed_probes[batch_size] = costs.failed_probes.get(batch_size, 0) + 1
-        return True
-    costs.failed_probes.pop(batch_size, None)
     if any(c.probe_due() for c in controllers):
         return True
+    costs, batch_size, min_speedup = controllers[0].costs, controllers[0].batch_size, controllers[0].min_speedup
+    delivered, plain = costs.speculative_rate(batch_size), costs.plain_rate(batch_size)
+    if delivered is not None and plain is not None and delivered < plain * min_speedup:
+        return False
     mean = sum(c.expected_speedup(c.k) for c in controllers) / len(controllers)
     return mean >= min_speedup
 
