@@ -150,9 +150,6 @@ class Executor:
         for seq, result in zip(rows, results):
             if id(seq) in chosen:
                 seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
-        if results and speculating:  # what the whole step delivered (batch_should_speculate weighs it)
-            speculating[0].controller.costs.observe_step(sum(len(r.token_ids) for r in results),
-                                                         results[0].draft_s + results[0].verify_s, len(rows))
         return [list(result.token_ids) for result in results]
 
     def rewind(self, seq: Sequence) -> None:

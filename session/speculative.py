@@ -141,7 +141,6 @@ class StepCosts:
         self._plain: dict[int, deque] = {}  # batch size -> recent plain target decode steps
         self._draft: dict[int, deque] = {}  # batch size -> recent costs of one proposal (draft pass, or lookup)
         self._verify_extra: dict[int, deque] = {}  # batch size -> the verify pass's extra cost per proposed token
-        self._speculative: dict[int, deque] = {}  # batch size -> recent speculative steps' (tokens, seconds)
 
     def plain_step_s(self, batch_size: int) -> float | None:
         return min(self._plain.get(batch_size, ()), default=None)
@@ -160,22 +159,6 @@ class StepCosts:
         plain = self.plain_step_s(batch_size)
         if plain is not None:
             self._recent(self._verify_extra, batch_size).append(max(0.0, verify_s - plain) / num_proposed)
-
-    def observe_step(self, num_tokens: int, step_s: float, batch_size: int) -> None:
-        """A whole speculative step of ``batch_size`` rows emitted ``num_tokens`` in ``step_s`` (the executor
-        reports it once per step, beside the rows' own observations)."""
-        self._speculative.setdefault(batch_size, deque(maxlen=self.window)).append((num_tokens, step_s))
-
-    def speculative_rate(self, batch_size: int) -> float | None:
-        """Tokens per second the recent speculative steps of this batch size delivered, all told."""
-        steps = self._speculative.get(batch_size)
-        if not steps:
-            return None
-        return sum(tokens for tokens, _ in steps) / sum(seconds for _, seconds in steps)
-
-    def plain_rate(self, batch_size: int) -> float | None:
-        plain = self.plain_step_s(batch_size)
-        return batch_size / plain if plain else None
 
     def _recent(self, table: dict[int, deque], batch_size: int) -> deque:
         return table.setdefault(batch_size, deque(maxlen=self.window * batch_size))
@@ -290,23 +273,13 @@ def batch_should_speculate(controllers: list[SpeculationController]) -> bool:
     The rows share the step's passes, so they decide together: speculate when their mean expected
     speedup reaches min_speedup, or when a probe is due for any of them. Without a plain step measured
     at this batch size the step is plain: it measures the cost speculation has to beat.
-
-    The model behind the expected speedup (i.i.d. acceptance, costs linear in k) was optimistic for
-    larger batches: at 8 sessions it kept speculating while the steps delivered 0.89-0.94x plain
-    decoding's tokens per second (benchmarks/speculative_sessions.py, 1 CPU thread). So what the recent
-    speculative steps of this batch size actually delivered has the last word: below plain's rate times
-    min_speedup, speculate only when a probe is due (which keeps that measurement fresh).
     """
     if not controllers or any(c.plain_step_s is None for c in controllers):
         return False
     if any(c.probe_due() for c in controllers):
         return True
-    costs, batch_size, min_speedup = controllers[0].costs, controllers[0].batch_size, controllers[0].min_speedup
-    delivered, plain = costs.speculative_rate(batch_size), costs.plain_rate(batch_size)
-    if delivered is not None and plain is not None and delivered < plain * min_speedup:
-        return False
     mean = sum(c.expected_speedup(c.k) for c in controllers) / len(controllers)
-    return mean >= min_speedup
+    return mean >= controllers[0].min_speedup
 
 
 # ---------------------------------------------------------------- compatibility

@@ -144,9 +144,6 @@ def test_concurrent_sessions_speculate_in_one_batched_pass(plain, num_sessions, 
         assert max(verify_rows) == num_sessions
         stats = engine.stats()
         assert stats.speculation["accepted"] > 0
-        costs = engine.executor.step_costs  # every speculative step reported what it delivered
-        assert sum(len(steps) for steps in costs._speculative.values()) > 0
-        assert all(costs.speculative_rate(batch) > 0 for batch in costs._speculative)
         assert engine.num_invariant_violations == 0
     finally:
         engine.stop()

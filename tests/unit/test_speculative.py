@@ -207,27 +207,6 @@ def test_a_batch_decides_together_on_costs_shared_by_batch_size():
     assert not batch_should_speculate(rows)  # another batch size: measured afresh
 
 
-def test_what_speculative_steps_delivered_overrules_the_model():
-    """The model expects 2 / 1.4 = 1.43x; the batch's speculative steps delivered 0.9x plain's tokens/s:
-    plain steps, until a probe is due (which measures speculation again)."""
-    costs = StepCosts()
-    rows = [SpeculationController(k_max=4, k=1, costs=costs, batch_size=2) for _ in range(2)]
-    costs.observe_plain(0.010, batch_size=2)  # plain: 2 tokens per 10 ms = 200 tokens/s
-    costs.observe_speculative(num_proposed=1, draft_s=0.004, verify_s=0.010, batch_size=2)
-    for row in rows:
-        row.num_successes, row.num_trials = 1.0, 1.0
-    assert costs.speculative_rate(2) is None and batch_should_speculate(rows)  # nothing delivered yet: the model
-    costs.observe_step(num_tokens=4, step_s=0.0222, batch_size=2)  # 180 tokens/s
-    assert costs.speculative_rate(2) == pytest.approx(4 / 0.0222) and costs.plain_rate(2) == pytest.approx(200)
-    assert not batch_should_speculate(rows)
-    rows[0].num_plain_since_probe = rows[0].probe_interval
-    assert batch_should_speculate(rows)  # a probe
-    rows[0].num_plain_since_probe = 0
-    costs.observe_step(num_tokens=6, step_s=0.0222, batch_size=2)  # the window: 10 tokens in 44.4 ms = 225/s
-    assert batch_should_speculate(rows)  # 225 >= 200 * 1.05
-    assert costs.speculative_rate(1) is None  # another batch size: its own record
-
-
 def test_controller_counts_an_empty_proposal_as_a_plain_step():
     controller = SpeculationController()
     controller.observe(num_proposed=0, num_accepted=0, draft_s=0.0, verify_s=0.010)
