@@ -197,6 +197,9 @@ class SpeculationController:
     num_successes: float = field(init=False)  # EMA of accepted proposals per step
     num_trials: float = field(init=False)  # EMA of tested proposals per step
     num_plain_since_probe: int = 0
+    min_delivered_steps: int = 3  # this sequence's speculative steps at a batch size before they are weighed
+    # batch size -> (EMA of this row's tokens per second in speculative steps, steps observed)
+    delivered: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not 1 <= self.k <= self.k_max:
@@ -224,6 +227,27 @@ class SpeculationController:
         """E(k) = sum_{i=0..k} a^i: tokens per target pass with k proposals (the +1 is the target's own)."""
         return sum(self.acceptance ** i for i in range(k + 1))
 
+    def realized_speedup(self) -> float | None:
+        """What this sequence's recent speculative steps at its batch size delivered, as a speedup over
+        plain steps there (its tokens per second x the plain step's seconds); None until it took
+        ``min_delivered_steps`` of them.
+
+        The model of ``expected_speedup`` (acceptance, and costs linear in k) was optimistic at larger
+        batches: at 8 sessions on one CPU thread it predicted 1.2-1.3x where the steps delivered
+        0.84-0.98x (benchmarks/speculative_sessions.py, the deep pair). What this row's own steps
+        delivered follows its text (acceptance) and the batch's real costs, so it has the last word;
+        it is kept per batch size and per sequence, so one request's hard text does not stop another's.
+        """
+        rate, steps = self.delivered.get(self.batch_size, (0.0, 0))
+        if steps < self.min_delivered_steps or not self.plain_step_s:
+            return None
+        return rate * self.plain_step_s
+
+    def speedup(self) -> float:
+        """The speedup the next step is judged by: what was delivered where known, else the model's."""
+        realized = self.realized_speedup()
+        return realized if realized is not None else self.expected_speedup(self.k)
+
     def expected_speedup(self, k: int) -> float:
         if not self.plain_step_s or self.draft_step_s is None:
             return float("inf")  # nothing measured yet: be optimistic, measurements will correct it
@@ -237,7 +261,7 @@ class SpeculationController:
         """Called before each step. False: decode plainly this step (and report it with observe_plain)."""
         if self.plain_step_s is None:
             return False  # calibrate: one plain step measures the cost speculation must beat
-        if self.expected_speedup(self.k) >= self.min_speedup:
+        if self.speedup() >= self.min_speedup:
             return True
         return self.probe_due()
 
@@ -255,6 +279,9 @@ class SpeculationController:
             self.observe_plain(verify_s)
             return
         w = self.smoothing
+        rate, steps = self.delivered.get(self.batch_size, (0.0, 0))
+        step_rate = (num_accepted + 1) / max(draft_s + verify_s, 1e-9)  # this row's tokens per second
+        self.delivered[self.batch_size] = (step_rate if steps == 0 else rate + w * (step_rate - rate), steps + 1)
         tested = num_accepted + (num_accepted < num_proposed)
         self.num_successes += w * (num_accepted - self.num_successes)
         self.num_trials += w * (tested - self.num_trials)
@@ -270,15 +297,16 @@ class SpeculationController:
 def batch_should_speculate(controllers: list[SpeculationController]) -> bool:
     """Whether a batched step speculates (for every row with a controller) or decodes plainly.
 
-    The rows share the step's passes, so they decide together: speculate when their mean expected
-    speedup reaches min_speedup, or when a probe is due for any of them. Without a plain step measured
-    at this batch size the step is plain: it measures the cost speculation has to beat.
+    The rows share the step's passes, so they decide together: speculate when their mean speedup
+    (``SpeculationController.speedup``: delivered where known, else expected) reaches min_speedup, or
+    when a probe is due for any of them. Without a plain step measured at this batch size the step is
+    plain: it measures the cost speculation has to beat.
     """
     if not controllers or any(c.plain_step_s is None for c in controllers):
         return False
     if any(c.probe_due() for c in controllers):
         return True
-    mean = sum(c.expected_speedup(c.k) for c in controllers) / len(controllers)
+    mean = sum(c.speedup() for c in controllers) / len(controllers)
     return mean >= controllers[0].min_speedup
 
 

@@ -207,6 +207,39 @@ def test_a_batch_decides_together_on_costs_shared_by_batch_size():
     assert not batch_should_speculate(rows)  # another batch size: measured afresh
 
 
+def test_what_a_sequences_steps_delivered_overrules_the_model():
+    """The model (acceptance 0.9, r + rho = 0.1 of a plain step) expects well over 1.05x; this row's
+    steps at batch size 8 delivered 0.9x plain: plain steps there, with probes; at batch size 1, and
+    for another request, the model still rules."""
+    costs = StepCosts()
+    costs.observe_plain(0.010, batch_size=8)
+    costs.observe_speculative(num_proposed=2, draft_s=0.0006, verify_s=0.0114, batch_size=8)  # r = rho = 0.05
+    controller = SpeculationController(k_max=4, k=2, costs=costs, batch_size=8)
+    controller.num_successes, controller.num_trials = 0.9, 1.0
+    assert controller.expected_speedup(2) > 2.0 and controller.should_speculate()
+    controller.delivered[8] = (90.0, controller.min_delivered_steps - 1)  # 90 tokens/s; plain: 100/s
+    assert controller.realized_speedup() is None and controller.should_speculate()  # too few steps yet
+    controller.delivered[8] = (90.0, controller.min_delivered_steps)
+    assert controller.realized_speedup() == pytest.approx(0.9) and not controller.should_speculate()
+    assert not batch_should_speculate([controller])
+    for _ in range(controller.probe_interval):
+        controller.observe_plain(0.010)
+    assert controller.should_speculate()  # a probe
+    controller.batch_size = 1
+    assert controller.realized_speedup() is None  # nothing delivered at batch size 1
+    other = SpeculationController(k_max=4, k=2, costs=costs, batch_size=8)  # another request, same batch size
+    assert other.realized_speedup() is None  # its text is its own
+
+
+def test_delivered_rate_is_an_average_of_the_rows_own_steps():
+    controller = SpeculationController(k_max=4, k=2, batch_size=2)
+    controller.observe(num_proposed=2, num_accepted=2, draft_s=0.01, verify_s=0.02)  # 3 tokens in 30 ms
+    assert controller.delivered[2] == (pytest.approx(100.0), 1)
+    controller.observe(num_proposed=2, num_accepted=0, draft_s=0.01, verify_s=0.02)  # 1 token in 30 ms
+    rate, steps = controller.delivered[2]
+    assert steps == 2 and rate == pytest.approx(100.0 + controller.smoothing * (100.0 / 3 - 100.0))
+
+
 def test_controller_counts_an_empty_proposal_as_a_plain_step():
     controller = SpeculationController()
     controller.observe(num_proposed=0, num_accepted=0, draft_s=0.0, verify_s=0.010)
