@@ -9,7 +9,11 @@ import torch
 
 from model_store.build_text_models import FAMILIES, ensure
 from session import cpu_attention
+from session.config import EngineConfig
+from session.engine import Engine, GenerationRequest
+from session.events import EventStream, Finished
 from session.model_runner import ModelRunner, cpu_has_bf16
+from session.protocol import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (cpu_has_bf16() and cpu_attention.load()),
                                 reason="needs AVX512-BF16 and the kernel built (a C++ compiler)")
@@ -67,3 +71,36 @@ def test_float32_and_off_keep_torch_kernel(tiny_model_path):
     assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="float32").pooled_decode
     assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", cpu_kernels=False).pooled_decode
     assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", kv_dtype="float32").pooled_decode
+
+
+def test_engine_answers_equal_transformers_bfloat16_generate():
+    """Three requests decoding together in a bfloat16 engine (our kernel, one call per layer for the
+    batch) answer token for token what transformers' own bfloat16 ``generate`` answers alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = ensure(["llama"])["llama"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [tokenizer(text)["input_ids"] for text in ("def fibonacci(n):", "import os\nimport sys\n",
+                                                         "class Parser:\n    def __init__(self")]
+    engine = Engine(EngineConfig(model_path=str(path), dtype="bfloat16", speculative="off", max_device_adapters=0,
+                                 max_batch_size=4)).start()
+    try:
+        assert engine.runner.pooled_decode
+        requests = [GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=24), stream=EventStream(),
+                                      token_ids=ids) for ids in prompts]
+        for request in requests:  # all queued before any is read: they decode in one batch
+            engine.submit(request)
+        answers = []
+        for request in requests:
+            while not isinstance(event := request.stream.get(timeout=120), Finished):
+                assert not hasattr(event, "error"), event
+            answers.append(list(event.token_ids))
+    finally:
+        engine.stop()
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for ids, answer in zip(prompts, answers):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=len(answer), do_sample=False,
+                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        assert len(answer) == 24 or answer[-1] in engine.runner.info.eos_token_ids
+        assert answer == out[0, len(ids):].tolist()
