@@ -388,6 +388,16 @@ class ModelRunner:
         cos, sin = self.lm.rotary_emb(h, positions[:, None])
         return h, cos, sin
 
+    def _step_slots(self, kvs: list[KVCache], lengths: list[int]) -> torch.Tensor:
+        """[B, 1]: the pool slot of each row's new token (at position lengths[b])."""
+        return torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=self.device)
+
+    @staticmethod
+    def _window_start(window: int | None, length: int) -> int:
+        """The first key a decode query at position ``length`` sees: 0, or in a sliding window of W the
+        last W keys, its own included."""
+        return 0 if window is None else max(0, length + 1 - window)
+
     def _decode_per_row(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
                         position_offsets: torch.Tensor | None) -> torch.Tensor:
         # Projections and MLPs run batched; attention runs per row over that session's own cache view.
@@ -396,7 +406,7 @@ class ModelRunner:
             return self._decode_pooled(kvs, token_ids, lengths, position_offsets)
         h, cos, sin = self._step_inputs(token_ids, lengths, position_offsets)
         gqa = self.info.num_heads != self.info.num_kv_heads
-        slots = torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=self.device)
+        slots = self._step_slots(kvs, lengths)
         row_runs = {}  # window -> _runs_of_rows: built once per step, not once per layer
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -409,13 +419,13 @@ class ModelRunner:
                 if not one_pool:
                     kv.write(index, length, k[b], v[b])
                 if self.device.type == "cpu":  # the session's blocks in place, however it grew
-                    if window not in row_runs:  # in a sliding window of W: the last W keys, its own included
-                        starts = [0 if window is None else max(0, n + 1 - window) for n in lengths]
+                    if window not in row_runs:
+                        starts = [self._window_start(window, n) for n in lengths]
                         row_runs[window] = self._runs_of_rows(kvs, starts, [n + 1 for n in lengths])
                     runs = [(keys[index], values[index]) for keys, values in row_runs[window][b]]
                     rows.append(attend_runs(q[b : b + 1], runs, attn.scaling, gqa))
                     continue
-                first = 0 if window is None else max(0, length + 1 - window)
+                first = self._window_start(window, length)
                 rows.append(F.scaled_dot_product_attention(
                     q[b : b + 1], kv.keys(index, length + 1)[None, :, first:],
                     kv.values(index, length + 1)[None, :, first:], scale=attn.scaling, enable_gqa=gqa,
@@ -429,15 +439,13 @@ class ModelRunner:
         reading the head-major pool through the rows' block tables (session/cpu_attention.py)."""
         h, cos, sin = self._step_inputs(token_ids, lengths, position_offsets)
         pool = kvs[0].pool
-        slots = torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=self.device)
+        slots = self._step_slots(kvs, lengths)
         width = max(len(kv.block_ids) for kv in kvs)
         table = torch.tensor([kv.block_ids + [PAD_BLOCK] * (width - len(kv.block_ids)) for kv in kvs],
                              dtype=torch.int32)
         ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
-        starts = {}  # window -> [B] int32: a sliding window of W sees the last W keys, its own included
-        for window in set(self.windows):
-            starts[window] = torch.tensor([0 if window is None else max(0, n + 1 - window) for n in lengths],
-                                          dtype=torch.int32)
+        starts = {window: torch.tensor([self._window_start(window, n) for n in lengths], dtype=torch.int32)
+                  for window in set(self.windows)}  # window -> [B]: each row's first key
         for index, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
             pool.write_rows(index, slots, k, v)
