@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from session import cpu_attention
+from session import cpu_attention, cpu_linear
 from session.attention import PagedAttention, PagedBatch, choose_backend, columns, plan_rows, to_batch
 from session.config import EngineConfig
 from session.errors import ConfigError
+from session.kernels import cpu_flags
 from session.kv_cache import PAD_BLOCK, BlockPool, KVCache, PagedKVCache, StaticKVCache
 from session.packed_linear import can_pack, pack_linears
 from session.support import check_supported
@@ -131,11 +132,7 @@ def default_attention(device: torch.device) -> str:
 
 def cpu_has_bf16() -> bool:
     """Native bfloat16 dot products on this CPU (the flags Linux reports in /proc/cpuinfo)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 class ModelRunner:
@@ -163,9 +160,7 @@ class ModelRunner:
             self.lm = self.model.model
         self.lm_head = self.model.lm_head
         self.layers = list(self.lm.layers)
-        self.packed_linears = 0  # language-model linears prepacked for oneDNN (session/packed_linear.py)
-        if pack_weights and can_pack(self.device, self.dtype):
-            self.packed_linears = pack_linears(self.layers + [self.lm_head])
+        self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
         # bfloat16 decode attention on CPU: our kernel, one call per layer (session/cpu_attention.py)
@@ -175,6 +170,21 @@ class ModelRunner:
         self.kv_pools: dict[int, BlockPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.decode_attention = default_attention(self.device)  # "batched" or "per_row" (configure_decode)
         self.graphs = None  # DecodeGraphs once configure_decode turned CUDA graphs on
+
+    def _pack_linears(self, pack_weights: bool, cpu_kernels: bool) -> tuple[int, dict[str, int]]:
+        """Prepack the language model's linears once: (how many, how many by what). bfloat16 on CPU:
+        our kernel (session/cpu_linear.py) where it builds and reproduces torch's product, oneDNN's
+        packed weights (session/packed_linear.py) for the rest; unpacked ones run dense ``F.linear``."""
+        if not (pack_weights and can_pack(self.device, self.dtype)):
+            return 0, {}
+        modules = self.layers + [self.lm_head]
+        ours = 0
+        if cpu_kernels and self.dtype == torch.bfloat16:
+            ours, why = cpu_linear.pack_linears(modules)
+            if why:
+                logger.info("bfloat16 linears on oneDNN: %s", why)
+        onednn = pack_linears(modules)  # whatever ours did not take
+        return ours + onednn, {"resident": ours, "onednn": onednn}
 
     def enable_lora(self, num_slots: int, max_rank: int):
         """Wrap the language model's linears for per-row LoRA adapters (once, at start-up)."""

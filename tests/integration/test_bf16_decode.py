@@ -63,8 +63,7 @@ def test_pooled_decode_follows_transformers(family, monkeypatch):
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     for row, prompt in enumerate(prompts):
         theirs = transformers_steps(reference, prompt, [step[row] for step in tokens])
-        assert torch.equal(logits[:, row].argmax(-1), theirs.argmax(-1))
-        torch.testing.assert_close(logits[:, row], theirs, atol=0.05, rtol=0.02)
+        assert torch.equal(logits[:, row], theirs)  # bit for bit: each row of the batch as if decoded alone
 
 
 def test_float32_and_off_keep_torch_kernel(tiny_model_path):

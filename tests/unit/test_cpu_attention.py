@@ -86,10 +86,10 @@ def test_bad_range_is_refused():
 
 def test_a_failed_build_leaves_torchs_kernel(monkeypatch, tmp_path, caplog):
     """No usable compiler: load() says False and why, and the runner keeps torch's kernel."""
-    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    monkeypatch.setattr(cpu_attention.KERNEL, "loaded", None)
     monkeypatch.setenv("RESIDENT_KERNEL_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", "/bin/false")
-    with caplog.at_level("WARNING", logger="session.cpu_attention"):
+    with caplog.at_level("WARNING", logger="session.kernels"):
         assert cpu_attention.load() is False
     assert "compiling decode_attention.cpp failed" in caplog.text
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind

@@ -69,7 +69,7 @@ def test_small_float32_weights_stay_dense():
 
 
 def test_runner_packs_the_language_model_only_on_request(llama_path):
-    packed = ModelRunner(llama_path, device="cpu", dtype="bfloat16")
+    packed = ModelRunner(llama_path, device="cpu", dtype="bfloat16", cpu_kernels=False)  # ours: test_cpu_linear
     dense = ModelRunner(llama_path, device="cpu", dtype="bfloat16", pack_weights=False)
     num_layers = packed.info.num_layers
     assert packed.packed_linears == 7 * num_layers + 1  # q, k, v, o, gate, up, down per layer; the head
