@@ -1,11 +1,14 @@
-"""CPU linears: torch's ``F.linear`` on dense weights vs oneDNN on weights packed once (RESIDENT_PACK_WEIGHTS).
+"""CPU linears: torch's ``F.linear`` on dense weights vs oneDNN on weights packed once (RESIDENT_PACK_WEIGHTS)
+vs, in bfloat16, our kernel on weights packed for it (session/cpu_linear.py, RESIDENT_CPU_KERNELS).
 
 Workload: every linear of a language model (its layers' projections and the head), run in turn for
 M rows, as one decode step of M sessions runs them; the weights exceed the caches, so each product
 streams its weight from memory. Each round times both layouts back to back, so background load hits
-both alike; the table gives the median ms per pass, the weight bytes per second, and dense / packed.
+both alike; the table gives the median ms per pass, the weight bytes per second, dense / packed, and
+for bfloat16 ours and whether its outputs equal oneDNN's bit for bit (one row: the one-row block size;
+several: the several-row one, as ``KernelLinear`` picks them).
 
-Run: python -m benchmarks.cpu_linear [--model-path models/text-bench] [--rows 1 16] [--threads 1 2]
+Run: python -m benchmarks.cpu_linear [--model-path models/text-bench] [--rows 1 16 600] [--threads 1 2]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import REPO, format_table, median, write_json
+from session import cpu_linear
 from session.packed_linear import can_pack
 
 TEXT_BENCH = REPO / "models" / "text-bench"
@@ -32,22 +36,33 @@ def linears(model_path: str, dtype: torch.dtype) -> list[torch.Tensor]:
     return [m.weight.detach() for m in modules + [runner.lm_head]]
 
 
-def time_pass(weights: list[torch.Tensor], packed: list[torch.Tensor] | None, rows: int) -> float:
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-    began = time.perf_counter()
-    if packed is None:
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
-    else:
-        for w, p in zip(weights, packed):
-            torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
-    return time.perf_counter() - began
+def run_pass(weights: list[torch.Tensor], how: str, packed: list | None, inputs: dict) -> list[torch.Tensor]:
+    """Every linear once on ``inputs`` [rows, in]: "dense" (F.linear), "packed" (oneDNN), "ours"
+    (packed: (our packed weight, block size) per linear)."""
+    if how == "dense":
+        return [F.linear(inputs[w.shape[1]], w) for w in weights]
+    if how == "packed":
+        return [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                for w, p in zip(weights, packed)]
+    return [cpu_linear.linear(inputs[w.shape[1]], p, None, w.shape[0], block) for w, (p, block) in zip(weights, packed)]
+
+
+def ours_packed(weights: list[torch.Tensor], rows: int) -> list | None:
+    """Our packing and block size per linear (the runner's choice for ``rows`` rows), or None where the
+    kernel or the probe says no for any of them."""
+    if not cpu_linear.load():
+        return None
+    blocking = cpu_linear.probe({tuple(w.shape) for w in weights})
+    if len(blocking) < len({tuple(w.shape) for w in weights}):
+        return None
+    return [(cpu_linear.pack(w), blocking[tuple(w.shape)].one_row if rows == 1 else blocking[tuple(w.shape)].rows)
+            for w in weights]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default=str(TEXT_BENCH))
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 600])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=15)
@@ -64,17 +79,28 @@ def main(argv: list[str] | None = None) -> int:
         for threads in args.threads:
             torch.set_num_threads(threads)
             for rows in args.rows:
-                times = {"dense": [], "packed": []}
-                for _ in range(args.rounds + 2):
-                    times["dense"].append(time_pass(weights, None, rows))
-                    times["packed"].append(time_pass(weights, packed, rows))
+                inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+                ours = ours_packed(weights, rows) if dtype == torch.bfloat16 else None
+                layouts = {"dense": None, "packed": packed} | ({"ours": ours} if ours else {})
+                times = {how: [] for how in layouts}
+                with torch.inference_mode():
+                    for _ in range(args.rounds + 2):
+                        for how, layout in layouts.items():
+                            began = time.perf_counter()
+                            run_pass(weights, how, layout, inputs)
+                            times[how].append(time.perf_counter() - began)
+                    same = ours and all(torch.equal(a, b) for a, b in zip(run_pass(weights, "ours", ours, inputs),
+                                                                           run_pass(weights, "packed", packed, inputs)))
                 dense, fast = median(times["dense"][2:]), median(times["packed"][2:])
+                mine = median(times["ours"][2:]) if ours else None
                 results.append({"dtype": str(dtype), "threads": threads, "rows": rows, "dense_s": dense,
-                                "packed_s": fast, "weight_bytes": nbytes})
+                                "packed_s": fast, "ours_s": mine, "ours_equal": same, "weight_bytes": nbytes})
                 table.append([str(dtype).removeprefix("torch."), threads, rows, dense * 1e3, fast * 1e3,
-                              nbytes / dense / 1e9, nbytes / fast / 1e9, dense / fast])
-    print(format_table(["dtype", "threads", "rows", "dense ms", "packed ms", "dense GB/s", "packed GB/s",
-                        "dense / packed"], table))
+                              mine * 1e3 if mine else "-", nbytes / dense / 1e9, nbytes / fast / 1e9,
+                              nbytes / mine / 1e9 if mine else "-", dense / fast, fast / mine if mine else "-",
+                              ("yes" if same else "NO") if ours else "-"])
+    print(format_table(["dtype", "threads", "rows", "dense ms", "packed ms", "ours ms", "dense GB/s", "packed GB/s",
+                        "ours GB/s", "dense / packed", "packed / ours", "ours = oneDNN"], table))
     write_json(args.out / "cpu_linear.json", {"settings": vars(args) | {"out": str(args.out)}, "results": results})
     return 0
 

@@ -2,10 +2,13 @@
 
 torch runs a bfloat16 ``F.linear`` on CPU through oneDNN. For the few rows of a decode step, that
 costs a fixed ~20 us per call (a 512x512 weight took 25 us from cache), about as much as streaming
-the weight: over one tiny Llama's 57 linears, a one-row pass took 3.6 ms against the 2.0 ms its 59 MB
-of weights take to read (``python -m benchmarks.cpu_linear``). ``csrc/linear_bf16.cpp`` reads weights
-packed once at load for VDPBF16PS (16 outputs by 2 inputs per 64-byte line) and runs the product
-with a call cost of a few microseconds.
+the weight. ``csrc/linear_bf16.cpp`` reads weights packed once at load for VDPBF16PS (16 outputs by
+2 inputs per 64-byte line) and costs a few microseconds per call. Over one tiny Llama's 57 linears
+(``python -m benchmarks.cpu_linear``, 2 threads, oneDNN on its own packed weights beside ours):
+
+  one row:   2.0-2.4 ms against 3.3-4.0 (1.65-1.75x), 24-30 GB/s: the memory bandwidth measured here
+  16 rows:   3.8-3.9 ms against 4.4-5.0 (1.15-1.26x)
+  600 rows:  86.8-95.9 ms against 82.5-86.6 (0.90-0.95x: a long prefill is a little slower)
 
 Same bits as oneDNN. Its kernel adds, per output, the products pair after pair in input order, in
 blocks of inputs whose sums are then added; the block size is its choice, and on this project's CPU
@@ -24,9 +27,7 @@ kernels; for products under about 16^3 multiply-adds torch takes its own), those
 packed weights (session/packed_linear.py), and where the kernel cannot be built (session/kernels.py)
 all do, with the reason logged: slower, same tokens.
 
-Where ours is slower: many rows at once. A 600-token prefill's linears took 99 ms against oneDNN's
-88 (both at about the CPU's bfloat16 multiply-add rate), against 2.0 vs 3.6 ms for one row and
-4.3 vs 5.6 ms for 16. Who calls this: ``ModelRunner`` at load (probe, pack), then its forward passes.
+Who calls this: ``ModelRunner`` at load (probe, pack), then its forward passes.
 """
 
 from __future__ import annotations

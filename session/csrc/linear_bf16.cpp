@@ -17,7 +17,7 @@
 // where K > 512, on this project's CPU), k_block is the caller's: a batch of decode rows computes
 // exactly what each row alone would.
 //
-// Work: tiles of up to 4 rows x 4 blocks of 16 outputs (16 accumulators), parallel over tiles on
+// Work: tiles of up to 6 rows x 4 blocks of 16 outputs (24 accumulators), parallel over tiles on
 // torch's OpenMP team; a tile's weight panel is read once per tile of rows, from cache after the
 // first. Built at run time by session/cpu_linear.py (-mavx512bf16); used only where the CPU reports it.
 
@@ -34,7 +34,7 @@
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int kRowTile = 4;
+constexpr int kRowTile = 6;
 constexpr int kBlockTile = 4;
 
 struct Problem {
@@ -55,23 +55,23 @@ inline __m512bh pair_of(const uint16_t* row, int64_t p) {  // inputs 2p, 2p+1 of
   return (__m512bh)_mm512_set1_epi32(bits);
 }
 
-// Rows m0 .. m0+MR-1, output blocks b0 .. b0+NR-1 (NR <= kBlockTile, all within NB).
-template <int MR>
-void tile(const Problem& pb, int64_t m0, int64_t b0, int nr) {
+// Rows m0 .. m0+MR-1, output blocks b0 .. b0+NR-1 (all within NB): MR x NR accumulators in registers.
+template <int MR, int NR>
+void tile(const Problem& pb, int64_t m0, int64_t b0) {
+  constexpr int nr = NR;
   const int64_t blocks = (pb.n + kLanes - 1) / kLanes;
   const int64_t width = blocks * kLanes;
   for (int64_t start = 0; start < pb.pairs; start += pb.k_block / 2) {
     const int64_t stop = std::min(pb.pairs, start + pb.k_block / 2);
-    __m512 acc[MR][kBlockTile];
+    __m512 acc[MR][NR];
     for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < kBlockTile; ++r) acc[m][r] = _mm512_setzero_ps();
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
     const uint16_t* w0 = pb.w + (b0 * pb.pairs) * 2 * kLanes;
     const int64_t block_stride = pb.pairs * 2 * kLanes;
     for (int64_t p = start; p < stop; ++p) {
       __m512bh xs[MR];
       for (int m = 0; m < MR; ++m) xs[m] = pair_of(pb.x + (m0 + m) * pb.x_stride, p);
-      for (int r = 0; r < kBlockTile; ++r) {
-        if (r >= nr) break;
+      for (int r = 0; r < NR; ++r) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(w0 + r * block_stride + p * 2 * kLanes);
         for (int m = 0; m < MR; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xs[m], wv);
       }
@@ -106,6 +106,21 @@ void tile(const Problem& pb, int64_t m0, int64_t b0, int nr) {
   }
 }
 
+// Every row, in tiles of kRowTile rows and the rest, for the output blocks b0 .. b0+NR-1.
+template <int NR>
+void rows_of(const Problem& pb, int64_t rows, int64_t b0) {
+  int64_t m0 = 0;
+  for (; m0 + kRowTile <= rows; m0 += kRowTile) tile<kRowTile, NR>(pb, m0, b0);
+  switch (rows - m0) {
+    case 5: tile<5, NR>(pb, m0, b0); break;
+    case 4: tile<4, NR>(pb, m0, b0); break;
+    case 3: tile<3, NR>(pb, m0, b0); break;
+    case 2: tile<2, NR>(pb, m0, b0); break;
+    case 1: tile<1, NR>(pb, m0, b0); break;
+    default: break;
+  }
+}
+
 at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t n, int64_t k_block) {
   // an odd K: one zero input more, so that every pair is one 32-bit load
@@ -133,14 +148,11 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed, const 
   at::parallel_for(0, column_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = t * kBlockTile;
-      const int nr = static_cast<int>(std::min<int64_t>(kBlockTile, blocks - b0));
-      int64_t m0 = 0;
-      for (; m0 + kRowTile <= rows; m0 += kRowTile) tile<kRowTile>(pb, m0, b0, nr);
-      switch (rows - m0) {
-        case 3: tile<3>(pb, m0, b0, nr); break;
-        case 2: tile<2>(pb, m0, b0, nr); break;
-        case 1: tile<1>(pb, m0, b0, nr); break;
-        default: break;
+      switch (std::min<int64_t>(kBlockTile, blocks - b0)) {
+        case 4: rows_of<4>(pb, rows, b0); break;
+        case 3: rows_of<3>(pb, rows, b0); break;
+        case 2: rows_of<2>(pb, rows, b0); break;
+        default: rows_of<1>(pb, rows, b0); break;
       }
     }
   });
