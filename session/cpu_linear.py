@@ -14,7 +14,7 @@ Same bits as oneDNN. Its kernel adds, per output, the products pair after pair i
 blocks of inputs whose sums are then added; the block size is its choice, and on this project's CPU
 (AMD, AVX512-BF16, no AMX) it depends on the number of rows: 512 inputs for one row, 1024 for more
 (where K > 512). ``probe`` finds those sizes at start-up with inputs whose sum cancels (any other
-order of additions changes nearly every output: tests/unit/test_cpu_linear.py) and ours takes them:
+order of additions changes many outputs: tests/unit/test_cpu_linear.py) and ours takes them:
 
 - a decode step ([B, 1, K]: one new token per sequence) uses the one-row size for every row, so
   each row computes exactly what transformers' batch-of-one decode does, whatever else is in the
@@ -32,7 +32,6 @@ Who calls this: ``ModelRunner`` at load (probe, pack), then its forward passes.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from session.kernels import CppKernel
-
-logger = logging.getLogger(__name__)
+from session.packed_linear import swap_weight
 
 KERNEL = CppKernel("bfloat16 linear", "linear_bf16.cpp",
                    isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
@@ -127,13 +125,14 @@ def probe(shapes: set[tuple[int, int]], seed: int = 0) -> dict[tuple[int, int], 
     """Per weight shape (n, K): the sizes ``probe_shape`` finds, at min(n, PROBE_OUTPUTS) outputs
     (wider products always took oneDNN's kernel); shapes none reproduces are left out."""
     generator = torch.Generator().manual_seed(seed)
-    found = {}
+    probed: dict[tuple[int, int], Blocking | None] = {}  # per probed (capped) shape, once
     with torch.inference_mode():
         for n, k in sorted(shapes):
-            blocking = probe_shape(min(n, PROBE_OUTPUTS), k, generator)
-            if blocking is not None:
-                found[(n, k)] = blocking
-    return found
+            capped = (min(n, PROBE_OUTPUTS), k)
+            if capped not in probed:
+                probed[capped] = probe_shape(*capped, generator)
+    return {(n, k): probed[(min(n, PROBE_OUTPUTS), k)] for n, k in shapes
+            if probed[(min(n, PROBE_OUTPUTS), k)] is not None}
 
 
 class KernelLinear(nn.Linear):
@@ -177,10 +176,7 @@ def pack_linears(modules: list[nn.Module]) -> tuple[int, str]:
     for module in linears:
         shape = (module.out_features, module.in_features)
         if shape in blocking:
-            packed = pack(module.weight.detach())
-            del module.weight
-            module.__class__ = KernelLinear
-            module.register_buffer("packed", packed, persistent=False)
+            swap_weight(module, KernelLinear, pack(module.weight.detach()))
             module.one_row_block = blocking[shape].one_row
             module.rows_block = blocking[shape].rows
     unmatched = sorted(shapes - set(blocking))

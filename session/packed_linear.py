@@ -57,11 +57,16 @@ class PackedLinear(nn.Linear):
 def pack_linear(module: nn.Linear) -> PackedLinear:
     """Turn ``module`` into a PackedLinear in place (its dense weight is dropped) and return it."""
     weight = module.weight.detach()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-    del module.weight
-    module.__class__ = PackedLinear
-    module.register_buffer("packed", packed, persistent=False)
+    swap_weight(module, PackedLinear, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()))
     return module
+
+
+def swap_weight(module: nn.Linear, cls: type, packed: torch.Tensor) -> None:
+    """Make ``module`` a ``cls`` (an nn.Linear that runs from ``packed``), its dense weight dropped
+    (no second copy; a head tied to the embeddings keeps the embedding's). Also session/cpu_linear.py."""
+    del module.weight
+    module.__class__ = cls
+    module.register_buffer("packed", packed, persistent=False)
 
 
 def worth_packing(module: nn.Module) -> bool:
