@@ -446,7 +446,10 @@ class ModelRunner:
     def _decode_pooled(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
                        position_offsets: torch.Tensor | None) -> torch.Tensor:
         """The per-row step with bfloat16 attention by our CPU kernel: every row of a layer in one call,
-        reading the head-major pool through the rows' block tables (session/cpu_attention.py)."""
+        reading the head-major pool through the rows' block tables (session/cpu_attention.py). Row b
+        feeds token_ids[b] at position lengths[b] of kvs[b]'s sequence; a sequence may own several rows
+        at consecutive positions (``extend``): each attends up to its own position, as its decode step
+        would, and every linear sums as for one row (session/cpu_linear.py)."""
         h, cos, sin = self._step_inputs(token_ids, lengths, position_offsets)
         pool = kvs[0].pool
         slots = self._step_slots(kvs, lengths)
@@ -525,7 +528,11 @@ class ModelRunner:
         width = max(counts)
         padded = [row + row[-1:] * (width - len(row)) for row in token_rows]
         self.set_adapters(adapter_slots)
-        if self._extend_batched(kvs, width):
+        if self._extend_pooled(kvs):
+            for kv, length, count in zip(kvs, lengths, counts):
+                kv.ensure_capacity(length + count)
+            logits = self._extend_as_steps(kvs, token_rows, lengths, width, adapter_slots)
+        elif self._extend_batched(kvs, width):
             for kv, length in zip(kvs, lengths):
                 kv.ensure_capacity(length + width)
             plan = torch.tensor([[*ids, *row] for ids, row in zip(padded, plan_rows(kvs, width))], device=self.device)
@@ -536,6 +543,25 @@ class ModelRunner:
             logits = self._extend_per_row(kvs, padded, lengths, counts)
         for kv, length, count in zip(kvs, lengths, counts):
             kv.length = length + count
+        return logits
+
+    def _extend_pooled(self, kvs: list[KVCache]) -> bool:
+        return (self.pooled_decode and self.decode_attention == "per_row" and self._one_pool(kvs)
+                and kvs[0].pool.head_major)
+
+    def _extend_as_steps(self, kvs: list[PagedKVCache], token_rows: list[list[int]], lengths: list[int],
+                         width: int, adapter_slots: list[int] | None) -> torch.Tensor:
+        """bfloat16 on CPU: every new token a row of one ``_decode_pooled`` pass, so each position's
+        logits are the bits its own decode step would give (a speculative verify then accepts exactly
+        what plain decoding would emit). -> [B, width, V], padding positions zero."""
+        owners = [b for b, row in enumerate(token_rows) for _ in row]
+        offsets = [t for row in token_rows for t in range(len(row))]
+        if adapter_slots is not None:  # one adapter row per new token
+            self.set_adapters([adapter_slots[b] for b in owners])
+        flat = self._decode_pooled([kvs[b] for b in owners], [token for row in token_rows for token in row],
+                                   [lengths[b] + t for b, t in zip(owners, offsets)], None)  # [N, V]
+        logits = flat.new_zeros(len(kvs), width, flat.shape[-1])
+        logits[owners, offsets] = flat
         return logits
 
     def _extend_batched(self, kvs: list[KVCache], width: int) -> bool:

@@ -1,19 +1,26 @@
-"""bfloat16 decoding on CPU through our attention kernel (session/cpu_attention.py), one call per layer
-for the batch, against transformers' own bfloat16 forward on every text family: grouped-query heads
-(Qwen2, Qwen3), Mistral's 16-key sliding window crossed, sessions whose blocks interleave in the pool."""
+"""bfloat16 decoding on CPU through our kernels (session/cpu_attention.py, session/cpu_linear.py), one
+attention call per layer for the batch, against transformers' own bfloat16 forward on every text family:
+grouped-query heads (Qwen2, Qwen3), Mistral's 16-key sliding window crossed, sessions whose blocks
+interleave in the pool. And a multi-token extend (speculative verification) as its decode steps, bit for
+bit, so bfloat16 speculation answers what plain decoding answers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from model_store import train_deep_pair
 from model_store.build_text_models import FAMILIES, ensure
+from model_store.train_pair import PAIR_DIR, eval_prompts
 from session import cpu_attention
 from session.config import EngineConfig
 from session.engine import Engine, GenerationRequest
 from session.events import EventStream, Finished
 from session.model_runner import ModelRunner, cpu_has_bf16
 from session.protocol import SamplingParams
+from session.speculative import SpeculativeDecoder
+from tests.integration.test_speculative_batch import batched_greedy, random_rows
+from tests.integration.test_speculative_decode import new_kv, plain_answer
 
 pytestmark = pytest.mark.skipif(not (cpu_has_bf16() and cpu_attention.load()),
                                 reason="needs AVX512-BF16 and the kernel built (a C++ compiler)")
@@ -103,3 +110,56 @@ def test_engine_answers_equal_transformers_bfloat16_generate():
                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         assert len(answer) == 24 or answer[-1] in engine.runner.info.eos_token_ids
         assert answer == out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def bf16_pair() -> tuple[ModelRunner, ModelRunner]:
+    """The deep pair (a 12-layer target, its first 2 layers as the draft) in bfloat16."""
+    target_dir, draft_dir = train_deep_pair.ensure()
+    return tuple(ModelRunner(str(path), device="cpu", dtype="bfloat16") for path in (target_dir, draft_dir))
+
+
+def test_extend_is_decode_steps_bit_for_bit(bf16_pair):
+    """A multi-token extend (a verify: 1-5 new tokens per row, rows at different lengths, in one pass)
+    gives every position the logits and keys its own decode step gives, bit for bit."""
+    target = bf16_pair[0]
+    assert target.linear_kernels["resident"] == target.packed_linears  # the pair is wide enough for ours
+    rows = random_rows(target, 5, seed=3)
+    kvs, expected = [], []
+    for cached, new in rows:
+        reference = new_kv(target)
+        target.prefill(reference, target.embed(cached, []))
+        expected.append((torch.cat([target.decode([reference], [token]) for token in new]), reference))
+        kv = new_kv(target)
+        target.prefill(kv, target.embed(cached, []))
+        kvs.append(kv)
+    logits = target.extend(kvs, [new for _, new in rows])
+    assert logits.shape[:2] == (5, max(len(new) for _, new in rows))
+    for b, ((cached, new), (want, reference)) in enumerate(zip(rows, expected)):
+        assert torch.equal(logits[b, : len(new)], want)
+        assert logits[b, len(new):].eq(0).all()  # padding positions
+        end = kvs[b].length
+        assert end == reference.length == len(cached) + len(new)
+        for layer in range(target.info.num_layers):
+            assert torch.equal(kvs[b].keys(layer, end), reference.keys(layer, end))
+            assert torch.equal(kvs[b].values(layer, end), reference.values(layer, end))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_bfloat16_speculation_answers_what_plain_decoding_answers(bf16_pair, batch):
+    """Speculative steps (rows with different k, a plain row riding along, different prompt lengths and
+    budgets) emit token for token what plain bfloat16 decoding emits, with proposals accepted (so the
+    verify's logits decided tokens)."""
+    from transformers import AutoTokenizer
+
+    target, draft = bf16_pair
+    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "target")
+    prompts = [[tokenizer.bos_token_id] + ids for ids in eval_prompts(tokenizer, batch, 40)]
+    chosen = [prompt[: 12 + 4 * i] for i, prompt in enumerate(prompts)]
+    budgets = [40 - 3 * i for i in range(batch)]
+    ks = [(4, 2, 0, 6)[i] for i in range(batch)]
+    decoder = SpeculativeDecoder(target, draft)
+    got = batched_greedy(decoder, chosen, budgets, ks)
+    for prompt, budget, answer in zip(chosen, budgets, got):
+        assert answer == plain_answer(target, prompt, budget - 1)[len(prompt):]
+    assert decoder.num_accepted / decoder.num_proposed > 0.15  # fixed k up to 6 proposes past its agreement
