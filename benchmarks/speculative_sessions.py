@@ -18,7 +18,7 @@ Reported per pair, session count and method: median wall time of a round (all N 
 prefill included), generated tokens/s, speedup vs our plain (the median over rounds of the two
 methods' times in the same round, with the range), and how many answers equal our plain answer
 token for token. The draft's share of a target step is measured first (``ModelRunner.decode``).
-Run:  python -m benchmarks.speculative_sessions [--pairs pair deep-pair] [--sessions 1 8] [--rounds 8]
+Run:  python -m benchmarks.speculative_sessions [--pairs pair deep-pair] [--sessions 1 8] [--rounds 8] [--dtype bfloat16]
 Writes <out>/speculative_sessions.json (default out: benchmarks/results).
 """
 
@@ -52,20 +52,21 @@ def pair_dirs(name: str) -> tuple[Path, Path]:
 class PairBench:
     """One pair loaded several ways; ``run(method, prompts)`` -> (seconds, answers)."""
 
-    def __init__(self, name: str, new_tokens: int, max_batch: int, k_maxes: list[int], threads: int):
+    def __init__(self, name: str, new_tokens: int, max_batch: int, k_maxes: list[int], threads: int,
+                 dtype: str = "float32"):
         from transformers import AutoModelForCausalLM
 
         target, draft = pair_dirs(name)
         self.new_tokens = new_tokens
-        common = dict(model_path=str(target), device="cpu", dtype="float32", max_batch_size=max_batch,
+        common = dict(model_path=str(target), device="cpu", dtype=dtype, max_batch_size=max_batch,
                       max_new_tokens=new_tokens, threads=threads)  # fixed: both engines at the same count
         self.engines = {"plain": Engine(EngineConfig(**common, speculative="off")).start()}
         for k_max in k_maxes:
             self.engines[f"speculative k<={k_max}"] = Engine(EngineConfig(
                 **common, speculative="draft", draft_model_path=str(draft), num_speculative_tokens=k_max)).start()
         self.methods = tuple(self.engines) + HF_METHODS
-        self.hf_target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        self.hf_draft = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+        self.hf_target = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
+        self.hf_draft = AutoModelForCausalLM.from_pretrained(draft, dtype=getattr(torch, dtype)).eval()
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -143,7 +144,7 @@ def _acceptance_counts(engine: Engine) -> tuple[int, int]:
     return (0, 0) if spec is None else (spec.num_proposed, spec.num_accepted)
 
 
-def draft_step_ratio(name: str) -> float:
+def draft_step_ratio(name: str, dtype: str = "float32") -> float:
     """A draft decode step over a target decode step (ModelRunner, one row, 40 cached tokens), min of 5."""
     from session.model_runner import ModelRunner
 
@@ -159,7 +160,7 @@ def draft_step_ratio(name: str) -> float:
             best = min(best, (time.perf_counter() - began) / 50)
         return best
 
-    target, draft = (ModelRunner(str(p), device="cpu", dtype="float32") for p in pair_dirs(name))
+    target, draft = (ModelRunner(str(p), device="cpu", dtype=dtype) for p in pair_dirs(name))
     return step_s(draft) / step_s(target)
 
 
@@ -174,6 +175,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="one speculative engine per value (RESIDENT_NUM_SPECULATIVE_TOKENS; 4 is its default)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; 1 by default: these small models gain nothing from more")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both engines' and transformers' (bfloat16: our CPU kernels, RESIDENT_CPU_KERNELS)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return parser.parse_args(argv)
 
@@ -187,15 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[tokenizer.bos_token_id] + ids for ids in eval_prompts(tokenizer, args.prompts, 32)]
     results = {}
     for name in args.pairs:
-        ratio = draft_step_ratio(name)
-        bench = PairBench(name, args.new_tokens, max(args.sessions), args.k_max, args.threads)
+        ratio = draft_step_ratio(name, args.dtype)
+        bench = PairBench(name, args.new_tokens, max(args.sessions), args.k_max, args.threads, args.dtype)
         try:
             rows = [row for sessions in args.sessions for row in measure(bench, prompts, sessions, args.rounds)]
         finally:
             bench.close()
         results[name] = {"draft_step_over_target_step": ratio, "rows": rows}
         print(f"\n{name}: draft step = {ratio:.3f} x target step; {args.new_tokens} new tokens per request, "
-              f"greedy, {args.rounds} rounds, {args.threads} thread(s)")
+              f"greedy, {args.rounds} rounds, {args.threads} thread(s), {args.dtype}")
         print(format_table(
             ["sessions", "method", "s / round", "tok/s", "speedup", "(min-max)", "identical", "acceptance"],
             [[r["sessions"], r["method"], r["seconds_per_round"], r["tokens_per_s"], r["speedup_vs_plain"],
