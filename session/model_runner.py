@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from session import cpu_attention, cpu_linear
+from session import cpu_attention, cpu_linear, fused_layer
 from session.attention import PagedAttention, PagedBatch, choose_backend, columns, plan_rows, to_batch
 from session.config import EngineConfig
 from session.errors import ConfigError
@@ -167,6 +167,8 @@ class ModelRunner:
         self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.kv_dtype == torch.bfloat16
                               and self.info.head_dim % 16 == 0 and cpu_attention.load())
         self.lora = None  # a LoraBank once enable_lora ran
+        self.cpu_kernels = cpu_kernels
+        self.fused_layers: list[tuple] | None | bool = False  # False: not planned yet (_fused_plan)
         self.kv_pools: dict[int, BlockPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.decode_attention = default_attention(self.device)  # "batched" or "per_row" (configure_decode)
         self.graphs = None  # DecodeGraphs once configure_decode turned CUDA graphs on
@@ -459,6 +461,13 @@ class ModelRunner:
         ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
         starts = {window: torch.tensor([self._window_start(window, n) for n in lengths], dtype=torch.int32)
                   for window in set(self.windows)}  # window -> [B]: each row's first key
+        fused = self._fused_plan()
+        if fused is not None:  # the same operators from C++, a call per layer (session/fused_layer.py)
+            h, cos, sin, flat_slots = h[:, 0], cos[:, 0], sin[:, 0], slots[:, 0].contiguous()
+            for index, arguments in enumerate(fused):
+                h = fused_layer.run(h, arguments, cos, sin, pool.k[index], pool.v[index], flat_slots, table,
+                                    starts[self.windows[index]], ends)
+            return self._logits(h[:, None])[:, 0]  # [B, 1, D]: the head sums as for one row per sequence
         for index, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
             pool.write_rows(index, slots, k, v)
@@ -466,6 +475,18 @@ class ModelRunner:
                                                starts[self.windows[index]], ends, layer.self_attn.scaling)
             h = self.finish_layer(layer, h, o[:, :, None])
         return self._logits(h)[:, 0]
+
+    def _fused_plan(self) -> list[tuple] | None:
+        """The layers' arguments for the C++ layer where every layer is one it reproduces and this step
+        has no adapter rows (LoRA runs in Python); planned once, after any LoRA install."""
+        if self.lora is not None and (self.lora.single is not None or self.lora.mixed is not None):
+            return None
+        if self.fused_layers is False:
+            i = self.info
+            self.fused_layers = (fused_layer.plan(self.layers, i.num_heads, i.num_kv_heads, i.head_dim)
+                                 if self.cpu_kernels and type(self).attention_inputs is ModelRunner.attention_inputs
+                                 and type(self).finish_layer is ModelRunner.finish_layer else None)
+        return self.fused_layers
 
     @staticmethod
     def _runs_of_rows(kvs: list[PagedKVCache], starts: list[int], ends: list[int]) -> list[list[tuple]]:

@@ -12,7 +12,7 @@ import torch
 from model_store import train_deep_pair
 from model_store.build_text_models import FAMILIES, ensure
 from model_store.train_pair import PAIR_DIR, eval_prompts
-from session import cpu_attention
+from session import cpu_attention, fused_layer
 from session.config import EngineConfig
 from session.engine import Engine, GenerationRequest
 from session.events import EventStream, Finished
@@ -163,3 +163,61 @@ def test_bfloat16_speculation_answers_what_plain_decoding_answers(bf16_pair, bat
     for prompt, budget, answer in zip(chosen, budgets, got):
         assert answer == plain_answer(target, prompt, budget - 1)[len(prompt):]
     assert decoder.num_accepted / decoder.num_proposed > 0.15  # fixed k up to 6 proposes past its agreement
+
+
+# Random models of each family, wide enough (128 wide, 2 heads of 64, one kv head) that every linear runs
+# on our kernel, so the step runs the C++ layer (session/fused_layer.py): Qwen2's q/k/v biases, Qwen3's
+# q/k norms, Mistral's 16-key window crossed.
+WIDE_FAMILIES = {"llama": {}, "mistral": {"sliding_window": 16}, "qwen2": {}, "qwen3": {}}
+
+
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory) -> dict[str, str]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    paths = {}
+    for family, extra in WIDE_FAMILIES.items():
+        config = AutoConfig.for_model(family, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=512,
+                                      max_position_embeddings=512, tie_word_embeddings=False, **extra)
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(family)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        paths[family] = str(path)
+    return paths
+
+
+@pytest.mark.parametrize("family", list(WIDE_FAMILIES))
+def test_the_cpp_layer_computes_the_python_layers_bits(family, wide_models, monkeypatch):
+    """Three sessions, 24 steps: the C++ layer's logits equal the Python layer's and transformers' own
+    bfloat16 forward's, bit for bit; one C++ call per layer and step."""
+    from transformers import AutoModelForCausalLM
+
+    runner = ModelRunner(wide_models[family], device="cpu", dtype="bfloat16")
+    assert runner.linear_kernels == {"resident": 7 * 2 + 1, "onednn": 0}
+    if family == "qwen2":
+        assert runner.layers[0].self_attn.q_proj.bias is not None
+    calls = []
+    run = fused_layer.run
+    monkeypatch.setattr(fused_layer, "run", lambda h, *rest: calls.append(h.shape) or run(h, *rest))
+    prompts = [list(range(3, 40 + 7 * i)) for i in range(3)]
+    tokens = torch.randint(5, 512, (STEPS, 3), generator=torch.Generator().manual_seed(1)).tolist()
+    fused = ours(runner, prompts, tokens)
+    assert runner.fused_layers is not None and calls == [(3, 128)] * (STEPS * 2)
+    python_runner = ModelRunner(wide_models[family], device="cpu", dtype="bfloat16")  # a fresh pool: same blocks
+    python_runner.fused_layers = None  # the Python layer
+    python = ours(python_runner, prompts, tokens)
+    assert len(calls) == STEPS * 2 and torch.equal(fused, python)
+    reference = AutoModelForCausalLM.from_pretrained(wide_models[family], dtype=torch.bfloat16).eval()
+    for row, prompt in enumerate(prompts):
+        assert torch.equal(fused[:, row], transformers_steps(reference, prompt, [step[row] for step in tokens]))
+
+
+def test_adapter_rows_run_the_python_layer(wide_models):
+    """A step with LoRA rows takes the Python layers (LoRA deltas are added there); one without, the C++."""
+    runner = ModelRunner(wide_models["llama"], device="cpu", dtype="bfloat16")
+    runner.enable_lora(num_slots=2, max_rank=4)
+    runner.set_adapters([0, 0])
+    assert runner._fused_plan() is not None
+    runner.set_adapters([1, 0])
+    assert runner._fused_plan() is None

@@ -1,0 +1,88 @@
+"""A bfloat16 decode step's layers on CPU as one C++ call each: the Python step's operators, minus Python.
+
+With our attention and linear kernels a one-session bfloat16 step on text-bench took 4.5 ms, of which
+the kernels took about 2.4; the rest was ~300 small torch operators a step (RMSNorm's eight, the
+rotary embedding's seven per tensor, residual adds, views) and the interpreter and ``nn.Module`` calls
+around them. ``csrc/decode_layer.cpp`` calls the same ATen operators and our kernels in the same order
+from C++ (its header lists the arguments), so a step computes the same bits
+(tests/integration/test_bf16_decode.py) with a fraction of the overhead.
+
+It applies where the layer is one it reproduces: transformers' Llama-family modules (Llama, Mistral,
+Qwen2, Qwen3 with its q/k norms; LLaVA's language model is a Llama), an RMSNorm of the Llama form, a
+SiLU MLP, and all seven linears on our kernel (session/cpu_linear.py). Anything else, or a step with
+LoRA adapter rows, runs the Python layer. Who calls this: ``ModelRunner._decode_pooled``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from session.cpu_linear import KernelLinear
+from session.kernels import CppKernel
+
+logger = logging.getLogger(__name__)
+
+KERNEL = CppKernel("fused bfloat16 decode layer", "decode_layer.cpp", isa=(), cpu_requires=())
+# The RMSNorm classes whose forward is LlamaRMSNorm's, operator for operator (weight * normed, not
+# Gemma's 1 + weight)
+NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def load() -> bool:
+    return KERNEL.load()
+
+
+def base_linear(module: nn.Module) -> nn.Module:
+    """A LoRA-wrapped linear's base (session/adapters.py), else the module."""
+    return getattr(module, "base", module)
+
+
+def is_norm(module: nn.Module | None) -> bool:
+    return module is not None and type(module).__name__ in NORMS
+
+
+def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple | None:
+    """(weights, biases, sizes, floats) for ``decode_layer_bf16``, or None where the layer is not one
+    the C++ layer reproduces."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [base_linear(getattr(attn if i < 4 else mlp, name, None)) for i, name in enumerate(LINEARS)]
+    if not all(type(linear) is KernelLinear for linear in linears):
+        return None
+    if not (is_norm(layer.input_layernorm) and is_norm(layer.post_attention_layernorm)):
+        return None
+    if not isinstance(getattr(mlp, "act_fn", None), nn.SiLU) and type(getattr(mlp, "act_fn", None)).__name__ != "SiLUActivation":
+        return None
+    qk_norm = getattr(attn, "q_norm", None) is not None
+    if qk_norm and not (is_norm(attn.q_norm) and is_norm(attn.k_norm)):
+        return None
+    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(l.packed for l in linears)]
+    if qk_norm:
+        weights += [attn.q_norm.weight, attn.k_norm.weight]
+    sizes = [num_heads, num_kv_heads, head_dim, *(l.out_features for l in linears),
+             *(l.one_row_block for l in linears), int(qk_norm)]
+    floats = [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
+              attn.q_norm.variance_epsilon if qk_norm else 0.0, attn.scaling]
+    return [w.detach() for w in weights], [l.bias for l in linears], sizes, floats
+
+
+def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: int) -> list[tuple] | None:
+    """Every layer's arguments, or None (with the reason logged once) where any layer cannot be fused
+    or the library cannot be had."""
+    arguments = [layer_arguments(layer, num_heads, num_kv_heads, head_dim) for layer in layers]
+    if any(a is None for a in arguments):
+        logger.info("fused decode layers: a layer the C++ layer does not reproduce; the Python layer runs")
+        return None
+    return arguments if load() else None
+
+
+def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,
+        v_layer: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor,
+        ends: torch.Tensor) -> torch.Tensor:
+    """One layer: h [B, D], cos/sin [B, hd], one layer of the head-major pool, slots [B] -> h [B, D]."""
+    weights, biases, sizes, floats = arguments
+    return torch.ops.resident.decode_layer_bf16(h, weights, biases, sizes, floats, cos, sin, k_layer, v_layer,
+                                                slots, table, starts, ends)
