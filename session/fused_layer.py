@@ -1,11 +1,17 @@
-"""A bfloat16 decode step's layers on CPU as one C++ call each: the Python step's operators, minus Python.
+"""A bfloat16 decode step's layers on CPU as one C++ call each: the Python step's bits, minus Python.
 
 With our attention and linear kernels a one-session bfloat16 step on text-bench took 4.5 ms, of which
 the kernels took about 2.4; the rest was ~300 small torch operators a step (RMSNorm's eight, the
 rotary embedding's seven per tensor, residual adds, views) and the interpreter and ``nn.Module`` calls
-around them. ``csrc/decode_layer.cpp`` calls the same ATen operators and our kernels in the same order
-from C++ (its header lists the arguments), so a step computes the same bits
-(tests/integration/test_bf16_decode.py) with a fraction of the overhead.
+around them. ``csrc/decode_layer.cpp`` runs a layer in one call: our kernels through the dispatcher,
+RMSNorm, the rotary embedding and the residual adds written out with the ATen kernels' arithmetic,
+SiLU by ATen. Same bits (tests/integration/test_bf16_decode.py); the step took 3.1 ms with ATen's
+operators called from C++ and 2.35-2.57 ms with those written out.
+
+RMSNorm's mean is where the bits are fragile: ATen sums a row in vectors of 8 or 16 floats (its AVX2
+or AVX512 code; this torch build ran the 8-lane sum on an AVX-512 CPU), four vectors side by side,
+cascaded every 16. ``sum_lanes`` tries both widths against transformers' RMSNorm at load and the
+plan is dropped (the Python layer runs) where neither reproduces it.
 
 It applies where the layer is one it reproduces: transformers' Llama-family modules (Llama, Mistral,
 Qwen2, Qwen3 with its q/k norms; LLaVA's language model is a Llama), an RMSNorm of the Llama form, a
@@ -30,6 +36,7 @@ KERNEL = CppKernel("fused bfloat16 decode layer", "decode_layer.cpp", isa=(), cp
 # Gemma's 1 + weight)
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUM_LANES = (8, 16)  # ATen's float vector widths (AVX2, AVX512) its sum kernel may run
 
 
 def load() -> bool:
@@ -69,14 +76,50 @@ def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_di
     return [w.detach() for w in weights], [l.bias for l in linears], sizes, floats
 
 
+def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def sum_lanes(widths: set[int], rows: int = 256, seed: int = 0) -> int | None:
+    """The width (8 or 16) of the float vectors ATen's sum kernel runs here, found by comparing our
+    RMSNorm with transformers' on random rows of every width the layers normalize; None where neither
+    reproduces it (then the Python layer runs)."""
+    generator = torch.Generator().manual_seed(seed)
+    for lanes in SUM_LANES:
+        for width in sorted(widths):
+            scales = torch.exp2(torch.randint(-8, 8, (rows, 1), generator=generator).float())
+            x = (torch.randn(rows, width, generator=generator) * scales).to(torch.bfloat16)
+            weight = torch.randn(width, generator=generator).to(torch.bfloat16)
+            if not torch.equal(torch.ops.resident.rms_norm_bf16(x, weight, 1e-6, lanes),
+                               reference_norm(x, weight, 1e-6)):
+                break
+        else:
+            return lanes
+    return None
+
+
 def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: int) -> list[tuple] | None:
-    """Every layer's arguments, or None (with the reason logged once) where any layer cannot be fused
-    or the library cannot be had."""
+    """Every layer's arguments, or None (with the reason logged) where any layer cannot be fused, the
+    library cannot be had, or our RMSNorm does not reproduce transformers' here."""
     arguments = [layer_arguments(layer, num_heads, num_kv_heads, head_dim) for layer in layers]
     if any(a is None for a in arguments):
         logger.info("fused decode layers: a layer the C++ layer does not reproduce; the Python layer runs")
         return None
-    return arguments if load() else None
+    if not load():
+        return None
+    widths = {weights[0].numel() for weights, *_ in arguments} | {weights[9].numel() for weights, *_ in arguments
+                                                                   if len(weights) > 9}
+    with torch.inference_mode():
+        lanes = sum_lanes(widths)
+    if lanes is None:
+        logger.info("fused decode layers: our RMSNorm does not reproduce ATen's sum here; the Python layer runs")
+        return None
+    for _, _, sizes, _ in arguments:
+        sizes.append(lanes)
+    return arguments
 
 
 def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,

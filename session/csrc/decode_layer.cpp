@@ -1,9 +1,15 @@
-// One decoder layer of a bfloat16 decode step on CPU, in one call: the same operators, in the same
-// order, as ModelRunner's Python step (attention_inputs, the pool's write_rows, our attention kernel,
-// finish_layer) and transformers' Llama-family modules (RMSNorm, rotary embedding, SiLU MLP), called
-// from C++ instead of Python. Every product and element-wise operation is the same ATen kernel or our
-// own operator, so the bits are the Python step's (tests/integration/test_bf16_decode.py); what goes
-// is the interpreter and nn.Module overhead of ~300 small calls a step.
+// One decoder layer of a bfloat16 decode step on CPU, in one call, computing what ModelRunner's Python
+// step (attention_inputs, the pool's write_rows, our attention kernel, finish_layer) and transformers'
+// Llama-family modules compute, bit for bit, without ~300 small torch calls a step and the interpreter
+// around them:
+// - the linears and the attention: our operators (resident::linear_bf16, decode_attention_bf16),
+//   through the dispatcher;
+// - RMSNorm, the rotary embedding and the residual adds written out here with the arithmetic of the
+//   ATen kernels the Python layer calls: each operator's float result rounded to bfloat16 where
+//   ATen's is, and RMSNorm's mean summed in the order of ATen's float sum kernel (aten_row_sum);
+// - SiLU and the product with up: ATen's own operators (their exponential is Sleef's).
+// tests/integration/test_bf16_decode.py compares it with the Python layer and transformers' forward on
+// every text family, and session/fused_layer.py checks RMSNorm against transformers' at load.
 //
 // resident::decode_layer_bf16(h [B, D], weights, biases, sizes, floats, cos [B, hd], sin [B, hd],
 //                             k_layer, v_layer [KVH, NB, bt, hd], slots [B] int64, block_table [B, W]
@@ -12,7 +18,8 @@
 //            resident::linear_bf16, then (Qwen3) the q and k norms
 //   biases:  q, k, v, o, gate, up, down (None where absent)
 //   sizes:   heads, kv heads, head dim, then the out features of the 7 linears, then their one-row
-//            input block sizes, then 1 where the q and k norms exist
+//            input block sizes, then 1 where the q and k norms exist, then the lanes of ATen's float
+//            sum (8 or 16: rms_norm)
 //   floats:  the two norms' epsilons, the q/k norms' epsilon, the attention scale
 // Built at run time by session/fused_layer.py.
 
@@ -20,6 +27,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -31,19 +39,125 @@ using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::opt
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, double);
 
-// transformers' LlamaRMSNorm.forward, operator for operator
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor h = x.to(at::kFloat);
-  const at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
-  h = h * at::rsqrt(variance + eps);
-  return weight * h.to(x.scalar_type());
+constexpr int kMaxLanes = 16;  // ATen's Vectorized<float> has 8 (AVX2) or 16 (AVX512) lanes: see rms_norm
+
+inline float bf16_to_float(uint16_t x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
-// transformers' rotate_half and apply_rotary_pos_emb (x [B, heads, hd], cos/sin [B, 1, hd])
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  const at::Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-  return (x * cos) + (rotated * sin);
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as c10::BFloat16
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return uint16_t((u + ((u >> 16) & 1) + 0x7FFF) >> 16);
+}
+
+// ATen's float sum of one contiguous row (SumKernel.cpp: vectorized_inner_sum over row_sum over
+// multi_row_sum: vectors of ``lanes`` floats, 4 of them side by side, cascaded every 16 rows of 4),
+// step for step.
+float aten_row_sum(const float* x, int64_t n, int lanes) {
+  constexpr int kLevels = 4, kRows = 4, kPower = 4;  // level_power: max(4, CeilLog2(rows) / 4) = 4 below 2^16 rows
+  const int64_t vectors = n / lanes, rows = vectors / kRows;
+  float acc[kLevels][kRows][kMaxLanes] = {};
+  auto add_row = [&](int64_t r) {
+    for (int k = 0; k < kRows; ++k)
+      for (int l = 0; l < lanes; ++l) acc[0][k][l] += x[(r * kRows + k) * lanes + l];
+  };
+  TORCH_CHECK(rows < (int64_t(1) << 16), "row too long for the summation model");
+  constexpr int64_t step = int64_t(1) << kPower, mask = step - 1;
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_row(i);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kRows; ++k)
+        for (int l = 0; l < lanes; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.f;
+        }
+      if ((i & (mask << (j * kPower))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) add_row(i);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kRows; ++k)
+      for (int l = 0; l < lanes; ++l) acc[0][k][l] += acc[j][k][l];
+  for (int64_t v = rows * kRows; v < vectors; ++v)
+    for (int l = 0; l < lanes; ++l) acc[0][0][l] += x[v * lanes + l];
+  for (int k = 1; k < kRows; ++k)
+    for (int l = 0; l < lanes; ++l) acc[0][0][l] += acc[0][k][l];
+  float total = 0.f;
+  for (int64_t e = vectors * lanes; e < n; ++e) total += x[e];
+  for (int l = 0; l < lanes; ++l) total += acc[0][0][l];
+  return total;
+}
+
+// transformers' LlamaRMSNorm.forward over the last dimension, its operators' arithmetic written out:
+// to float, x * x, mean (ATen's sum, then / n), + eps, 1 / sqrt, times, to bfloat16, weight times.
+// ``lanes``: the width of ATen's float vectors in its sum kernel (8 where it runs AVX2 code, as it did
+// on this project's CPU; session/fused_layer.py finds it at load by comparing with LlamaRMSNorm).
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps, int64_t lanes) {
+  TORCH_CHECK(lanes == 8 || lanes == 16, "lanes: 8 or 16");
+  const at::Tensor x = input.contiguous();
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.numel() == n,
+              "rms_norm: bfloat16 rows and weight");
+  at::Tensor out = at::empty_like(x);
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.contiguous().data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::vector<float> squares(n);
+  const float epsilon = static_cast<float>(eps), count = static_cast<float>(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = src + r * n;
+    for (int64_t e = 0; e < n; ++e) {
+      const float v = bf16_to_float(row[e]);
+      squares[e] = v * v;
+    }
+    const float scale = 1.f / std::sqrt(aten_row_sum(squares.data(), n, static_cast<int>(lanes)) / count + epsilon);
+    for (int64_t e = 0; e < n; ++e) {
+      const float normed = bf16_to_float(float_to_bf16(bf16_to_float(row[e]) * scale));
+      dst[r * n + e] = float_to_bf16(bf16_to_float(w[e]) * normed);
+    }
+  }
+  return out;
+}
+
+// transformers' rotate_half and apply_rotary_pos_emb: (x * cos) + (rotate_half(x) * sin), each
+// product and the sum rounded to bfloat16. x [B, heads, hd] (any strides), cos/sin [B, hd].
+at::Tensor rotate(const at::Tensor& input, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor x = input.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  const int64_t batch = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  at::Tensor out = at::empty_like(x);
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* cs = reinterpret_cast<const uint16_t*>(c.data_ptr<at::BFloat16>());
+  const auto* ss = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
+  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* v = xs + (b * heads + h) * dim;
+      uint16_t* o = os + (b * heads + h) * dim;
+      for (int64_t e = 0; e < dim; ++e) {
+        const float rotated = e < half ? -bf16_to_float(v[e + half]) : bf16_to_float(v[e - half]);
+        const float first = bf16_to_float(float_to_bf16(bf16_to_float(v[e]) * bf16_to_float(cs[b * dim + e])));
+        const float second = bf16_to_float(float_to_bf16(rotated * bf16_to_float(ss[b * dim + e])));
+        o[e] = float_to_bf16(first + second);
+      }
+    }
+  return out;
+}
+
+// a + b in bfloat16 (the residual adds): the float sum rounded
+at::Tensor add_bf16(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.numel() == b.numel(), "add: contiguous, same size");
+  at::Tensor out = at::empty_like(a);
+  const auto* x = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  const auto* y = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t e = 0; e < a.numel(); ++e) o[e] = float_to_bf16(bf16_to_float(x[e]) + bf16_to_float(y[e]));
+  return out;
 }
 
 // The pool's write_rows for a head-major layer: row b's keys of every kv head into slot slots[b].
@@ -70,33 +184,32 @@ at::Tensor decode_layer_bf16(const at::Tensor& hidden, at::TensorList weights, c
       c10::Dispatcher::singleton().findSchemaOrThrow("resident::decode_attention_bf16", "").typed<AttentionFn>();
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16, "h: [B, D] bfloat16");
   TORCH_CHECK(weights.size() == 9 || weights.size() == 11, "weights: 2 norms, 7 linears, (2 q/k norms)");
-  TORCH_CHECK(biases.size() == 7 && sizes.size() == 18 && floats.size() == 4, "biases, sizes, floats: 7, 18, 4");
+  TORCH_CHECK(biases.size() == 7 && sizes.size() == 19 && floats.size() == 4, "biases, sizes, floats: 7, 19, 4");
   TORCH_CHECK(k_layer.is_contiguous() && v_layer.is_contiguous() && slots.scalar_type() == at::kLong,
               "k/v layer contiguous, slots int64");
   const int64_t batch = hidden.size(0), heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2];
   const bool qk_norm = sizes[17] != 0;
+  const int64_t lanes = sizes[18];
   TORCH_CHECK(!qk_norm || weights.size() == 11, "q/k norms announced, not given");
   auto linear = [&](int i, const at::Tensor& x) {  // i: 0..6 = q, k, v, o, gate, up, down
     return linear_op.call(x, weights[2 + i], biases.get(i), sizes[3 + i], sizes[10 + i]);
   };
-  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);  // [B, 1, hd]
-
-  const at::Tensor x = rms_norm(hidden, weights[0], floats[0]);
+  const at::Tensor x = rms_norm(hidden, weights[0], floats[0], lanes);
   at::Tensor q = linear(0, x).view({batch, heads, head_dim});
   at::Tensor k = linear(1, x).view({batch, kv_heads, head_dim});
   const at::Tensor v = linear(2, x).view({batch, kv_heads, head_dim});
   if (qk_norm) {
-    q = rms_norm(q, weights[9], floats[2]);
-    k = rms_norm(k, weights[10], floats[2]);
+    q = rms_norm(q, weights[9], floats[2], lanes);
+    k = rms_norm(k, weights[10], floats[2], lanes);
   }
-  q = rotate(q, c, s);
-  k = rotate(k, c, s).contiguous();
+  q = rotate(q, cos, sin);
+  k = rotate(k, cos, sin);
   write_rows(k_layer, slots, k);
   write_rows(v_layer, slots, v.contiguous());
-  const at::Tensor o = attention_op.call(q.contiguous(), k_layer, v_layer, block_table, starts, ends, floats[3]);
-  at::Tensor h = hidden + linear(3, o.view({batch, heads * head_dim}));
-  const at::Tensor y = rms_norm(h, weights[1], floats[1]);
-  return h + linear(6, at::silu(linear(4, y)) * linear(5, y));
+  const at::Tensor o = attention_op.call(q, k_layer, v_layer, block_table, starts, ends, floats[3]);
+  const at::Tensor h = add_bf16(hidden.contiguous(), linear(3, o.view({batch, heads * head_dim})));
+  const at::Tensor y = rms_norm(h, weights[1], floats[1], lanes);
+  return add_bf16(h, linear(6, at::silu(linear(4, y)) * linear(5, y)));
 }
 
 }  // namespace
@@ -105,6 +218,12 @@ TORCH_LIBRARY_FRAGMENT(resident, m) {
   m.def("decode_layer_bf16(Tensor h, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] floats, Tensor cos, "
         "Tensor sin, Tensor(a!) k_layer, Tensor(b!) v_layer, Tensor slots, Tensor block_table, Tensor starts, "
         "Tensor ends) -> Tensor");
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps, int lanes) -> Tensor");  // the layer's own, for the load check
+  m.def("rotary_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(resident, CPU, m) { m.impl("decode_layer_bf16", &decode_layer_bf16); }
+TORCH_LIBRARY_IMPL(resident, CPU, m) {
+  m.impl("decode_layer_bf16", &decode_layer_bf16);
+  m.impl("rms_norm_bf16", &rms_norm);
+  m.impl("rotary_bf16", &rotate);
+}

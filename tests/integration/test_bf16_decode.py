@@ -221,3 +221,26 @@ def test_adapter_rows_run_the_python_layer(wide_models):
     assert runner._fused_plan() is not None
     runner.set_adapters([1, 0])
     assert runner._fused_plan() is None
+
+
+def test_our_rms_norm_is_transformers_bits_at_many_widths():
+    """The written-out RMSNorm (ATen's float sum order, at the lane width found at load) equals
+    transformers' LlamaRMSNorm on rows of every width a model may have, odd ones and 2^20 included
+    (the cascade's levels), over four decades of scale; the other lane width does not."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert fused_layer.load()
+    with torch.inference_mode():
+        lanes = fused_layer.sum_lanes({64, 128, 512, 4096})
+        assert lanes in fused_layer.SUM_LANES
+        generator = torch.Generator().manual_seed(4)
+        for width, rows in ((64, 512), (100, 512), (1000, 256), (4096, 64), (5120, 64), (2 ** 20, 2)):
+            norm = LlamaRMSNorm(width, eps=1e-5).to(torch.bfloat16)
+            norm.weight.copy_(torch.randn(width, generator=generator))
+            scales = torch.exp2(torch.randint(-6, 6, (rows, 1), generator=generator).float())
+            x = (torch.randn(rows, width, generator=generator) * scales).to(torch.bfloat16)
+            assert torch.equal(torch.ops.resident.rms_norm_bf16(x, norm.weight, 1e-5, lanes), norm(x)), width
+        other = 24 - lanes
+        norm = LlamaRMSNorm(512, eps=1e-5).to(torch.bfloat16)
+        x = torch.randn(512, 512, generator=generator).to(torch.bfloat16)
+        assert not torch.equal(torch.ops.resident.rms_norm_bf16(x, norm.weight, 1e-5, other), norm(x))
