@@ -111,7 +111,7 @@ def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: i
     if not load():
         return None
     widths = {weights[0].numel() for weights, *_ in arguments} | {weights[9].numel() for weights, *_ in arguments
-                                                                   if len(weights) > 9}
+                                                                   if len(weights) > 9}  # hidden size, head dim
     with torch.inference_mode():
         lanes = sum_lanes(widths)
     if lanes is None:
@@ -120,6 +120,16 @@ def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: i
     for _, _, sizes, _ in arguments:
         sizes.append(lanes)
     return arguments
+
+
+def lanes(arguments: list[tuple]) -> int:
+    """The sum lanes ``plan`` found (the last of every layer's sizes)."""
+    return arguments[0][2][-1]
+
+
+def norm(h: torch.Tensor, module: nn.Module, lanes: int) -> torch.Tensor:
+    """``module`` (an RMSNorm of NORMS) applied to h [B, D] by the C++ layer's RMSNorm."""
+    return torch.ops.resident.rms_norm_bf16(h, module.weight, module.variance_epsilon, lanes)
 
 
 def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,

@@ -467,7 +467,10 @@ class ModelRunner:
             for index, arguments in enumerate(fused):
                 h = fused_layer.run(h, arguments, cos, sin, pool.k[index], pool.v[index], flat_slots, table,
                                     starts[self.windows[index]], ends)
-            return self._logits(h[:, None])[:, 0]  # [B, 1, D]: the head sums as for one row per sequence
+            if fused_layer.is_norm(self.lm.norm):  # the final norm by the layer's own (checked at load)
+                h = fused_layer.norm(h, self.lm.norm, fused_layer.lanes(fused))
+                return self.lm_head(h[:, None])[:, 0].float()  # [B, 1, D]: the head sums as for one row each
+            return self._logits(h[:, None])[:, 0]
         for index, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
             pool.write_rows(index, slots, k, v)
