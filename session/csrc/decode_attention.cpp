@@ -23,7 +23,8 @@
 // million outputs differ over two models' greedy decoding, 1 of about 400,000 on random data (a
 // row of two splits), which the tests' seeds do not hit.
 //
-// Built at run time by session/cpu_attention.py with -mavx512f -mavx512bw -mfma -ffp-contract=off;
+// Built at run time by session/cpu_attention.py with -mavx512f -mavx512bw -mfma -ffp-contract=off (fused
+// multiply-adds only where written, on exact products);
 // used only where the CPU reports AVX-512.
 
 #include <ATen/ATen.h>
@@ -60,6 +61,22 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as c10::BFlo
 inline __m512 load_bf16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32 (exact)
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// values[0 .. n) rounded to bfloat16 in place (held as float32), as float_to_bf16 does one at a time.
+inline void round_to_bf16(float* values, int n) {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), high = _mm512_set1_epi32(int(0xFFFF0000));
+  const __m512i nan = _mm512_set1_epi32(0x7FC00000);
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m512 v = _mm512_loadu_ps(values + i);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, lsb), bias), high);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm512_storeu_ps(values + i, _mm512_castsi512_ps(rounded));
+  }
+  for (; i < n; ++i) values[i] = bf16_to_float(float_to_bf16(values[i]));
 }
 
 // ATen's Vectorized<float>::fexp_u20 (AVX-512), step for step.
@@ -102,28 +119,38 @@ inline float reduce_add(__m512 v) {
 // q . k for four keys, added in the order of the GEMM torch's kernel calls (MKL's bfloat16 GEMM on
 // one thread, probed bit for bit: tests/unit/test_cpu_attention.py): four partial sums, the one for
 // l adding the products at d = l, l + 4, l + 8, ... in turn, then (s0 + s2) + (s1 + s3). Products of
-// two bfloat16 are exact in float32, so only the order of additions matters. Lanes: 128-bit block j
-// of the accumulator holds key j's four partial sums.
-inline void dots4(const float* q, const uint16_t* const* k, int head_dim, float* out) {
+// two bfloat16 are exact in float32, so only the order of additions matters, and a fused multiply-add
+// rounds as a multiply then an add. Lanes: 128-bit block j of the accumulator holds key j's four
+// partial sums. ``qb``: per 16 dimensions, the query's 128-bit block m copied to all four blocks
+// (query_blocks), so that block j of qb[4 g + m] * (keys' blocks m, transposed) is key j's step m.
+inline void dots4(const __m512* qb, const uint16_t* const* k, int head_dim, float* out) {
   __m512 acc = _mm512_setzero_ps();
-  for (int d = 0; d < head_dim; d += kLanes) {
-    const __m512 qd = _mm512_load_ps(q + d);
-    const __m512 p0 = _mm512_mul_ps(qd, load_bf16(k[0] + d));  // block m: products at d + 4m .. d + 4m + 3
-    const __m512 p1 = _mm512_mul_ps(qd, load_bf16(k[1] + d));
-    const __m512 p2 = _mm512_mul_ps(qd, load_bf16(k[2] + d));
-    const __m512 p3 = _mm512_mul_ps(qd, load_bf16(k[3] + d));
-    // 4x4 transpose of 128-bit blocks: step m holds block m of p0, p1, p2, p3
-    const __m512 a = _mm512_shuffle_f32x4(p0, p1, 0x44), b = _mm512_shuffle_f32x4(p0, p1, 0xEE);
-    const __m512 c = _mm512_shuffle_f32x4(p2, p3, 0x44), e = _mm512_shuffle_f32x4(p2, p3, 0xEE);
-    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(a, c, 0x88));
-    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(a, c, 0xDD));
-    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(b, e, 0x88));
-    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(b, e, 0xDD));
+  for (int d = 0, g = 0; d < head_dim; d += kLanes, ++g) {
+    const __m512 k0 = load_bf16(k[0] + d), k1 = load_bf16(k[1] + d);
+    const __m512 k2 = load_bf16(k[2] + d), k3 = load_bf16(k[3] + d);
+    // 4x4 transpose of 128-bit blocks: step m holds block m of k0, k1, k2, k3
+    const __m512 a = _mm512_shuffle_f32x4(k0, k1, 0x44), b = _mm512_shuffle_f32x4(k0, k1, 0xEE);
+    const __m512 c = _mm512_shuffle_f32x4(k2, k3, 0x44), e = _mm512_shuffle_f32x4(k2, k3, 0xEE);
+    acc = _mm512_fmadd_ps(qb[4 * g + 0], _mm512_shuffle_f32x4(a, c, 0x88), acc);
+    acc = _mm512_fmadd_ps(qb[4 * g + 1], _mm512_shuffle_f32x4(a, c, 0xDD), acc);
+    acc = _mm512_fmadd_ps(qb[4 * g + 2], _mm512_shuffle_f32x4(b, e, 0x88), acc);
+    acc = _mm512_fmadd_ps(qb[4 * g + 3], _mm512_shuffle_f32x4(b, e, 0xDD), acc);
   }
   const __m512 pairs = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));  // lane 0: s0 + s2, lane 1: s1 + s3
   alignas(64) float sums[16];
   _mm512_store_ps(sums, _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1)));
   for (int j = 0; j < 4; ++j) out[j] = sums[4 * j];
+}
+
+// dots4's query operand: for each 16 dimensions g, its 128-bit blocks m = 0..3 each copied to all four.
+inline void query_blocks(const float* q, int head_dim, __m512* qb) {
+  for (int d = 0, g = 0; d < head_dim; d += kLanes, ++g) {
+    const __m512 qd = _mm512_load_ps(q + d);
+    qb[4 * g + 0] = _mm512_shuffle_f32x4(qd, qd, 0x00);
+    qb[4 * g + 1] = _mm512_shuffle_f32x4(qd, qd, 0x55);
+    qb[4 * g + 2] = _mm512_shuffle_f32x4(qd, qd, 0xAA);
+    qb[4 * g + 3] = _mm512_shuffle_f32x4(qd, qd, 0xFF);
+  }
 }
 
 struct Pool {
@@ -158,6 +185,8 @@ void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const 
   alignas(64) float probs[kSplit];  // bfloat16-rounded, held as float32
   alignas(64) float dst[512];
   for (int d = 0; d < head_dim; ++d) q[d] = bf16_to_float(q_bf16[d]);
+  alignas(64) __m512 qb[512 / kLanes * 4];
+  query_blocks(q, head_dim, qb);
   float running_max = -std::numeric_limits<float>::infinity(), running_sum = 0.f;
   const uint16_t* rows[4];
   for (int n = start; n < end; n += kSplit) {
@@ -166,12 +195,23 @@ void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const 
     for (int i = 0; i < size; i += 4) {
       const int count = std::min(4, size - i);
       for (int j = 0; j < 4; ++j) rows[j] = j < count ? key_at.next() : rows[0];  // a short group repeats a key
-      dots4(q, rows, head_dim, scores + i);
+      dots4(qb, rows, head_dim, scores + i);
     }
     float block_max = -std::numeric_limits<float>::infinity();
-    for (int i = 0; i < size; ++i) {
-      scores[i] = scores[i] * scale;
-      block_max = std::max(block_max, scores[i]);
+    {
+      const __m512 scale_v = _mm512_set1_ps(scale);
+      __m512 max_lanes = _mm512_set1_ps(block_max);
+      int i = 0;
+      for (; i + kLanes <= size; i += kLanes) {
+        const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(scores + i), scale_v);
+        _mm512_storeu_ps(scores + i, scaled);
+        max_lanes = _mm512_max_ps(max_lanes, scaled);
+      }
+      block_max = _mm512_reduce_max_ps(max_lanes);  // a maximum is exact in any order
+      for (; i < size; ++i) {
+        scores[i] = scores[i] * scale;
+        block_max = std::max(block_max, scores[i]);
+      }
     }
     const float new_max = running_max > block_max ? running_max : block_max;
     // exponentials and their sum, as _exp_reduce_sum_fusion_kernel
@@ -189,7 +229,7 @@ void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const 
       block_sum += e;
       probs[i] = e;
     }
-    for (int i = 0; i < size; ++i) probs[i] = bf16_to_float(float_to_bf16(probs[i]));
+    round_to_bf16(probs, size);
     const float rescale = std::exp(running_max - new_max);
     running_sum = block_sum + rescale * running_sum;
     running_max = new_max;
@@ -213,8 +253,9 @@ void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const 
         for (int j = 0; j < 4; ++j) v[j] = at.next() + d, w[j] = _mm512_set1_ps(probs[i + j]);
         for (int c = 0; c < chunks; ++c) {
           const int o = c * kLanes;
-          const __m512 even = _mm512_add_ps(_mm512_mul_ps(w[0], load_bf16(v[0] + o)), _mm512_mul_ps(w[2], load_bf16(v[2] + o)));
-          const __m512 odd = _mm512_add_ps(_mm512_mul_ps(w[1], load_bf16(v[1] + o)), _mm512_mul_ps(w[3], load_bf16(v[3] + o)));
+          // p v products are exact in float32 (two bfloat16 factors): a fused multiply-add rounds as mul + add
+          const __m512 even = _mm512_fmadd_ps(w[2], load_bf16(v[2] + o), _mm512_mul_ps(w[0], load_bf16(v[0] + o)));
+          const __m512 odd = _mm512_fmadd_ps(w[3], load_bf16(v[3] + o), _mm512_mul_ps(w[1], load_bf16(v[1] + o)));
           acc[c] = _mm512_add_ps(acc[c], _mm512_add_ps(even, odd));
         }
       }
@@ -223,7 +264,7 @@ void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const 
       for (int i = size - 1; i >= fours; --i) {
         const __m512 w = _mm512_set1_ps(probs[i]);
         for (int c = 0; c < chunks; ++c)
-          acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(w, load_bf16(rest[i - fours] + c * kLanes)));
+          acc[c] = _mm512_fmadd_ps(w, load_bf16(rest[i - fours] + c * kLanes), acc[c]);
       }
       for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(dst + d + c * kLanes, acc[c]);
     }
