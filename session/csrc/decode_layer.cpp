@@ -130,6 +130,8 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
 at::Tensor rotate(const at::Tensor& input, const at::Tensor& cos, const at::Tensor& sin) {
   const at::Tensor x = input.contiguous(), c = cos.contiguous(), s = sin.contiguous();
   const int64_t batch = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(x.dim() == 3 && c.sizes() == s.sizes() && c.dim() == 2 && c.size(0) == batch && c.size(1) == dim,
+              "rotary: x [B, heads, hd], cos and sin [B, hd]");
   at::Tensor out = at::empty_like(x);
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* cs = reinterpret_cast<const uint16_t*>(c.data_ptr<at::BFloat16>());

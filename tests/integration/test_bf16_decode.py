@@ -244,3 +244,20 @@ def test_our_rms_norm_is_transformers_bits_at_many_widths():
         norm = LlamaRMSNorm(512, eps=1e-5).to(torch.bfloat16)
         x = torch.randn(512, 512, generator=generator).to(torch.bfloat16)
         assert not torch.equal(torch.ops.resident.rms_norm_bf16(x, norm.weight, 1e-5, other), norm(x))
+
+
+def test_our_rotary_embedding_is_transformers_bits():
+    """The written-out rotary embedding equals transformers' apply_rotary_pos_emb (each product and the
+    sum rounded to bfloat16), for head dims 64 and 128 and several rows and heads; a bad shape is refused."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    assert fused_layer.load()
+    generator = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for batch, heads, dim in ((1, 8, 64), (5, 3, 128), (16, 2, 64)):
+            x = (torch.randn(batch, heads, dim, generator=generator) * 8).to(torch.bfloat16)
+            cos, sin = (torch.randn(batch, dim, generator=generator).to(torch.bfloat16) for _ in range(2))
+            theirs, _ = apply_rotary_pos_emb(x[:, :, None], x[:, :, None], cos[:, None], sin[:, None])
+            assert torch.equal(torch.ops.resident.rotary_bf16(x, cos, sin), theirs[:, :, 0])
+        with pytest.raises(RuntimeError, match="rotary: x"):
+            torch.ops.resident.rotary_bf16(x, cos[:1], sin[:1])
