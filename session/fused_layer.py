@@ -76,25 +76,21 @@ def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_di
     return [w.detach() for w in weights], [l.bias for l in linears], sizes, floats
 
 
-def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm.forward."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def sum_lanes(widths: set[int], rows: int = 256, seed: int = 0) -> int | None:
     """The width (8 or 16) of the float vectors ATen's sum kernel runs here, found by comparing our
     RMSNorm with transformers' on random rows of every width the layers normalize; None where neither
     reproduces it (then the Python layer runs)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm  # NORMS' forward, the reference
+
     generator = torch.Generator().manual_seed(seed)
     for lanes in SUM_LANES:
         for width in sorted(widths):
             scales = torch.exp2(torch.randint(-8, 8, (rows, 1), generator=generator).float())
             x = (torch.randn(rows, width, generator=generator) * scales).to(torch.bfloat16)
-            weight = torch.randn(width, generator=generator).to(torch.bfloat16)
-            if not torch.equal(torch.ops.resident.rms_norm_bf16(x, weight, 1e-6, lanes),
-                               reference_norm(x, weight, 1e-6)):
+            reference = LlamaRMSNorm(width, eps=1e-6).to(torch.bfloat16)
+            with torch.no_grad():
+                reference.weight.copy_(torch.randn(width, generator=generator))
+            if not torch.equal(torch.ops.resident.rms_norm_bf16(x, reference.weight, 1e-6, lanes), reference(x)):
                 break
         else:
             return lanes

@@ -1,7 +1,7 @@
 """Our C++ CPU kernels: compiled at start-up with the system C++ compiler, cached, loaded into torch.
 
 Each kernel is one source in ``session/csrc`` registering operators under ``torch.ops.resident``. It is
-compiled once per source, torch version and flags into ``RESIDENT_KERNEL_CACHE`` (default
+compiled once per source (with the headers beside it), torch version and flags into ``RESIDENT_KERNEL_CACHE`` (default
 ``~/.cache/resident/kernels``), into a temporary file first and then renamed, so that workers starting
 together never load a half-written library. It links the libgomp torch ships (``-fopenmp``), so that
 ATen's ``parallel_for`` inside it runs on torch's one OpenMP team. Where a kernel cannot be had (the
@@ -56,7 +56,8 @@ class CppKernel:
 
     def library_path(self) -> Path:
         """Where the library for this source, torch and flags lives (built or not)."""
-        key = hashlib.sha256(self.source.read_bytes() + torch.__version__.encode()
+        headers = b"".join(path.read_bytes() for path in sorted(CSRC.glob("*.h")))  # what the sources include
+        key = hashlib.sha256(self.source.read_bytes() + headers + torch.__version__.encode()
                              + " ".join(self.flags).encode()).hexdigest()
         return cache_dir() / f"resident_{self.source.stem}_{key[:16]}.so"
 

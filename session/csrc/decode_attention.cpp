@@ -33,6 +33,8 @@
 
 #include <immintrin.h>
 
+#include "bf16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -43,20 +45,8 @@ namespace {
 constexpr int kSplit = 512;  // torch's kv_split_size for a one-token query
 constexpr int kLanes = 16;
 
-inline float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float bf16_to_float(uint16_t x) { return from_bits(uint32_t(x) << 16); }
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as c10::BFloat16
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return uint16_t((u + ((u >> 16) & 1) + 0x7FFF) >> 16);
-}
+using resident::bf16_to_float;
+using resident::float_to_bf16;
 
 inline __m512 load_bf16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32 (exact)
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

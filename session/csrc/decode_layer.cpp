@@ -27,6 +27,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,19 +43,8 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
 
 constexpr int kMaxLanes = 16;  // ATen's Vectorized<float> has 8 (AVX2) or 16 (AVX512) lanes: see rms_norm
 
-inline float bf16_to_float(uint16_t x) {
-  const uint32_t bits = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as c10::BFloat16
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return uint16_t((u + ((u >> 16) & 1) + 0x7FFF) >> 16);
-}
+using resident::bf16_to_float;
+using resident::float_to_bf16;
 
 // ATen's float sum of one contiguous row (SumKernel.cpp: vectorized_inner_sum over row_sum over
 // multi_row_sum: vectors of ``lanes`` floats, 4 of them side by side, cascaded every 16 rows of 4),
