@@ -22,6 +22,7 @@ LoRA adapter rows, runs the Python layer. Who calls this: ``ModelRunner._decode_
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -135,3 +136,60 @@ def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor,
     weights, biases, sizes, floats = arguments
     return torch.ops.resident.decode_layer_bf16(h, weights, biases, sizes, floats, cos, sin, k_layer, v_layer,
                                                 slots, table, starts, ends)
+
+
+ROPE_TABLE_POSITIONS = 32768  # at most; a step past them runs the layers one call each
+
+
+def rope_table(rotary: nn.Module, head_dim: int, max_positions: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos, sin [P, hd] for positions 0 .. P-1, computed by the model's rotary module itself; None where
+    a table cannot stand for it: a rope type that follows the sequence length, or a batch of positions
+    the module computes otherwise than the table's rows (its cos and sin run vectorized, with scalar
+    tails where B * hd is not a whole number of vectors; checked here on random batches)."""
+    if getattr(rotary, "rope_type", "default") != "default":
+        return None
+    count = min(max_positions, ROPE_TABLE_POSITIONS)
+    x = torch.zeros(1, 1, head_dim, dtype=dtype)  # the module reads only its device and dtype
+    cos, sin = (t[0].contiguous() for t in rotary(x, torch.arange(count)[None]))
+    if cos.shape != (count, head_dim) or cos.dtype != dtype:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    for batch in (1, 2, 3, 5, 7, 16, 33):
+        positions = torch.randint(0, count, (batch, 1), generator=generator)
+        positions[0, 0] = count - 1
+        step_cos, step_sin = rotary(x, positions)
+        if not (torch.equal(step_cos[:, 0], cos[positions[:, 0]]) and torch.equal(step_sin[:, 0], sin[positions[:, 0]])):
+            return None
+    return cos, sin
+
+
+@dataclass
+class Stack:
+    """A whole decode step in one C++ call (``DecodeStack`` in csrc/decode_layer.cpp)."""
+    step: torch.ScriptObject
+    windows: list  # the distinct attention windows, in the order of run's ``starts`` rows
+    positions: int  # the rotary table's length: a step at a later position runs the layers one by one
+    head: bool  # the head is ours (run returns logits), else run returns the normed hidden state
+
+
+def stack(arguments: list[tuple], windows: list, embedding: nn.Module, rotary: nn.Module, final_norm: nn.Module,
+          head: nn.Module, head_dim: int, max_positions: int) -> Stack | None:
+    """The layers ``plan`` found, with the embedding, rotary table, final norm and head around them;
+    None (the layers run one call each) where those are not ones the step reproduces."""
+    if type(embedding) is not nn.Embedding or not is_norm(final_norm):
+        return None
+    weight = embedding.weight.detach()
+    table = rope_table(rotary, head_dim, max_positions, weight.dtype)
+    if table is None:
+        logger.info("decode stack: the rotary module is not a table of positions here; layers run one call each")
+        return None
+    distinct = list(dict.fromkeys(windows))
+    step = torch.classes.resident.DecodeStack()
+    for (weights, biases, sizes, floats), window in zip(arguments, windows):
+        step.add_layer(weights, biases, sizes, floats, distinct.index(window))
+    ours = type(head) is KernelLinear
+    step.set_ends(weight, *table, final_norm.weight.detach(), final_norm.variance_epsilon,
+                  head.packed if ours else None, head.bias if ours else None,
+                  head.out_features if ours else 0, head.one_row_block if ours else 0)
+    return Stack(step, distinct, len(table[0]), ours)

@@ -169,6 +169,7 @@ class ModelRunner:
         self.lora = None  # a LoraBank once enable_lora ran
         self.cpu_kernels = cpu_kernels
         self.fused_layers: list[tuple] | None | bool = False  # False: not planned yet (_fused_plan)
+        self.decode_stack: fused_layer.Stack | None | bool = False  # False: not planned yet (_decode_stack)
         self.kv_pools: dict[int, BlockPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.decode_attention = default_attention(self.device)  # "batched" or "per_row" (configure_decode)
         self.graphs = None  # DecodeGraphs once configure_decode turned CUDA graphs on
@@ -452,16 +453,23 @@ class ModelRunner:
         feeds token_ids[b] at position lengths[b] of kvs[b]'s sequence; a sequence may own several rows
         at consecutive positions (``extend``): each attends up to its own position, as its decode step
         would, and every linear sums as for one row (session/cpu_linear.py)."""
-        h, cos, sin = self._step_inputs(token_ids, lengths, position_offsets)
         pool = kvs[0].pool
         slots = self._step_slots(kvs, lengths)
         width = max(len(kv.block_ids) for kv in kvs)
         table = torch.tensor([kv.block_ids + [PAD_BLOCK] * (width - len(kv.block_ids)) for kv in kvs],
                              dtype=torch.int32)
         ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
+        fused = self._fused_plan()
+        stack = self._decode_stack() if fused is not None and position_offsets is None else None
+        if stack is not None and max(lengths) < stack.positions:  # the whole step, one C++ call
+            starts = torch.tensor([[self._window_start(w, n) for n in lengths] for w in stack.windows],
+                                  dtype=torch.int32)  # [windows, B]: each row's first key
+            out = stack.step.run(torch.tensor(token_ids), torch.tensor(lengths), pool.k, pool.v, slots[:, 0],
+                                 table, starts, ends)
+            return out if stack.head else self.lm_head(out[:, None])[:, 0].float()
+        h, cos, sin = self._step_inputs(token_ids, lengths, position_offsets)
         starts = {window: torch.tensor([self._window_start(window, n) for n in lengths], dtype=torch.int32)
                   for window in set(self.windows)}  # window -> [B]: each row's first key
-        fused = self._fused_plan()
         if fused is not None:  # the same operators from C++, a call per layer (session/fused_layer.py)
             h, cos, sin, flat_slots = h[:, 0], cos[:, 0], sin[:, 0], slots[:, 0].contiguous()
             for index, arguments in enumerate(fused):
@@ -490,6 +498,15 @@ class ModelRunner:
                                  if self.cpu_kernels and type(self).attention_inputs is ModelRunner.attention_inputs
                                  and type(self).finish_layer is ModelRunner.finish_layer else None)
         return self.fused_layers
+
+    def _decode_stack(self) -> fused_layer.Stack | None:
+        """The whole step as one C++ call around the fused layers (session/fused_layer.py); planned once."""
+        if self.decode_stack is False:
+            fused = self._fused_plan()
+            self.decode_stack = None if fused is None else fused_layer.stack(
+                fused, self.windows, self.lm.embed_tokens, self.lm.rotary_emb, self.lm.norm, self.lm_head,
+                self.info.head_dim, self.info.max_positions)
+        return self.decode_stack
 
     @staticmethod
     def _runs_of_rows(kvs: list[PagedKVCache], starts: list[int], ends: list[int]) -> list[list[tuple]]:

@@ -25,6 +25,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "bf16.h"
@@ -168,10 +169,12 @@ void write_rows(at::Tensor& layer, const at::Tensor& slots, const at::Tensor& ro
   }
 }
 
-at::Tensor decode_layer_bf16(const at::Tensor& hidden, at::TensorList weights, c10::List<c10::optional<at::Tensor>> biases,
-                             at::IntArrayRef sizes, at::ArrayRef<double> floats, const at::Tensor& cos,
-                             const at::Tensor& sin, at::Tensor k_layer, at::Tensor v_layer, const at::Tensor& slots,
-                             const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends) {
+// One layer; the arguments as resident::decode_layer_bf16 documents them (above).
+at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
+                         const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef sizes,
+                         at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& k_layer, const at::Tensor& v_layer, const at::Tensor& slots,
+                         const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends) {
   static auto linear_op = c10::Dispatcher::singleton().findSchemaOrThrow("resident::linear_bf16", "").typed<LinearFn>();
   static auto attention_op =
       c10::Dispatcher::singleton().findSchemaOrThrow("resident::decode_attention_bf16", "").typed<AttentionFn>();
@@ -197,13 +200,84 @@ at::Tensor decode_layer_bf16(const at::Tensor& hidden, at::TensorList weights, c
   }
   q = rotate(q, cos, sin);
   k = rotate(k, cos, sin);
-  write_rows(k_layer, slots, k);
-  write_rows(v_layer, slots, v.contiguous());
+  at::Tensor keys = k_layer, values = v_layer;
+  write_rows(keys, slots, k);
+  write_rows(values, slots, v.contiguous());
   const at::Tensor o = attention_op.call(q, k_layer, v_layer, block_table, starts, ends, floats[3]);
   const at::Tensor h = add_bf16(hidden.contiguous(), linear(3, o.view({batch, heads * head_dim})));
   const at::Tensor y = rms_norm(h, weights[1], floats[1], lanes);
   return add_bf16(h, linear(6, at::silu(linear(4, y)) * linear(5, y)));
 }
+
+at::Tensor decode_layer_bf16(const at::Tensor& hidden, at::TensorList weights, c10::List<c10::optional<at::Tensor>> biases,
+                             at::IntArrayRef sizes, at::ArrayRef<double> floats, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor k_layer, at::Tensor v_layer, const at::Tensor& slots,
+                             const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends) {
+  return layer_forward(hidden, weights, biases, sizes, floats, cos, sin, k_layer, v_layer, slots, block_table, starts,
+                       ends);
+}
+
+// A whole decode step in one call: the model's layers (each as resident::decode_layer_bf16), and
+// around them the embedding lookup, the rotary embedding's cos/sin read from a table of positions, the
+// final RMSNorm and the head. session/fused_layer.py builds it once per model (DecodeStack) and checks
+// the table against the model's rotary module; ModelRunner calls ``run`` once per step.
+struct DecodeStack : torch::CustomClassHolder {
+  struct Layer {
+    std::vector<at::Tensor> weights;
+    c10::List<c10::optional<at::Tensor>> biases;
+    std::vector<int64_t> sizes;
+    std::vector<double> floats;
+    int64_t window_row;  // this layer's row of run's ``starts``
+  };
+  std::vector<Layer> layers;
+  at::Tensor embedding, cos_table, sin_table;  // [V, D]; [P, hd] each (bfloat16, positions 0 .. P-1)
+  at::Tensor norm_weight, head;                // the final norm; the head packed for linear_bf16 (or undefined)
+  c10::optional<at::Tensor> head_bias;
+  double norm_eps = 0.0;
+  int64_t lanes = 8, head_n = 0, head_block = 0;
+
+  void add_layer(std::vector<at::Tensor> weights, c10::List<c10::optional<at::Tensor>> biases,
+                 std::vector<int64_t> sizes, std::vector<double> floats, int64_t window_row) {
+    TORCH_CHECK(sizes.size() == 19 && floats.size() == 4 && biases.size() == 7, "a layer: sizes 19, floats 4, biases 7");
+    layers.push_back({std::move(weights), std::move(biases), std::move(sizes), std::move(floats), window_row});
+    lanes = layers.back().sizes[18];
+  }
+
+  void set_ends(at::Tensor embedding_weight, at::Tensor cos, at::Tensor sin, at::Tensor norm, double eps,
+                c10::optional<at::Tensor> packed_head, c10::optional<at::Tensor> bias, int64_t n, int64_t block) {
+    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes(), "cos/sin tables: [P, hd]");
+    embedding = std::move(embedding_weight);
+    cos_table = std::move(cos);
+    sin_table = std::move(sin);
+    norm_weight = std::move(norm);
+    norm_eps = eps;
+    head = packed_head.has_value() ? *packed_head : at::Tensor();
+    head_bias = std::move(bias);
+    head_n = n;
+    head_block = block;
+  }
+
+  // ids, positions: [B] int64 (every position below the table's length); k_pool, v_pool: the pool's
+  // [layers, KVH, NB, bt, hd]; slots [B] int64; block_table [B, W], starts [windows, B], ends [B]
+  // int32 -> logits [B, V] float32 where the head is ours, else the normed hidden state [B, D].
+  at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& k_pool,
+                 const at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& block_table,
+                 const at::Tensor& starts, const at::Tensor& ends) {
+    static auto linear_op = c10::Dispatcher::singleton().findSchemaOrThrow("resident::linear_bf16", "").typed<LinearFn>();
+    TORCH_CHECK(!layers.empty() && embedding.defined(), "DecodeStack: layers and ends not set");
+    TORCH_CHECK(k_pool.size(0) == static_cast<int64_t>(layers.size()), "the pool's layers");
+    const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
+    at::Tensor h = embedding.index_select(0, ids);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& layer = layers[i];
+      h = layer_forward(h, layer.weights, layer.biases, layer.sizes, layer.floats, cos, sin, k_pool.select(0, i),
+                        v_pool.select(0, i), slots, block_table, starts.select(0, layer.window_row), ends);
+    }
+    h = rms_norm(h, norm_weight, norm_eps, lanes);
+    if (!head.defined()) return h;
+    return linear_op.call(h, head, head_bias, head_n, head_block).to(at::kFloat);
+  }
+};
 
 }  // namespace
 
@@ -213,6 +287,11 @@ TORCH_LIBRARY_FRAGMENT(resident, m) {
         "Tensor ends) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps, int lanes) -> Tensor");  // the layer's own, for the load check
   m.def("rotary_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_ends", &DecodeStack::set_ends)
+      .def("run", &DecodeStack::run);
 }
 
 TORCH_LIBRARY_IMPL(resident, CPU, m) {

@@ -187,30 +187,90 @@ def wide_models(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
+class CountedStep:
+    """A DecodeStack that counts its runs."""
+
+    def __init__(self, step):
+        self.step, self.batches = step, []
+
+    def run(self, ids, *rest):
+        self.batches.append(len(ids))
+        return self.step.run(ids, *rest)
+
+
 @pytest.mark.parametrize("family", list(WIDE_FAMILIES))
 def test_the_cpp_layer_computes_the_python_layers_bits(family, wide_models, monkeypatch):
-    """Three sessions, 24 steps: the C++ layer's logits equal the Python layer's and transformers' own
-    bfloat16 forward's, bit for bit; one C++ call per layer and step."""
+    """Three sessions, 24 steps: the whole step in one C++ call (embedding, rotary table, layers, final
+    norm, head), the layers one C++ call each, and the Python layer give the same logits as
+    transformers' own bfloat16 forward, bit for bit."""
     from transformers import AutoModelForCausalLM
 
     runner = ModelRunner(wide_models[family], device="cpu", dtype="bfloat16")
     assert runner.linear_kernels == {"resident": 7 * 2 + 1, "onednn": 0}
     if family == "qwen2":
         assert runner.layers[0].self_attn.q_proj.bias is not None
+    stack = runner._decode_stack()
+    assert stack is not None and stack.head and stack.positions == runner.info.max_positions
+    stack.step = CountedStep(stack.step)
+    prompts = [list(range(3, 40 + 7 * i)) for i in range(3)]
+    tokens = torch.randint(5, 512, (STEPS, 3), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = ours(runner, prompts, tokens)
+    assert stack.step.batches == [3] * STEPS  # one call a step
+
+    layered_runner = ModelRunner(wide_models[family], device="cpu", dtype="bfloat16")  # a fresh pool: same blocks
+    layered_runner.decode_stack = None
     calls = []
     run = fused_layer.run
     monkeypatch.setattr(fused_layer, "run", lambda h, *rest: calls.append(h.shape) or run(h, *rest))
-    prompts = [list(range(3, 40 + 7 * i)) for i in range(3)]
-    tokens = torch.randint(5, 512, (STEPS, 3), generator=torch.Generator().manual_seed(1)).tolist()
-    fused = ours(runner, prompts, tokens)
-    assert runner.fused_layers is not None and calls == [(3, 128)] * (STEPS * 2)
-    python_runner = ModelRunner(wide_models[family], device="cpu", dtype="bfloat16")  # a fresh pool: same blocks
+    layered = ours(layered_runner, prompts, tokens)
+    assert calls == [(3, 128)] * (STEPS * 2)  # one call per layer and step
+    python_runner = ModelRunner(wide_models[family], device="cpu", dtype="bfloat16")
     python_runner.fused_layers = None  # the Python layer
     python = ours(python_runner, prompts, tokens)
-    assert len(calls) == STEPS * 2 and torch.equal(fused, python)
+    assert len(calls) == STEPS * 2 and torch.equal(whole, layered) and torch.equal(whole, python)
     reference = AutoModelForCausalLM.from_pretrained(wide_models[family], dtype=torch.bfloat16).eval()
     for row, prompt in enumerate(prompts):
-        assert torch.equal(fused[:, row], transformers_steps(reference, prompt, [step[row] for step in tokens]))
+        assert torch.equal(whole[:, row], transformers_steps(reference, prompt, [step[row] for step in tokens]))
+
+
+def test_a_step_past_the_rotary_table_runs_the_layers(wide_models):
+    """Positions past the rotary table (capped at ROPE_TABLE_POSITIONS) run the layers one call each,
+    with the same bits as the stack up to there."""
+    runner = ModelRunner(wide_models["llama"], device="cpu", dtype="bfloat16")
+    stack = runner._decode_stack()
+    stack.positions = 44  # the table's last row is position 43
+    stack.step = CountedStep(stack.step)
+    kv = runner.new_kv_cache(block_tokens=16, max_tokens=128)
+    runner.prefill(kv, runner.embed(list(range(3, 43)), []))  # 40 tokens: steps at positions 40 .. 47
+    logits = [runner.decode([kv], [7 + i]) for i in range(8)]
+    assert stack.step.batches == [1] * 4
+    reference_runner = ModelRunner(wide_models["llama"], device="cpu", dtype="bfloat16")
+    reference_runner.decode_stack = None
+    kv = reference_runner.new_kv_cache(block_tokens=16, max_tokens=128)
+    reference_runner.prefill(kv, reference_runner.embed(list(range(3, 43)), []))
+    assert all(torch.equal(a, reference_runner.decode([kv], [7 + i])) for i, a in enumerate(logits))
+
+
+def test_the_rotary_table_is_refused_where_the_module_differs():
+    """A rotary module whose per-step output is not the table's rows (here: one that depends on the
+    batch) gets no table, so the stack is not built; a default one gets the module's own rows."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=64)
+    rotary = LlamaRotaryEmbedding(config)
+    cos, sin = fused_layer.rope_table(rotary, 64, 64, torch.bfloat16)
+    step_cos, step_sin = rotary(torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.tensor([[5], [63]]))
+    assert torch.equal(cos[[5, 63]], step_cos[:, 0]) and torch.equal(sin[[5, 63]], step_sin[:, 0])
+
+    class BatchDependent(LlamaRotaryEmbedding):
+        def forward(self, x, position_ids):
+            cos, sin = super().forward(x, position_ids)
+            return cos * (1 + (position_ids.shape[0] > 1)), sin
+
+    assert fused_layer.rope_table(BatchDependent(config), 64, 64, torch.bfloat16) is None
+    rotary.rope_type = "dynamic"
+    assert fused_layer.rope_table(rotary, 64, 64, torch.bfloat16) is None
 
 
 def test_adapter_rows_run_the_python_layer(wide_models):
