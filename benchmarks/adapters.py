@@ -38,7 +38,7 @@ def run_batch(engine, adapters: list[str | None], new_tokens: int, concurrency: 
     def one(index: int, adapter: str | None) -> None:
         with gate:
             request = GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=new_tokens),
-                                        stream=EventStream(), token_ids=prompts[index % len(prompts)],
+                                        stream=EventStream(deltas=False), token_ids=prompts[index % len(prompts)],
                                         adapter=adapter)
             start = time.perf_counter()
             engine.submit(request)

@@ -43,7 +43,7 @@ def agreement(model_path: str, dtype: str, num_prompts: int, new_tokens: int, kv
     try:
         for prompt in (PROMPTS * 2)[:num_prompts]:
             ids = tokenizer(prompt)["input_ids"]
-            stream = EventStream()
+            stream = EventStream(deltas=False)
             engine.submit(GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=new_tokens),
                                             stream=stream, token_ids=ids))
             while not isinstance(event := stream.get(timeout=600), Finished):

@@ -10,6 +10,8 @@ concurrency level C:
 - ours (static shapes): the same through the fixed-shape path (``--static``, optional ``--compile``);
 - generate: one batched ``model.generate`` call for the C prompts (the best a generate-based
   server can do: a static batch); a streamer stamps every step, decode time = last - first token.
+Our requests are read as a non-streaming client reads them (``EventStream(deltas=False)``: Started,
+then Finished with the whole text, no per-token events), as vLLM's offline API returns its outputs.
 The optional vLLM peer (benchmarks/vllm_peer.py in its own venv) is run when --vllm-python is given:
 its prompts are in its prefix cache when measured, the same situation as our resident sessions.
 
@@ -92,7 +94,7 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
         wait(opening)
     question = (Message("user", (TextPart("Tell me more about it, in detail."),)),)
     requests = [GenerationRequest(messages=question, sampling=SamplingParams(max_tokens=new_tokens),
-                                  stream=EventStream(), session_id=sid) for sid in session_ids]
+                                  stream=EventStream(deltas=False), session_id=sid) for sid in session_ids]
     first: list[float] = [0.0] * len(requests)
     last: list[float] = [0.0] * len(requests)
     errors: list[Exception] = []
@@ -303,7 +305,7 @@ def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
         start = time.perf_counter()  # image decoding and preprocessing count, as in vLLM's turn
         decoded = [decode_data_url(url, max_bytes=1 << 24, max_pixels=1 << 24) for url in images]
         request = GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=turn_tokens),
-                                    stream=EventStream(), session_id=sid, open_session=opens,
+                                    stream=EventStream(deltas=False), session_id=sid, open_session=opens,
                                     images=engine.preprocess_images([d.image for d in decoded]),
                                     image_digests=tuple(d.digest for d in decoded))
         engine.submit(request)

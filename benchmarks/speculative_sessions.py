@@ -82,7 +82,7 @@ class PairBench:
 
     def _engine(self, engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
         requests = [GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=self.new_tokens),
-                                      stream=EventStream(), token_ids=prompt) for prompt in prompts]
+                                      stream=EventStream(deltas=False), token_ids=prompt) for prompt in prompts]
         for request in requests:  # all submitted before any is read: they decode together
             engine.submit(request)
         answers = []

@@ -160,7 +160,7 @@ class ChatService:
             raise BadRequest(f"at most {self.engine.config.max_images_per_request} images per request")
         decoded, prepared = await loop.run_in_executor(None, self._prepare_images, images)
         opens = request.opens_session
-        stream = EventStream(loop)
+        stream = EventStream(loop, deltas=request.stream)  # a plain request reads Finished's text
         self.engine.submit(GenerationRequest(
             messages=request.messages, sampling=request.sampling, stream=stream,
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,

@@ -64,10 +64,14 @@ class EventStream:
     """Single-producer (the engine thread), single-consumer channel.
 
     With ``loop`` the consumer awaits ``aget()`` on that event loop; without, it blocks on ``get()``.
+    With ``deltas=False`` (a consumer that wants only the answer: a non-streaming request) no
+    TextDelta is sent: Finished carries the whole text, and the engine thread does not wake the
+    consumer's thread for every token (each wake-up is a GIL hand-off the step waits on).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, deltas: bool = True):
         self._loop = loop
+        self.deltas = deltas
         self._async_queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
 

@@ -454,19 +454,24 @@ class ModelRunner:
         at consecutive positions (``extend``): each attends up to its own position, as its decode step
         would, and every linear sums as for one row (session/cpu_linear.py)."""
         pool = kvs[0].pool
-        slots = self._step_slots(kvs, lengths)
         width = max(len(kv.block_ids) for kv in kvs)
         table = torch.tensor([kv.block_ids + [PAD_BLOCK] * (width - len(kv.block_ids)) for kv in kvs],
                              dtype=torch.int32)
-        ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
         fused = self._fused_plan()
         stack = self._decode_stack() if fused is not None and position_offsets is None else None
         if stack is not None and max(lengths) < stack.positions:  # the whole step, one C++ call
-            starts = torch.tensor([[self._window_start(w, n) for n in lengths] for w in stack.windows],
-                                  dtype=torch.int32)  # [windows, B]: each row's first key
-            out = stack.step.run(torch.tensor(token_ids), torch.tensor(lengths), pool.k, pool.v, slots[:, 0],
-                                 table, starts, ends)
+            size = pool.block_tokens
+            slot_ids = [kv.block_ids[n // size] * size + n % size for kv, n in zip(kvs, lengths)]
+            rows = len(kvs)
+            ints = torch.tensor([*token_ids, *lengths, *slot_ids])  # int64: ids, positions, slots
+            # int32 [windows + 1, B]: each row's first key per window, then its end
+            bounds = torch.tensor([[self._window_start(w, n) for n in lengths] for w in stack.windows]
+                                  + [[n + 1 for n in lengths]], dtype=torch.int32)
+            out = stack.step.run(ints[:rows], ints[rows:2 * rows], pool.k, pool.v, ints[2 * rows:], table,
+                                 bounds[:-1], bounds[-1])
             return out if stack.head else self.lm_head(out[:, None])[:, 0].float()
+        slots = self._step_slots(kvs, lengths)
+        ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
         h, cos, sin = self._step_inputs(token_ids, lengths, position_offsets)
         starts = {window: torch.tensor([self._window_start(window, n) for n in lengths], dtype=torch.int32)
                   for window in set(self.windows)}  # window -> [B]: each row's first key

@@ -9,9 +9,27 @@ character, is held back until it is known not to be.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from session.events import Finished, TextDelta
 from session.protocol import Usage
 from session.sequence import Sequence
+
+
+def text_of(tokenizer) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, straight to the Rust tokenizer where
+    transformers' wrapper adds nothing to it (its fast tokenizer's own ``_decode``, no clean-up of
+    spaces): the wrapper's argument handling cost more than the decode itself, twice per token."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its own decode
+        TokenizersBackend = None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and type(tokenizer)._decode is TokenizersBackend._decode
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False and hasattr(backend, "decode")):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class Detokenizer:
@@ -23,8 +41,9 @@ class Detokenizer:
     produce the same text as decoding the whole answer at once.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, decode: Callable[[list[int]], str] | None = None):
         self.tokenizer = tokenizer
+        self.decode = decode or text_of(tokenizer)
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -33,9 +52,8 @@ class Detokenizer:
     def add(self, token_id: int) -> str:
         """Append a token; returns the new text it completes ("" while a character is incomplete)."""
         self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)
+        prefix = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]
@@ -46,9 +64,8 @@ class Detokenizer:
     def flush(self) -> str:
         """At the end of the answer: the text still held back (an incomplete character decodes as
         U+FFFD, exactly as decoding the whole answer would)."""
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)
+        prefix = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += full[len(prefix):]
         return full[len(prefix):]
@@ -58,11 +75,12 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.decode = text_of(tokenizer)
         self.num_generated_tokens = 0
 
     def start(self, seq: Sequence) -> None:
         """Called when the sequence's prefill committed, before its first token."""
-        seq.detokenizer = Detokenizer(self.tokenizer)
+        seq.detokenizer = Detokenizer(self.tokenizer, self.decode)
 
     def on_token(self, seq: Sequence, token: int) -> Finished | None:
         """Record a sampled token in the sequence and its session's transcript; stream what became
@@ -100,5 +118,6 @@ class OutputProcessor:
     @staticmethod
     def _send(seq: Sequence, text: str) -> None:
         if len(text) > seq.num_text_sent:
-            seq.request.stream.put(TextDelta(text[seq.num_text_sent:]))
+            if seq.request.stream.deltas:  # else the consumer reads the whole text from Finished
+                seq.request.stream.put(TextDelta(text[seq.num_text_sent:]))
             seq.num_text_sent = len(text)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from session.events import Finished, TextDelta
-from session.outputs import Detokenizer, OutputProcessor
+from session.outputs import Detokenizer, OutputProcessor, text_of
 from session.protocol import SamplingParams
 from session.sequence import Sequence
 
@@ -22,8 +22,9 @@ def tokenizer(tiny_model_path):
 
 
 class Stream:
-    def __init__(self):
+    def __init__(self, deltas=True):
         self.events = []
+        self.deltas = deltas
 
     def put(self, event):
         self.events.append(event)
@@ -43,6 +44,44 @@ def test_incremental_text_equals_decoding_the_whole_answer(tokenizer):
         detok = Detokenizer(tokenizer)
         streamed = "".join(detok.add(i) for i in ids) + detok.flush()
         assert streamed == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_rust_decode_is_transformers_decode(tokenizer, monkeypatch):
+    """Where the fast tokenizer's own decode adds nothing, ``text_of`` calls the Rust tokenizer directly
+    (transformers' decode is never called) and gives its text, special tokens skipped; a tokenizer that
+    cleans up spaces keeps transformers' decode."""
+    rng = random.Random(1)
+    samples = [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 40))] for _ in range(300)]
+    samples.append(tokenizer.all_special_ids + [5, 6] + tokenizer.all_special_ids)
+    expected = [tokenizer.decode(ids, skip_special_tokens=True) for ids in samples]
+    assert tokenizer.clean_up_tokenization_spaces is False
+    direct = text_of(tokenizer)
+    monkeypatch.setattr(type(tokenizer), "decode", lambda *a, **k: pytest.fail("the wrapper was called"))
+    assert [direct(ids) for ids in samples] == expected
+    monkeypatch.undo()
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    calls = []
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **k: calls.append(ids) or "x")
+    assert text_of(tokenizer)([5]) == "x" and calls == [[5]]
+
+
+def test_a_stream_without_deltas_gets_only_the_answer(tokenizer):
+    """A non-streaming consumer (EventStream(deltas=False)) is sent no TextDelta; Finished's text is the
+    one a streaming consumer assembles, stop strings applied alike."""
+    ids = tokenizer.encode("def main():\n    return 42  # the answer", add_special_tokens=False)[:20]
+    results = {}
+    for deltas in (True, False):
+        processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,))
+        seq = make_seq(max_tokens=len(ids), stop=["42"])
+        seq.request.stream = Stream(deltas=deltas)
+        processor.start(seq)
+        finished = next(f for f in (processor.on_token(seq, t) for t in ids) if f is not None)
+        results[deltas] = (finished.text, finished.finish_reason,
+                           [type(e).__name__ for e in seq.request.stream.events],
+                           "".join(e.text for e in seq.request.stream.events if isinstance(e, TextDelta)))
+    assert results[True][1] == results[False][1] == "stop"
+    assert results[True][0] == results[False][0] == results[True][3] != ""
+    assert "TextDelta" in results[True][2] and "TextDelta" not in results[False][2]
 
 
 def test_stream_and_final_text_agree_and_usage_counts(tokenizer):
