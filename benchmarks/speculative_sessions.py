@@ -1,7 +1,7 @@
 """Speculative vs plain decoding in the engine, beside transformers' assisted generation, on two pairs.
 
 Pairs (``--pairs``): ``pair`` (model_store/pair: an 8-layer target and a separately distilled 1-layer
-draft) and ``deep-pair`` (model_store/deep_pair: a 12-layer target whose draft is its own first 2
+draft) and ``deep-pair`` (model_store/deep_pair: a 24-layer target whose draft is its own first 3
 layers with its embeddings, final norm and head; see model_store/train_deep_pair.py).
 
 Methods, greedy, the same prompts, interleaved round by round (load changes on a shared machine hit

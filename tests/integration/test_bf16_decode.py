@@ -114,7 +114,7 @@ def test_engine_answers_equal_transformers_bfloat16_generate():
 
 @pytest.fixture(scope="module")
 def bf16_pair() -> tuple[ModelRunner, ModelRunner]:
-    """The deep pair (a 12-layer target, its first 2 layers as the draft) in bfloat16."""
+    """The deep pair (a 24-layer target, its first 3 layers as the draft) in bfloat16."""
     target_dir, draft_dir = train_deep_pair.ensure()
     return tuple(ModelRunner(str(path), device="cpu", dtype="bfloat16") for path in (target_dir, draft_dir))
 

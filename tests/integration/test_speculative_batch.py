@@ -4,8 +4,8 @@ Runner level: ``ModelRunner.extend`` (one pass, several rows, several new tokens
 cache lengths) gives the logits and caches that one ``prefill`` per row gives, also in sliding-window
 layers. Decoder level: batched speculative steps (rows with different k, plain rows riding along,
 different prompt lengths and budgets) emit token for token what plain greedy decoding emits, on both
-trained pairs (the 8-layer target with its distilled 1-layer draft; the 12-layer target with its
-own first 2 layers as the draft)."""
+trained pairs (the 8-layer target with its distilled 1-layer draft; the 24-layer target with its
+own first 3 layers as the draft)."""
 
 from __future__ import annotations
 
