@@ -32,7 +32,9 @@ from session.kernels import CppKernel
 
 logger = logging.getLogger(__name__)
 
-KERNEL = CppKernel("fused bfloat16 decode layer", "decode_layer.cpp", isa=(), cpu_requires=())
+KERNEL = CppKernel("fused bfloat16 decode layer", "decode_layer.cpp",
+                   isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+                   cpu_requires=("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))  # the linear tiles
 # The RMSNorm classes whose forward is LlamaRMSNorm's, operator for operator (weight * normed, not
 # Gemma's 1 + weight)
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}

@@ -2,8 +2,9 @@
 // step (attention_inputs, the pool's write_rows, our attention kernel, finish_layer) and transformers'
 // Llama-family modules compute, bit for bit, without ~300 small torch calls a step and the interpreter
 // around them:
-// - the linears and the attention: our operators (resident::linear_bf16, decode_attention_bf16),
-//   through the dispatcher;
+// - the linears: our kernel's tiles (csrc/linear_tiles.h), q, k and v in one parallel region, gate
+//   and up in another; the attention: our operator (resident::decode_attention_bf16), through the
+//   dispatcher;
 // - RMSNorm, the rotary embedding and the residual adds written out here with the arithmetic of the
 //   ATen kernels the Python layer calls: each operator's float result rounded to bfloat16 where
 //   ATen's is, and RMSNorm's mean summed in the order of ATen's float sum kernel (aten_row_sum);
@@ -29,6 +30,7 @@
 #include <torch/library.h>
 
 #include "bf16.h"
+#include "linear_tiles.h"
 
 #include <cmath>
 #include <cstdint>
@@ -37,8 +39,6 @@
 
 namespace {
 
-using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t,
-                            int64_t);
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, double);
 
@@ -175,7 +175,6 @@ at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
                          at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& k_layer, const at::Tensor& v_layer, const at::Tensor& slots,
                          const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends) {
-  static auto linear_op = c10::Dispatcher::singleton().findSchemaOrThrow("resident::linear_bf16", "").typed<LinearFn>();
   static auto attention_op =
       c10::Dispatcher::singleton().findSchemaOrThrow("resident::decode_attention_bf16", "").typed<AttentionFn>();
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16, "h: [B, D] bfloat16");
@@ -188,12 +187,14 @@ at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
   const int64_t lanes = sizes[18];
   TORCH_CHECK(!qk_norm || weights.size() == 11, "q/k norms announced, not given");
   auto linear = [&](int i, const at::Tensor& x) {  // i: 0..6 = q, k, v, o, gate, up, down
-    return linear_op.call(x, weights[2 + i], biases.get(i), sizes[3 + i], sizes[10 + i]);
+    return Prepared(x, weights[2 + i], biases.get(i), sizes[3 + i], sizes[10 + i]);
   };
   const at::Tensor x = rms_norm(hidden, weights[0], floats[0], lanes);
-  at::Tensor q = linear(0, x).view({batch, heads, head_dim});
-  at::Tensor k = linear(1, x).view({batch, kv_heads, head_dim});
-  const at::Tensor v = linear(2, x).view({batch, kv_heads, head_dim});
+  const Prepared q_proj = linear(0, x), k_proj = linear(1, x), v_proj = linear(2, x);
+  run_linears({&q_proj, &k_proj, &v_proj});  // one parallel region for the three
+  at::Tensor q = q_proj.y.view({batch, heads, head_dim});
+  at::Tensor k = k_proj.y.view({batch, kv_heads, head_dim});
+  const at::Tensor v = v_proj.y.view({batch, kv_heads, head_dim});
   if (qk_norm) {
     q = rms_norm(q, weights[9], floats[2], lanes);
     k = rms_norm(k, weights[10], floats[2], lanes);
@@ -204,9 +205,15 @@ at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
   write_rows(keys, slots, k);
   write_rows(values, slots, v.contiguous());
   const at::Tensor o = attention_op.call(q, k_layer, v_layer, block_table, starts, ends, floats[3]);
-  const at::Tensor h = add_bf16(hidden.contiguous(), linear(3, o.view({batch, heads * head_dim})));
+  const Prepared o_proj = linear(3, o.view({batch, heads * head_dim}));
+  run_linears({&o_proj});
+  const at::Tensor h = add_bf16(hidden.contiguous(), o_proj.y);
   const at::Tensor y = rms_norm(h, weights[1], floats[1], lanes);
-  return add_bf16(h, linear(6, at::silu(linear(4, y)) * linear(5, y)));
+  const Prepared gate = linear(4, y), up = linear(5, y);
+  run_linears({&gate, &up});
+  const Prepared down = linear(6, at::silu(gate.y) * up.y);
+  run_linears({&down});
+  return add_bf16(h, down.y);
 }
 
 at::Tensor decode_layer_bf16(const at::Tensor& hidden, at::TensorList weights, c10::List<c10::optional<at::Tensor>> biases,
@@ -263,7 +270,6 @@ struct DecodeStack : torch::CustomClassHolder {
   at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& k_pool,
                  const at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& block_table,
                  const at::Tensor& starts, const at::Tensor& ends) {
-    static auto linear_op = c10::Dispatcher::singleton().findSchemaOrThrow("resident::linear_bf16", "").typed<LinearFn>();
     TORCH_CHECK(!layers.empty() && embedding.defined(), "DecodeStack: layers and ends not set");
     TORCH_CHECK(k_pool.size(0) == static_cast<int64_t>(layers.size()), "the pool's layers");
     const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
@@ -275,7 +281,9 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     h = rms_norm(h, norm_weight, norm_eps, lanes);
     if (!head.defined()) return h;
-    return linear_op.call(h, head, head_bias, head_n, head_block).to(at::kFloat);
+    const Prepared logits(h, head, head_bias, head_n, head_block);
+    run_linears({&logits});
+    return logits.y.to(at::kFloat);
   }
 };
 
