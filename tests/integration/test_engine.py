@@ -60,9 +60,9 @@ def user(text: str, image: bool = False) -> tuple[Message, ...]:
 
 
 def turn(engine, session_id, text, *, open_session=False, images=NO_IMAGES, max_tokens=12, timeout_s=60.0,
-         **sampling):
+         deltas=True, **sampling):
     request = GenerationRequest(
-        messages=user(text, image=len(images) > 0), stream=EventStream(),
+        messages=user(text, image=len(images) > 0), stream=EventStream(deltas=deltas),
         sampling=SamplingParams(max_tokens=max_tokens, **sampling), session_id=session_id,
         open_session=open_session, images=images,
     )
@@ -201,6 +201,20 @@ def test_streamed_deltas_join_to_the_answer(engine):
     events = turn(engine, None, QUESTIONS[2], max_tokens=10)
     deltas = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert deltas == finished(events).text
+
+
+def test_a_non_streaming_consumer_gets_started_then_the_answer(engine):
+    """EventStream(deltas=False), as the API gives a non-streaming request: exactly Started and Finished,
+    with the text and tokens a streaming consumer of the same turn gets, stop strings applied alike."""
+    streamed = turn(engine, None, QUESTIONS[2], max_tokens=10)
+    plain = turn(engine, None, QUESTIONS[2], max_tokens=10, deltas=False)
+    assert [type(e) for e in plain] == [Started, Finished]
+    assert sum(isinstance(e, TextDelta) for e in streamed) >= 2
+    assert (finished(plain).text, finished(plain).token_ids) == (finished(streamed).text, finished(streamed).token_ids)
+    stop = finished(streamed).text[3:5]
+    stopped = turn(engine, None, QUESTIONS[2], max_tokens=10, deltas=False, stop=(stop,))
+    assert [type(e) for e in stopped] == [Started, Finished]
+    assert finished(stopped).text == finished(streamed).text[: finished(streamed).text.find(stop)]
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
