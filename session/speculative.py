@@ -175,7 +175,10 @@ class SpeculationController:
     depends on the text: a follow-up that quotes the conversation may suddenly pay). A failed try at
     k=1 costs r + rho of a plain step, so a cheap draft tries again soon: after (r + rho) / probe_cost
     plain steps, at most ``probe_interval`` (measured: a 0.25-cost draft fell back 2-3 times per
-    128-token answer, each time in a short stretch of text it mispredicted).
+    128-token answer, each time in a short stretch of text it mispredicted). A try that still does not
+    pay doubles the wait before the next (``probe_backoff``, up to ``max_probe_backoff``): where a
+    pair does not pay at all (the deep pair in bfloat16 on CPU, where the verify pass costs 1.9 plain
+    steps), tries every 9-16 steps cost ~8% of plain speed.
 
     Acceptance is estimated from geometric trials: a step that accepted m of k proposals saw m
     successes and (m < k) failures; the proposals after the first rejection were never tested.
@@ -197,6 +200,8 @@ class SpeculationController:
     num_successes: float = field(init=False)  # EMA of accepted proposals per step
     num_trials: float = field(init=False)  # EMA of tested proposals per step
     num_plain_since_probe: int = 0
+    probe_backoff: int = 1  # multiplies the plain steps between probes; doubles after each failed probe
+    max_probe_backoff: int = 32
     min_delivered_steps: int = 3  # this sequence's speculative steps at a batch size before they are weighed
     # batch size -> (EMA of this row's tokens per second in speculative steps, steps observed)
     delivered: dict[int, tuple[float, int]] = field(default_factory=dict)
@@ -270,10 +275,13 @@ class SpeculationController:
         if not self.plain_step_s or self.draft_step_s is None:
             return True
         marginal = (self.draft_step_s + self.verify_extra_s) / self.plain_step_s  # a failed try's cost
-        return self.num_plain_since_probe >= min(self.probe_interval, math.ceil(marginal / self.probe_cost))
+        gap = min(self.probe_interval, math.ceil(marginal / self.probe_cost)) * self.probe_backoff
+        return self.num_plain_since_probe >= gap
 
     def observe(self, num_proposed: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
         """Called after a speculative step with what it proposed, accepted and cost (the batch's costs)."""
+        # a try against the odds: a speculative step after plain ones, taken while speculation did not pay
+        probe = self.num_plain_since_probe > 0 and self.plain_step_s is not None and self.speedup() < self.min_speedup
         self.num_plain_since_probe = 0
         if num_proposed == 0:  # prompt lookup found nothing: it was a plain step in disguise
             self.observe_plain(verify_s)
@@ -287,6 +295,9 @@ class SpeculationController:
         self.num_trials += w * (tested - self.num_trials)
         self.costs.observe_speculative(num_proposed, draft_s, verify_s, self.batch_size)
         self.k = self.best_k()
+        if probe:  # a failed try waits twice as long for the next (bounded); one that pays resets the wait
+            paid = self.speedup() >= self.min_speedup
+            self.probe_backoff = 1 if paid else min(2 * self.probe_backoff, self.max_probe_backoff)
 
     def observe_plain(self, step_s: float) -> None:
         """Called after a plain decode step (of ``batch_size`` rows) with its duration."""
@@ -370,6 +381,13 @@ class StepResult:
     num_accepted: int  # proposals it accepted (before any cut)
     draft_s: float  # seconds spent proposing
     verify_s: float  # seconds of the target pass and acceptance
+
+
+# Text tokens a draft may lack (besides the transcript's last) and still take them in its first pass of a
+# step: one after a step that accepted every proposal. More (plain steps since its last pass) are fed
+# by ``_catch_up`` before the step, outside its timing, so that a step after plain decoding is judged
+# by what speculating costs, not by the catch-up.
+CATCH_UP_IN_STEP = 2
 
 
 class SpeculativeDecoder:
@@ -465,6 +483,8 @@ class SpeculativeDecoder:
             if row.max_new is not None and row.max_new < 1:
                 raise ValueError(f"max_new must be >= 1, got {row.max_new}")
             ks.append(row.k if row.max_new is None else min(row.k, row.max_new - 1))  # more could not be emitted
+        if self.draft is not None:
+            self._catch_up([row for row, k in zip(rows, ks) if k > 0])
         started = self.clock()
         if self.draft is not None:
             proposed = self._propose_draft(rows, ks, eos_token_ids)
@@ -539,6 +559,23 @@ class SpeculativeDecoder:
                 token_ids.append(int(self.plain_step(token_ids, target_kv, adapter_slot).argmax()))
                 controller.observe_plain(self.clock() - began)
         return token_ids[start:]
+
+    def _catch_up(self, rows: list[SpecRow]) -> None:
+        """Feed the drafts of rows far behind (plain steps since their last pass) all their text but the
+        last token, in one batched pass, before the step's clock starts: the step's draft_s is then what
+        a step costs while speculating, and the catch-up is the price of the plain steps before it. A
+        pass, not ``sync_draft``'s prefill: a short prefill costs ~1 ms in bfloat16 on CPU (the Python
+        layer), the batched pass ~0.02 ms a token on a small draft."""
+        behind, missing = [], []
+        for row in rows:
+            text = self.text_ids(row.token_ids)
+            if len(text) - 1 - row.draft_kv.length > CATCH_UP_IN_STEP:
+                row.draft_kv.crop(len(text) - 1)
+                behind.append(row.draft_kv)
+                missing.append(text[row.draft_kv.length:-1])
+        if behind:
+            self.draft.extend(behind, missing)
+            self.num_draft_synced_tokens += sum(map(len, missing))
 
     def _propose_draft(self, rows: list[SpecRow], ks: list[int],
                        eos_token_ids: tuple[int, ...]) -> list[tuple[list[int], torch.Tensor | None]]:

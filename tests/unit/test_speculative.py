@@ -14,6 +14,7 @@ from session.kv_cache import BlockPool, KVCache
 from session.protocol import SamplingParams
 from session.sampling import sample_one
 from session.speculative import (
+    CATCH_UP_IN_STEP,
     SpecRow, SpeculationController, SpeculativeDecoder, StepCosts, batch_should_speculate, check_compatible,
     check_runners_compatible, greedy_accept, propose_ngram, sampling_accept,
 )
@@ -160,6 +161,57 @@ def test_controller_shrinks_k_and_falls_back_when_speculation_does_not_pay_then_
     assert controller.should_speculate()  # a probe after probe_interval plain steps
     controller.observe(1, 0, draft_s=0.005, verify_s=0.012)
     assert not controller.should_speculate()
+
+
+def test_failed_probes_back_off_and_one_that_pays_resets():
+    """Where speculation does not pay, each failed try doubles the plain steps before the next (4, 8, 16,
+    32, then capped at 4 x max_probe_backoff); a try that pays brings the wait back to its base (at most
+    probe_interval; fewer as the try got cheaper)."""
+    controller = SpeculationController(k_max=4, k=1, probe_interval=4, max_probe_backoff=8, smoothing=1.0)
+    controller.observe_plain(0.010)
+    controller.observe(1, 0, draft_s=0.005, verify_s=0.012)  # S(1) = 1 / 1.7: plain from here
+
+    def plain_steps_to_next_probe() -> int:
+        steps = 0
+        while not controller.should_speculate():
+            controller.observe_plain(0.010)
+            steps += 1
+        return steps
+
+    gaps = []
+    for _ in range(5):
+        gaps.append(plain_steps_to_next_probe())
+        controller.observe(1, 0, draft_s=0.005, verify_s=0.012)  # the try fails
+    assert gaps == [4, 8, 16, 32, 32] and controller.probe_backoff == 8
+    plain_steps_to_next_probe()
+    for _ in range(controller.min_delivered_steps):  # tries that pay: everything accepted, cheap passes
+        controller.observe(1, 1, draft_s=0.0005, verify_s=0.0105)
+    assert controller.probe_backoff == 1 and controller.should_speculate()
+    controller.observe(1, 0, draft_s=0.005, verify_s=0.030)
+    controller.observe(1, 0, draft_s=0.005, verify_s=0.030)
+    assert controller.probe_backoff == 1  # those were no tries after plain steps
+    assert not controller.should_speculate() and plain_steps_to_next_probe() <= 4
+
+
+def test_a_draft_far_behind_catches_up_before_the_timed_step():
+    """After plain steps the draft lacks many tokens: they are prefilled first (counted as synced, not in
+    the step's draft_s), and the step's first draft pass feeds only the last token."""
+    clock = iter(range(1000))
+    target, draft = FakeRunner(V), FakeRunner(V)
+    decoder = SpeculativeDecoder(target, draft, clock=lambda: float(next(clock)))
+    ids, target_kv, draft_kv = start(decoder, [1, 2, 3])
+    decoder.sync_draft(ids, draft_kv)
+    for _ in range(6):  # plain steps: the target moves on, the draft does not
+        ids.append(int(decoder.plain_step(ids, target_kv).argmax()))
+    lag = len(ids) - 1 - draft_kv.length
+    assert lag == 6 > CATCH_UP_IN_STEP
+    fed_before = draft.num_fed_tokens
+    result = decoder.step(ids, target_kv, draft_kv, 2)
+    assert decoder.num_draft_synced_tokens == 3 + lag  # the prompt's sync, then the catch-up
+    assert draft.num_fed_tokens - fed_before == lag + 1 + 1  # catch-up, the last token, one more proposal
+    assert result.draft_s == 1.0  # one clock tick: the catch-up ran before the step's clock started
+    ids.extend(result.token_ids)
+    assert cached_ids(target_kv) == ids[:-1]
 
 
 @pytest.mark.parametrize("draft_s, plain_steps_to_probe", [(0.001, 1), (0.006, 3), (0.050, 6)])
