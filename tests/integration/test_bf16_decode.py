@@ -233,6 +233,71 @@ def test_the_cpp_layer_computes_the_python_layers_bits(family, wide_models, monk
         assert torch.equal(whole[:, row], transformers_steps(reference, prompt, [step[row] for step in tokens]))
 
 
+def test_engine_churn_on_the_whole_step_answers_as_alone(wide_models, tmp_path):
+    """The engine in bfloat16 on the one-call step, under churn: 14 requests of random prompt lengths and
+    budgets arrive at random moments into a batch of at most 4 (rows join and finish mid-batch, blocks
+    are recycled), three are cancelled while decoding. Every request ends with one terminal event, and
+    every finished answer is token for token the one its prompt gets decoded alone (each row of a
+    batch computes as if alone, bit for bit)."""
+    import random
+    import threading
+    import time
+
+    from session.events import Cancelled
+
+    import shutil
+
+    path = tmp_path / "llama"  # the random model with a tokenizer (the deep pair's: ids < 512 are in it)
+    shutil.copytree(wide_models["llama"], path)
+    target_dir, _ = train_deep_pair.ensure()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(target_dir / name, path / name)
+    path = str(path)
+    engine = Engine(EngineConfig(model_path=path, device="cpu", dtype="bfloat16", max_batch_size=4,
+                                 max_context_tokens=256)).start()
+    try:
+        stack = engine.runner._decode_stack()
+        assert stack is not None
+        stack.step = CountedStep(stack.step)
+        rng = random.Random(7)
+        specs = [([1] + [rng.randrange(5, 512) for _ in range(rng.randrange(3, 60))], rng.randrange(4, 40))
+                 for _ in range(14)]
+        cancelled_ids = {"churn-3", "churn-7", "churn-11"}
+        requests = [GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=budget),
+                                      stream=EventStream(deltas=False), token_ids=prompt, request_id=f"churn-{i}")
+                    for i, (prompt, budget) in enumerate(specs)]
+
+        def submit_all():
+            for request in requests:
+                engine.submit(request)
+                time.sleep(rng.random() * 0.02)
+                if request.request_id in cancelled_ids:
+                    time.sleep(0.005)
+                    engine.cancel(request.request_id)
+
+        feeder = threading.Thread(target=submit_all)
+        feeder.start()
+        ends = {}
+        for request in requests:
+            while not isinstance(event := request.stream.get(timeout=120), (Finished, Cancelled)):
+                assert not hasattr(event, "error"), event
+            ends[request.request_id] = event
+        feeder.join(timeout=60)
+    finally:
+        engine.stop()
+    assert len(ends) == len(requests) and max(stack.step.batches) > 1  # rows shared steps
+    alone = ModelRunner(path, device="cpu", dtype="bfloat16")
+    finished = [(spec, ends[r.request_id]) for spec, r in zip(specs, requests) if isinstance(ends[r.request_id], Finished)]
+    assert len(finished) >= len(requests) - len(cancelled_ids)
+    for (prompt, budget), event in finished:
+        kv = alone.new_kv_cache(block_tokens=16, max_tokens=256)
+        tokens = [int(alone.prefill(kv, alone.embed(prompt, [])).argmax())]
+        while len(tokens) < budget and tokens[-1] not in alone.info.eos_token_ids:
+            tokens.append(int(alone.decode([kv], [tokens[-1]])[0].argmax()))
+        kv.release()
+        assert list(event.token_ids) == tokens
+
+
 def test_a_step_past_the_rotary_table_runs_the_layers(wide_models):
     """Positions past the rotary table (capped at ROPE_TABLE_POSITIONS) run the layers one call each,
     with the same bits as the stack up to there."""
