@@ -34,6 +34,7 @@
 #include <immintrin.h>
 
 #include "bf16.h"
+#include "parallel.h"
 
 #include <cmath>
 #include <cstdint>
@@ -294,12 +295,11 @@ at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(0 <= st[b] && st[b] < en[b] && en[b] <= width * keys.block_tokens, "row ", b, ": bad range");
   }
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t stop) {
-    for (int64_t item = begin; item < stop; ++item) {
-      const int64_t b = item / heads, h = item % heads;
-      attend(qd + item * head_dim, keys, vals, table + b * width, st[b], en[b], static_cast<int>(h / group),
-             static_cast<int>(head_dim), s, od + item * head_dim);
-    }
+  // rows of different lengths cost differently: threads take (row, head) items as they finish one
+  resident::for_each_shared(batch * heads, [&](int64_t item) {
+    const int64_t b = item / heads, h = item % heads;
+    attend(qd + item * head_dim, keys, vals, table + b * width, st[b], en[b], static_cast<int>(h / group),
+           static_cast<int>(head_dim), s, od + item * head_dim);
   });
   return out;
 }

@@ -9,6 +9,8 @@
 
 #include <immintrin.h>
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -148,18 +150,15 @@ struct Prepared {
   }
 };
 
-// Every column tile of the given linears in one parallel_for (one fork and join of the team).
+// Every column tile of the given linears in one parallel region.
 inline void run_linears(const std::vector<const Prepared*>& linears) {
   std::vector<int64_t> ends;
   int64_t total = 0;
   for (const Prepared* p : linears) ends.push_back(total += p->column_tiles);
-  if (total == 0) return;
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+  resident::for_each_shared(total, [&](int64_t t) {
     size_t which = 0;
-    for (int64_t t = begin; t < end; ++t) {
-      while (t >= ends[which]) ++which;
-      linears[which]->run_tile(t - (which == 0 ? 0 : ends[which - 1]));
-    }
+    while (t >= ends[which]) ++which;
+    linears[which]->run_tile(t - (which == 0 ? 0 : ends[which - 1]));
   });
 }
 
