@@ -460,8 +460,7 @@ class ModelRunner:
         fused = self._fused_plan()
         stack = self._decode_stack() if fused is not None and position_offsets is None else None
         if stack is not None and max(lengths) < stack.positions:  # the whole step, one C++ call
-            size = pool.block_tokens
-            slot_ids = [kv.block_ids[n // size] * size + n % size for kv, n in zip(kvs, lengths)]
+            slot_ids = [kv.slots(n, n + 1)[0] for kv, n in zip(kvs, lengths)]
             rows = len(kvs)
             ints = torch.tensor([*token_ids, *lengths, *slot_ids])  # int64: ids, positions, slots
             # int32 [windows + 1, B]: each row's first key per window, then its end
