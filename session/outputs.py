@@ -42,8 +42,7 @@ class Detokenizer:
     """
 
     def __init__(self, tokenizer, decode: Callable[[list[int]], str] | None = None):
-        self.tokenizer = tokenizer
-        self.decode = decode or text_of(tokenizer)
+        self.decode = decode or text_of(tokenizer)  # ``decode``: text_of(tokenizer), made once by the caller
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0

@@ -447,9 +447,7 @@ class SpeculativeDecoder:
         """
         if draft_kv is None:
             return 0
-        text = self.text_ids(token_ids)
-        draft_kv.crop(len(text) - 1)
-        missing = text[draft_kv.length:-1]
+        missing = self._lacking(token_ids, draft_kv)[:-1]
         if missing:
             self.draft.prefill(draft_kv, self.draft.embed(missing, []))
             self.num_draft_synced_tokens += len(missing)
@@ -560,6 +558,13 @@ class SpeculativeDecoder:
                 controller.observe_plain(self.clock() - began)
         return token_ids[start:]
 
+    def _lacking(self, token_ids: list[int], draft_kv: KVCache) -> list[int]:
+        """The transcript's text tokens the draft's cache lacks, its last token included (the cache is
+        cropped first: it never holds the last token, nor proposals the target rejected)."""
+        text = self.text_ids(token_ids)
+        draft_kv.crop(len(text) - 1)
+        return text[draft_kv.length:]
+
     def _catch_up(self, rows: list[SpecRow]) -> None:
         """Feed the drafts of rows far behind (plain steps since their last pass) all their text but the
         last token, in one batched pass, before the step's clock starts: the step's draft_s is then what
@@ -568,11 +573,10 @@ class SpeculativeDecoder:
         layer), the batched pass ~0.02 ms a token on a small draft."""
         behind, missing = [], []
         for row in rows:
-            text = self.text_ids(row.token_ids)
-            if len(text) - 1 - row.draft_kv.length > CATCH_UP_IN_STEP:
-                row.draft_kv.crop(len(text) - 1)
+            lacking = self._lacking(row.token_ids, row.draft_kv)
+            if len(lacking) - 1 > CATCH_UP_IN_STEP:
                 behind.append(row.draft_kv)
-                missing.append(text[row.draft_kv.length:-1])
+                missing.append(lacking[:-1])
         if behind:
             self.draft.extend(behind, missing)
             self.num_draft_synced_tokens += sum(map(len, missing))
@@ -594,9 +598,7 @@ class SpeculativeDecoder:
         if active:
             fed = []
             for b in active:
-                text = self.text_ids(rows[b].token_ids)
-                rows[b].draft_kv.crop(len(text) - 1)
-                fed.append(text[rows[b].draft_kv.length:])
+                fed.append(self._lacking(rows[b].token_ids, rows[b].draft_kv))
             logits = self.draft.extend([rows[b].draft_kv for b in active], fed)
             logits = logits[torch.arange(len(active)), torch.tensor([len(f) - 1 for f in fed])]  # [A, V]
         while active:

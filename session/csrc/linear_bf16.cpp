@@ -17,9 +17,9 @@
 // where K > 512, on this project's CPU), k_block is the caller's: a batch of decode rows computes
 // exactly what each row alone would.
 //
-// Work: tiles of up to 6 rows x 4 blocks of 16 outputs (24 accumulators), parallel over tiles on
-// torch's OpenMP team; a tile's weight panel is read once per tile of rows, from cache after the
-// first. Built at run time by session/cpu_linear.py (-mavx512bf16); used only where the CPU reports it.
+// Work: tiles of up to 6 rows x 4 blocks of 16 outputs (24 accumulators; csrc/linear_tiles.h), shared
+// tile by tile on torch's OpenMP team (csrc/parallel.h); a tile's weight panel is read once per tile
+// of rows, from cache after the first. Built at run time by session/cpu_linear.py (-mavx512bf16); used only where the CPU reports it.
 
 #include <torch/library.h>
 
