@@ -1,11 +1,11 @@
 """CPU linears: torch's ``F.linear`` on dense weights vs oneDNN on weights packed once (RESIDENT_PACK_WEIGHTS)
-vs, in bfloat16, our kernel on weights packed for it (session/cpu_linear.py, RESIDENT_CPU_KERNELS).
+vs our kernel on weights packed for it (session/cpu_linear.py, RESIDENT_CPU_KERNELS).
 
 Workload: every linear of a language model (its layers' projections and the head), run in turn for
 M rows, as one decode step of M sessions runs them; the weights exceed the caches, so each product
 streams its weight from memory. Each round times both layouts back to back, so background load hits
 both alike; the table gives the median ms per pass, the weight bytes per second, dense / packed, and
-for bfloat16 ours and whether its outputs equal oneDNN's bit for bit (one row: the one-row block size;
+ours and whether its outputs equal oneDNN's bit for bit (one row: the one-row block size;
 several: the several-row one, as ``KernelLinear`` picks them).
 
 Run: python -m benchmarks.cpu_linear [--model-path models/text-bench] [--rows 1 16 600] [--threads 1 2]
@@ -50,9 +50,10 @@ def run_pass(weights: list[torch.Tensor], how: str, packed: list | None, inputs:
 def ours_packed(weights: list[torch.Tensor], rows: int) -> list | None:
     """Our packing and block size per linear (the runner's choice for ``rows`` rows), or None where the
     kernel or the probe says no for any of them."""
-    if not cpu_linear.load():
+    dtype = weights[0].dtype
+    if not cpu_linear.load(dtype):
         return None
-    blocking = cpu_linear.probe({tuple(w.shape) for w in weights})
+    blocking = cpu_linear.probe({tuple(w.shape) for w in weights}, dtype=dtype)
     if len(blocking) < len({tuple(w.shape) for w in weights}):
         return None
     return [(cpu_linear.pack(w), blocking[tuple(w.shape)].one_row if rows == 1 else blocking[tuple(w.shape)].rows)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(threads)
             for rows in args.rows:
                 inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-                ours = ours_packed(weights, rows) if dtype == torch.bfloat16 else None
+                ours = ours_packed(weights, rows)
                 layouts = {"dense": None, "packed": packed} | ({"ours": ours} if ours else {})
                 times = {how: [] for how in layouts}
                 with torch.inference_mode():

@@ -26,7 +26,7 @@ import torch
 
 from session.kernels import CppKernel
 
-KERNEL = CppKernel("bfloat16 decode attention", "decode_attention.cpp",
+KERNEL = CppKernel("decode attention", "decode_attention.cpp",
                    isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
                    cpu_requires=("avx512f", "avx512bw", "avx512vl", "fma"))
 
@@ -37,8 +37,13 @@ def load() -> bool:
     return KERNEL.load()
 
 
+DTYPES = (torch.bfloat16, torch.float32)  # the pools the kernel reads
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                      starts: torch.Tensor, ends: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, hd] bfloat16; k, v: one layer of a head-major pool [KVH, NB, bt, hd]; block_table [B, W]
-    int32; row b attends to its positions starts[b] .. ends[b]-1 (int32 [B]) -> [B, H, hd]."""
-    return torch.ops.resident.decode_attention_bf16(q, k, v, block_table, starts, ends, scale)
+    """q [B, H, hd] bfloat16 or float32; k, v: one layer of a head-major pool [KVH, NB, bt, hd] of q's
+    dtype; block_table [B, W] int32; row b attends to its positions starts[b] .. ends[b]-1 (int32 [B])
+    -> [B, H, hd]."""
+    op = torch.ops.resident.decode_attention_bf16 if q.dtype == torch.bfloat16 else torch.ops.resident.decode_attention_f32
+    return op(q, k, v, block_table, starts, ends, scale)

@@ -39,12 +39,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from session.kernels import CppKernel
-from session.packed_linear import swap_weight
+from session.packed_linear import swap_weight, worth_packing
 
-KERNEL = CppKernel("bfloat16 linear", "linear_bf16.cpp",
-                   isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
-                   cpu_requires=("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+KERNELS = {
+    torch.bfloat16: CppKernel("bfloat16 linear", "linear_bf16.cpp",
+                              isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+                              cpu_requires=("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    torch.float32: CppKernel("float32 linear", "linear_f32.cpp", isa=("-mavx512f", "-mfma"),
+                             cpu_requires=("avx512f", "fma")),
+}
+KERNEL = KERNELS[torch.bfloat16]
 LANES = 16  # outputs per packed block: one float32 lane each
+INPUTS = {torch.bfloat16: 2, torch.float32: 1}  # inputs per packed line of 16 outputs (64 bytes)
 CANDIDATE_BLOCKS = (512, 1024, 256, 2048, 4096)  # input block sizes the probe tries, in this order
 PROBE_ROWS = (2, 9, 64)  # row counts whose block size must agree for the several-row size
 PROBE_WEIGHTS = 3  # cancelling weights per shape, each of which must agree
@@ -54,21 +60,22 @@ PROBE_OUTPUTS = 1024  # at most this many outputs per probe product (see probe)
 MIN_OUTPUTS = 64
 
 
-def load() -> bool:
-    """Make ``torch.ops.resident.linear_bf16`` available (building it if needed); False, with the
-    reason logged, where it cannot be."""
-    return KERNEL.load()
+def load(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Make ``torch.ops.resident.linear_bf16`` (or ``linear_f32``) available (building it if needed);
+    False, with the reason logged, where it cannot be."""
+    return KERNELS[dtype].load()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [n, K] bfloat16 -> [ceil(n / 16), ceil(K / 2), 32]: per block of 16 outputs and pair of
-    inputs, the 32 weights one VDPBF16PS takes (W[o, 2p], W[o, 2p+1] for o in the block), zero past
-    n and K."""
+    """W [n, K] -> per block of 16 outputs, its lines of 64 bytes: bfloat16 [ceil(n / 16), ceil(K / 2),
+    32], per pair of inputs the 32 weights one VDPBF16PS takes (W[o, 2p], W[o, 2p+1] for o in the
+    block); float32 [ceil(n / 16), K, 16], per input the block's 16 weights. Zero past n and K."""
     n, k = weight.shape
-    blocks, pairs = -(-n // LANES), -(-k // 2)
-    padded = weight.new_zeros(blocks * LANES, pairs * 2)
+    inputs = INPUTS[weight.dtype]
+    blocks, steps = -(-n // LANES), -(-k // inputs)
+    padded = weight.new_zeros(blocks * LANES, steps * inputs)
     padded[:n, :k] = weight
-    return padded.view(blocks, LANES, pairs, 2).permute(0, 2, 1, 3).contiguous().view(blocks, pairs, 2 * LANES)
+    return padded.view(blocks, LANES, steps, inputs).permute(0, 2, 1, 3).contiguous().view(blocks, steps, inputs * LANES)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k_block: int) -> torch.Tensor:
@@ -76,15 +83,28 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: 
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return torch.ops.resident.linear_bf16(rows, packed, bias, n, k_block).view(*x.shape[:-1], n)
+    op = torch.ops.resident.linear_bf16 if packed.dtype == torch.bfloat16 else torch.ops.resident.linear_f32
+    return op(rows, packed, bias, n, k_block).view(*x.shape[:-1], n)
 
 
-def cancelling(rows: int, n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, K], W [n, K] (bfloat16) whose products cancel: per output, K/8 large weights (2^20 to
+def reference(dtype: torch.dtype):
+    """The product ours reproduces, (x, W) -> x W^T: torch's ``F.linear`` in bfloat16 (oneDNN), and in
+    float32 oneDNN on its own reordered weight (session/packed_linear.py: what float32 ran on before)."""
+    if dtype == torch.bfloat16:
+        return F.linear
+
+    def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+    return onednn
+
+
+def cancelling(rows: int, n: int, k: int, generator: torch.Generator,
+               dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K], W [n, K] (of ``dtype``, values exact in bfloat16) whose products cancel: per output, K/8 large weights (2^20 to
     2^27) and their negatives among small ones; row r of x is 2^(r mod 8) everywhere, so a row's sums
     are row 0's scaled exactly (a row mixed up shows). The exact sum is small, and how much of it
     survives depends on the order of additions: another order changes most outputs."""
-    x = torch.exp2(torch.arange(rows) % 8).float()[:, None].expand(rows, k).to(torch.bfloat16)
+    x = torch.exp2(torch.arange(rows) % 8).float()[:, None].expand(rows, k).to(dtype)
     w = torch.randn(n, k, generator=generator)
     count = max(1, k // 8)
     order = torch.rand(n, k, generator=generator).argsort(dim=1)
@@ -92,7 +112,7 @@ def cancelling(rows: int, n: int, k: int, generator: torch.Generator) -> tuple[t
     big = big * (1 + torch.randint(0, 127, (n, count), generator=generator).float() / 128)
     w.scatter_(1, order[:, :count], big)
     w.scatter_(1, order[:, count: 2 * count], -big)
-    return x, w.to(torch.bfloat16)
+    return x, w.to(torch.bfloat16).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -103,25 +123,27 @@ class Blocking:
     rows: int
 
 
-def probe_shape(n: int, k: int, generator: torch.Generator) -> Blocking | None:
-    """The block sizes with which ours equals torch's ``F.linear`` bit for bit for an [n, K] weight,
+def probe_shape(n: int, k: int, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> Blocking | None:
+    """The block sizes with which ours equals ``reference(dtype)`` bit for bit for an [n, K] weight,
     on PROBE_WEIGHTS cancelling weights: for one row, and for each of PROBE_ROWS rows at once; None
     where no candidate does (torch takes another kernel for small products, and oneDNN splits the
     inputs of a product too narrow to split its outputs over threads)."""
     single, several = list(CANDIDATE_BLOCKS), list(CANDIDATE_BLOCKS)
+    product = reference(dtype)
     for _ in range(PROBE_WEIGHTS):
-        x, w = cancelling(max(PROBE_ROWS), n, k, generator)
+        x, w = cancelling(max(PROBE_ROWS), n, k, generator, dtype)
         packed = pack(w)
 
         def matches(block: int, rows: torch.Tensor) -> bool:
-            return torch.equal(linear(rows, packed, None, n, block), F.linear(rows, w))
+            return torch.equal(linear(rows, packed, None, n, block), product(rows, w))
 
         single = [block for block in single if matches(block, x[:1])]
         several = [block for block in several if all(matches(block, x[:count]) for count in PROBE_ROWS)]
     return Blocking(single[0], several[0]) if single and several else None
 
 
-def probe(shapes: set[tuple[int, int]], seed: int = 0) -> dict[tuple[int, int], Blocking]:
+def probe(shapes: set[tuple[int, int]], seed: int = 0,
+          dtype: torch.dtype = torch.bfloat16) -> dict[tuple[int, int], Blocking]:
     """Per weight shape (n, K): the sizes ``probe_shape`` finds, at min(n, PROBE_OUTPUTS) outputs
     (wider products always took oneDNN's kernel); shapes none reproduces are left out."""
     generator = torch.Generator().manual_seed(seed)
@@ -130,7 +152,7 @@ def probe(shapes: set[tuple[int, int]], seed: int = 0) -> dict[tuple[int, int], 
         for n, k in sorted(shapes):
             capped = (min(n, PROBE_OUTPUTS), k)
             if capped not in probed:
-                probed[capped] = probe_shape(*capped, generator)
+                probed[capped] = probe_shape(*capped, generator, dtype)
     return {(n, k): probed[(min(n, PROBE_OUTPUTS), k)] for n, k in shapes
             if probed[(min(n, PROBE_OUTPUTS), k)] is not None}
 
@@ -151,28 +173,29 @@ class KernelLinear(nn.Linear):
         return super().extra_repr() + f", packed=resident (blocks {self.one_row_block}/{self.rows_block})"
 
 
-def kernel_linears(modules: list[nn.Module]) -> list[nn.Linear]:
-    """The plain bfloat16 ``nn.Linear`` modules inside ``modules`` with at least MIN_OUTPUTS outputs,
-    each once."""
+def kernel_linears(modules: list[nn.Module], dtype: torch.dtype = torch.bfloat16) -> list[nn.Linear]:
+    """The plain ``nn.Linear`` modules of ``dtype`` inside ``modules`` with at least MIN_OUTPUTS outputs
+    that oneDNN would take (session/packed_linear.py: float32 weights of MIN_FLOAT32_BYTES and up; the
+    smaller ones run MKL's product, transformers' own bits), each once."""
     found: dict[int, nn.Linear] = {}
     for root in modules:
         for module in root.modules():
-            if (type(module) is nn.Linear and module.weight.dtype == torch.bfloat16
+            if (worth_packing(module) and module.weight.dtype == dtype
                     and module.out_features >= MIN_OUTPUTS):
                 found[id(module)] = module
     return list(found.values())
 
 
-def pack_linears(modules: list[nn.Module]) -> tuple[int, str]:
-    """Turn the bfloat16 linears inside ``modules`` whose shape the probe matched into KernelLinears,
+def pack_linears(modules: list[nn.Module], dtype: torch.dtype = torch.bfloat16) -> tuple[int, str]:
+    """Turn the linears of ``dtype`` inside ``modules`` whose shape the probe matched into KernelLinears,
     in place (the dense weight is dropped): (how many, why the others were not, or "")."""
-    linears = kernel_linears(modules)
+    linears = kernel_linears(modules, dtype)
     if not linears:
-        return 0, "no bfloat16 linears"
-    if not load():
+        return 0, f"no {dtype} linears oneDNN would take"
+    if not load(dtype):
         return 0, "the kernel could not be built (see the log)"
     shapes = {(module.out_features, module.in_features) for module in linears}
-    blocking = probe(shapes)
+    blocking = probe(shapes, dtype=dtype)
     for module in linears:
         shape = (module.out_features, module.in_features)
         if shape in blocking:

@@ -32,9 +32,15 @@ from session.kernels import CppKernel
 
 logger = logging.getLogger(__name__)
 
-KERNEL = CppKernel("fused bfloat16 decode layer", "decode_layer.cpp",
-                   isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
-                   cpu_requires=("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))  # the linear tiles
+KERNELS = {  # the linear tiles' instructions
+    torch.bfloat16: CppKernel("fused bfloat16 decode layer", "decode_layer.cpp",
+                              isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+                              cpu_requires=("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    torch.float32: CppKernel("fused float32 decode layer", "decode_layer_f32.cpp", isa=("-mavx512f", "-mfma"),
+                             cpu_requires=("avx512f", "fma")),
+}
+KERNEL = KERNELS[torch.bfloat16]
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the operators' names per dtype
 # The RMSNorm classes whose forward is LlamaRMSNorm's, operator for operator (weight * normed, not
 # Gemma's 1 + weight)
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -42,8 +48,13 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 SUM_LANES = (8, 16)  # ATen's float vector widths (AVX2, AVX512) its sum kernel may run
 
 
-def load() -> bool:
-    return KERNEL.load()
+def load(dtype: torch.dtype = torch.bfloat16) -> bool:
+    return KERNELS[dtype].load()
+
+
+def op(name: str, dtype: torch.dtype):
+    """``torch.ops.resident.<name>_<bf16|f32>``: the C++ layer's operator for ``dtype``."""
+    return getattr(torch.ops.resident, f"{name}_{SUFFIX[dtype]}")
 
 
 def base_linear(module: nn.Module) -> nn.Module:
@@ -79,7 +90,7 @@ def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_di
     return [w.detach() for w in weights], [l.bias for l in linears], sizes, floats
 
 
-def sum_lanes(widths: set[int], rows: int = 256, seed: int = 0) -> int | None:
+def sum_lanes(widths: set[int], dtype: torch.dtype = torch.bfloat16, rows: int = 256, seed: int = 0) -> int | None:
     """The width (8 or 16) of the float vectors ATen's sum kernel runs here, found by comparing our
     RMSNorm with transformers' on random rows of every width the layers normalize; None where neither
     reproduces it (then the Python layer runs)."""
@@ -89,11 +100,11 @@ def sum_lanes(widths: set[int], rows: int = 256, seed: int = 0) -> int | None:
     for lanes in SUM_LANES:
         for width in sorted(widths):
             scales = torch.exp2(torch.randint(-8, 8, (rows, 1), generator=generator).float())
-            x = (torch.randn(rows, width, generator=generator) * scales).to(torch.bfloat16)
-            reference = LlamaRMSNorm(width, eps=1e-6).to(torch.bfloat16)
+            x = (torch.randn(rows, width, generator=generator) * scales).to(dtype)
+            reference = LlamaRMSNorm(width, eps=1e-6).to(dtype)
             with torch.no_grad():
                 reference.weight.copy_(torch.randn(width, generator=generator))
-            if not torch.equal(torch.ops.resident.rms_norm_bf16(x, reference.weight, 1e-6, lanes), reference(x)):
+            if not torch.equal(op("rms_norm", dtype)(x, reference.weight, 1e-6, lanes), reference(x)):
                 break
         else:
             return lanes
@@ -107,12 +118,13 @@ def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: i
     if any(a is None for a in arguments):
         logger.info("fused decode layers: a layer the C++ layer does not reproduce; the Python layer runs")
         return None
-    if not load():
+    dtype = arguments[0][0][0].dtype  # the input norm's weight
+    if dtype not in KERNELS or not load(dtype):
         return None
     widths = {weights[0].numel() for weights, *_ in arguments} | {weights[9].numel() for weights, *_ in arguments
                                                                    if len(weights) > 9}  # hidden size, head dim
     with torch.inference_mode():
-        lanes = sum_lanes(widths)
+        lanes = sum_lanes(widths, dtype)
     if lanes is None:
         logger.info("fused decode layers: our RMSNorm does not reproduce ATen's sum here; the Python layer runs")
         return None
@@ -128,7 +140,7 @@ def lanes(arguments: list[tuple]) -> int:
 
 def norm(h: torch.Tensor, module: nn.Module, lanes: int) -> torch.Tensor:
     """``module`` (an RMSNorm of NORMS) applied to h [B, D] by the C++ layer's RMSNorm."""
-    return torch.ops.resident.rms_norm_bf16(h, module.weight, module.variance_epsilon, lanes)
+    return op("rms_norm", h.dtype)(h, module.weight, module.variance_epsilon, lanes)
 
 
 def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,
@@ -136,8 +148,8 @@ def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor,
         ends: torch.Tensor) -> torch.Tensor:
     """One layer: h [B, D], cos/sin [B, hd], one layer of the head-major pool, slots [B] -> h [B, D]."""
     weights, biases, sizes, floats = arguments
-    return torch.ops.resident.decode_layer_bf16(h, weights, biases, sizes, floats, cos, sin, k_layer, v_layer,
-                                                slots, table, starts, ends)
+    return op("decode_layer", h.dtype)(h, weights, biases, sizes, floats, cos, sin, k_layer, v_layer, slots, table,
+                                      starts, ends)
 
 
 ROPE_TABLE_POSITIONS = 32768  # at most; a step past them runs the layers one call each
@@ -168,7 +180,7 @@ def rope_table(rotary: nn.Module, head_dim: int, max_positions: int,
 
 @dataclass
 class Stack:
-    """A whole decode step in one C++ call (``DecodeStack`` in csrc/decode_layer.cpp)."""
+    """A whole decode step in one C++ call (``DecodeStack``, ``DecodeStackF32``: csrc/decode_layer.h)."""
     step: torch.ScriptObject
     windows: list  # the distinct attention windows, in the order of run's ``starts`` rows
     positions: int  # the rotary table's length: a step at a later position runs the layers one by one
@@ -187,7 +199,7 @@ def stack(arguments: list[tuple], windows: list, embedding: nn.Module, rotary: n
         logger.info("decode stack: the rotary module is not a table of positions here; layers run one call each")
         return None
     distinct = list(dict.fromkeys(windows))
-    step = torch.classes.resident.DecodeStack()
+    step = (torch.classes.resident.DecodeStack if weight.dtype == torch.bfloat16 else torch.classes.resident.DecodeStackF32)()
     for (weights, biases, sizes, floats), window in zip(arguments, windows):
         step.add_layer(weights, biases, sizes, floats, distinct.index(window))
     ours = type(head) is KernelLinear

@@ -163,8 +163,8 @@ class ModelRunner:
         self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
-        # bfloat16 decode attention on CPU: our kernel, one call per layer (session/cpu_attention.py)
-        self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.kv_dtype == torch.bfloat16
+        # decode attention on CPU: our kernel, one call per layer (session/cpu_attention.py)
+        self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.kv_dtype in cpu_attention.DTYPES
                               and self.info.head_dim % 16 == 0 and cpu_attention.load())
         self.lora = None  # a LoraBank once enable_lora ran
         self.cpu_kernels = cpu_kernels
@@ -182,10 +182,10 @@ class ModelRunner:
             return 0, {}
         modules = self.layers + [self.lm_head]
         ours = 0
-        if cpu_kernels and self.dtype == torch.bfloat16:
-            ours, why = cpu_linear.pack_linears(modules)
+        if cpu_kernels:
+            ours, why = cpu_linear.pack_linears(modules, self.dtype)
             if why:
-                logger.info("bfloat16 linears on oneDNN: %s", why)
+                logger.info("%s linears on oneDNN: %s", self.dtype, why)
         onednn = pack_linears(modules)  # whatever ours did not take
         return ours + onednn, {"resident": ours, "onednn": onednn}
 
@@ -499,7 +499,8 @@ class ModelRunner:
         if self.fused_layers is False:
             i = self.info
             self.fused_layers = (fused_layer.plan(self.layers, i.num_heads, i.num_kv_heads, i.head_dim)
-                                 if self.cpu_kernels and type(self).attention_inputs is ModelRunner.attention_inputs
+                                 if self.cpu_kernels and self.kv_dtype == self.dtype
+                                 and type(self).attention_inputs is ModelRunner.attention_inputs
                                  and type(self).finish_layer is ModelRunner.finish_layer else None)
         return self.fused_layers
 

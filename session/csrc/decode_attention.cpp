@@ -49,10 +49,17 @@ constexpr int kLanes = 16;
 using resident::bf16_to_float;
 using resident::float_to_bf16;
 
-inline __m512 load_bf16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32 (exact)
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32 (exact)
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline float to_float(uint16_t x) { return bf16_to_float(x); }
+inline float to_float(float x) { return x; }
+inline void store(float value, uint16_t* out) { *out = float_to_bf16(value); }
+inline void store(float value, float* out) { *out = value; }
 
 // values[0 .. n) rounded to bfloat16 in place (held as float32), as float_to_bf16 does one at a time.
 inline void round_to_bf16(float* values, int n) {
@@ -114,11 +121,12 @@ inline float reduce_add(__m512 v) {
 // rounds as a multiply then an add. Lanes: 128-bit block j of the accumulator holds key j's four
 // partial sums. ``qb``: per 16 dimensions, the query's 128-bit block m copied to all four blocks
 // (query_blocks), so that block j of qb[4 g + m] * (keys' blocks m, transposed) is key j's step m.
-inline void dots4(const __m512* qb, const uint16_t* const* k, int head_dim, float* out) {
+template <typename Elem>
+inline void dots4(const __m512* qb, const Elem* const* k, int head_dim, float* out) {
   __m512 acc = _mm512_setzero_ps();
   for (int d = 0, g = 0; d < head_dim; d += kLanes, ++g) {
-    const __m512 k0 = load_bf16(k[0] + d), k1 = load_bf16(k[1] + d);
-    const __m512 k2 = load_bf16(k[2] + d), k3 = load_bf16(k[3] + d);
+    const __m512 k0 = load16(k[0] + d), k1 = load16(k[1] + d);
+    const __m512 k2 = load16(k[2] + d), k3 = load16(k[3] + d);
     // 4x4 transpose of 128-bit blocks: step m holds block m of k0, k1, k2, k3
     const __m512 a = _mm512_shuffle_f32x4(k0, k1, 0x44), b = _mm512_shuffle_f32x4(k0, k1, 0xEE);
     const __m512 c = _mm512_shuffle_f32x4(k2, k3, 0x44), e = _mm512_shuffle_f32x4(k2, k3, 0xEE);
@@ -144,45 +152,48 @@ inline void query_blocks(const float* q, int head_dim, __m512* qb) {
   }
 }
 
+template <typename Elem>
 struct Pool {
-  const uint16_t* data;
+  const Elem* data;
   int64_t head_stride, block_stride, token_stride;  // elements
   int block_tokens;
-  const uint16_t* token(int kv_head, int block, int offset) const {
+  const Elem* token(int kv_head, int block, int offset) const {
     return data + kv_head * head_stride + block * block_stride + offset * token_stride;
   }
 };
 
 // A row's positions in order, as pointers into the pool (one division per split, not per key).
+template <typename Elem>
 struct Cursor {
-  const Pool& pool;
+  const Pool<Elem>& pool;
   const int32_t* table;
   int kv_head, index, offset;
-  Cursor(const Pool& pool, const int32_t* table, int kv_head, int position)
+  Cursor(const Pool<Elem>& pool, const int32_t* table, int kv_head, int position)
       : pool(pool), table(table), kv_head(kv_head), index(position / pool.block_tokens),
         offset(position % pool.block_tokens) {}
-  const uint16_t* next() {
-    const uint16_t* at = pool.token(kv_head, table[index], offset);
+  const Elem* next() {
+    const Elem* at = pool.token(kv_head, table[index], offset);
     if (++offset == pool.block_tokens) offset = 0, ++index;
     return at;
   }
 };
 
 // One (row, query head): positions start .. end-1 of the row whose blocks are `table`.
-void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const int32_t* table, int start,
-            int end, int kv_head, int head_dim, float scale, uint16_t* out) {
+template <typename Elem>
+void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, const int32_t* table, int start,
+            int end, int kv_head, int head_dim, float scale, Elem* out) {
   alignas(64) float q[512];
   alignas(64) float scores[kSplit + 4];
-  alignas(64) float probs[kSplit];  // bfloat16-rounded, held as float32
+  alignas(64) float probs[kSplit];  // bfloat16: rounded to it, held as float32
   alignas(64) float dst[512];
-  for (int d = 0; d < head_dim; ++d) q[d] = bf16_to_float(q_bf16[d]);
+  for (int d = 0; d < head_dim; ++d) q[d] = to_float(q_in[d]);
   alignas(64) __m512 qb[512 / kLanes * 4];
   query_blocks(q, head_dim, qb);
   float running_max = -std::numeric_limits<float>::infinity(), running_sum = 0.f;
-  const uint16_t* rows[4];
+  const Elem* rows[4];
   for (int n = start; n < end; n += kSplit) {
     const int size = std::min(kSplit, end - n);
-    Cursor key_at(keys, table, kv_head, n), value_at(values, table, kv_head, n);
+    Cursor<Elem> key_at(keys, table, kv_head, n), value_at(values, table, kv_head, n);
     for (int i = 0; i < size; i += 4) {
       const int count = std::min(4, size - i);
       for (int j = 0; j < 4; ++j) rows[j] = j < count ? key_at.next() : rows[0];  // a short group repeats a key
@@ -220,7 +231,7 @@ void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const 
       block_sum += e;
       probs[i] = e;
     }
-    round_to_bf16(probs, size);
+    if (sizeof(Elem) == 2) round_to_bf16(probs, size);  // bfloat16: as torch's kernel does
     const float rescale = std::exp(running_max - new_max);
     running_sum = block_sum + rescale * running_sum;
     running_max = new_max;
@@ -234,48 +245,51 @@ void attend(const uint16_t* q_bf16, const Pool& keys, const Pool& values, const 
     }
     const int fours = size - size % 4;
     for (int d = 0; d < head_dim; d += 4 * kLanes) {  // 64 outputs at a time, held in registers
-      Cursor at = value_at;
+      Cursor<Elem> at = value_at;
       const int chunks = std::min(4, (head_dim - d) / kLanes);
       __m512 acc[4];
       for (int c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(dst + d + c * kLanes);
       for (int i = 0; i < fours; i += 4) {
-        const uint16_t* v[4];
+        const Elem* v[4];
         __m512 w[4];
         for (int j = 0; j < 4; ++j) v[j] = at.next() + d, w[j] = _mm512_set1_ps(probs[i + j]);
         for (int c = 0; c < chunks; ++c) {
           const int o = c * kLanes;
           // p v products are exact in float32 (two bfloat16 factors): a fused multiply-add rounds as mul + add
-          const __m512 even = _mm512_fmadd_ps(w[2], load_bf16(v[2] + o), _mm512_mul_ps(w[0], load_bf16(v[0] + o)));
-          const __m512 odd = _mm512_fmadd_ps(w[3], load_bf16(v[3] + o), _mm512_mul_ps(w[1], load_bf16(v[1] + o)));
+          const __m512 even = _mm512_fmadd_ps(w[2], load16(v[2] + o), _mm512_mul_ps(w[0], load16(v[0] + o)));
+          const __m512 odd = _mm512_fmadd_ps(w[3], load16(v[3] + o), _mm512_mul_ps(w[1], load16(v[1] + o)));
           acc[c] = _mm512_add_ps(acc[c], _mm512_add_ps(even, odd));
         }
       }
-      const uint16_t* rest[3];
+      const Elem* rest[3];
       for (int i = fours; i < size; ++i) rest[i - fours] = at.next() + d;
       for (int i = size - 1; i >= fours; --i) {
         const __m512 w = _mm512_set1_ps(probs[i]);
         for (int c = 0; c < chunks; ++c)
-          acc[c] = _mm512_fmadd_ps(w, load_bf16(rest[i - fours] + c * kLanes), acc[c]);
+          acc[c] = _mm512_fmadd_ps(w, load16(rest[i - fours] + c * kLanes), acc[c]);
       }
       for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(dst + d + c * kLanes, acc[c]);
     }
   }
   const float reciprocal = 1.f / (running_sum == 0.f ? 1.f : running_sum);
-  for (int d = 0; d < head_dim; ++d) out[d] = float_to_bf16(dst[d] * reciprocal);
+  for (int d = 0; d < head_dim; ++d) store(dst[d] * reciprocal, out + d);
 }
 
-Pool pool_of(const at::Tensor& t) {
-  return Pool{reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.stride(0), t.stride(1), t.stride(2),
-              static_cast<int>(t.size(2))};
+template <typename Elem>
+Pool<Elem> pool_of(const at::Tensor& t) {
+  return Pool<Elem>{reinterpret_cast<const Elem*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2),
+                    static_cast<int>(t.size(2))};
 }
 
-at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends,
-                                 double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: [B, H, hd] bfloat16");
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16 && k.stride(3) == 1 && v.stride(3) == 1,
-              "k, v: [KVH, NB, bt, hd] bfloat16, last dimension contiguous");
+template <typename Elem>
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends,
+                            double scale) {
+  const at::ScalarType type = sizeof(Elem) == 2 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == type && q.is_contiguous(), "q: [B, H, hd] ", type);
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == type && v.scalar_type() == type &&
+                  k.stride(3) == 1 && v.stride(3) == 1,
+              "k, v: [KVH, NB, bt, hd] ", type, ", last dimension contiguous");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2,
               "block_table: [B, W] int32");
   TORCH_CHECK(starts.scalar_type() == at::kInt && ends.scalar_type() == at::kInt, "starts, ends: int32");
@@ -284,9 +298,9 @@ at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(block_table.size(0) == batch && starts.numel() == batch && ends.numel() == batch, "one row per query");
   auto out = at::empty_like(q);
-  const Pool keys = pool_of(k), vals = pool_of(v);
-  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const Pool<Elem> keys = pool_of<Elem>(k), vals = pool_of<Elem>(v);
+  const auto* qd = reinterpret_cast<const Elem*>(q.data_ptr());
+  auto* od = reinterpret_cast<Elem*>(out.data_ptr());
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* st = starts.data_ptr<int32_t>();
   const int32_t* en = ends.data_ptr<int32_t>();
@@ -298,8 +312,8 @@ at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
   // rows of different lengths cost differently: threads take (row, head) items as they finish one
   resident::for_each_shared(batch * heads, [&](int64_t item) {
     const int64_t b = item / heads, h = item % heads;
-    attend(qd + item * head_dim, keys, vals, table + b * width, st[b], en[b], static_cast<int>(h / group),
-           static_cast<int>(head_dim), s, od + item * head_dim);
+    attend<Elem>(qd + item * head_dim, keys, vals, table + b * width, st[b], en[b], static_cast<int>(h / group),
+                 static_cast<int>(head_dim), s, od + item * head_dim);
   });
   return out;
 }
@@ -309,6 +323,11 @@ at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
 TORCH_LIBRARY(resident, m) {
   m.def("decode_attention_bf16(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor starts, Tensor ends, "
         "float scale) -> Tensor");
+  m.def("decode_attention_f32(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor starts, Tensor ends, "
+        "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(resident, CPU, m) { m.impl("decode_attention_bf16", &decode_attention_bf16); }
+TORCH_LIBRARY_IMPL(resident, CPU, m) {
+  m.impl("decode_attention_bf16", &decode_attention<uint16_t>);
+  m.impl("decode_attention_f32", &decode_attention<float>);
+}

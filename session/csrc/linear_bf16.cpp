@@ -25,18 +25,8 @@
 
 #include "linear_tiles.h"
 
-namespace {
-
-at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t n, int64_t k_block) {
-  const Prepared linear(input, packed, bias, n, k_block);
-  run_linears({&linear});
-  return linear.y;
-}
-
-}  // namespace
 TORCH_LIBRARY_FRAGMENT(resident, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n, int k_block) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(resident, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
+TORCH_LIBRARY_IMPL(resident, CPU, m) { m.impl("linear_bf16", &linear<Bf16Pairs>); }

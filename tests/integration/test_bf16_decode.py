@@ -73,10 +73,14 @@ def test_pooled_decode_follows_transformers(family, monkeypatch):
         assert torch.equal(logits[:, row], theirs)  # bit for bit: each row of the batch as if decoded alone
 
 
-def test_float32_and_off_keep_torch_kernel(tiny_model_path):
-    assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="float32").pooled_decode
+def test_kernels_off_keep_torch_kernel_and_a_float32_pool_takes_ours(tiny_model_path):
+    """RESIDENT_CPU_KERNELS=0 keeps torch's attention; a float32 pool (a float32 model, or bfloat16
+    weights with RESIDENT_KV_DTYPE=float32) takes our float32 attention, the latter without the C++
+    layer (its activations change dtype at the attention)."""
     assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", cpu_kernels=False).pooled_decode
-    assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", kv_dtype="float32").pooled_decode
+    assert ModelRunner(str(tiny_model_path), device="cpu", dtype="float32").pooled_decode
+    mixed = ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", kv_dtype="float32")
+    assert mixed.pooled_decode and mixed._fused_plan() is None
 
 
 def test_engine_answers_equal_transformers_bfloat16_generate():

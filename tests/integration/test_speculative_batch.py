@@ -76,13 +76,18 @@ def check_extend_equals_prefill(runner: ModelRunner, batch: int, seed: int, atte
     assert logits.shape == (batch, max(len(new) for _, new in rows), runner.info.vocab_size)
     for b, ((cached, new), (want, reference)) in enumerate(zip(rows, expected)):
         got = logits[b, :len(new)]
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # per row on CPU the extend runs as decode steps (our attention kernel, one-row sums;
+        # tests/integration/test_f32_decode.py: their bits exactly): the prefill's to float32 rounding,
+        # which the deep pair's 24 layers carry to ~5e-4 on logits of ~12
+        loose = runner.pooled_decode and attention == "per_row"
+        torch.testing.assert_close(got, want, atol=1e-3 if loose else 1e-4, rtol=1e-4)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         assert kvs[b].length == len(cached) + len(new)
         end = kvs[b].length
         for layer in range(runner.info.num_layers):
-            torch.testing.assert_close(kvs[b].keys(layer, end), reference.keys(layer, end), atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(kvs[b].values(layer, end), reference.values(layer, end), atol=1e-5, rtol=1e-5)
+            for mine, theirs in ((kvs[b].keys(layer, end), reference.keys(layer, end)),
+                                 (kvs[b].values(layer, end), reference.values(layer, end))):
+                torch.testing.assert_close(mine, theirs, atol=1e-3 if loose else 1e-5, rtol=1e-4 if loose else 1e-5)
 
 
 @pytest.mark.parametrize("attention", ["per_row", "batched"])

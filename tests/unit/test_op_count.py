@@ -23,9 +23,10 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
+    """torch's operators throughout (RESIDENT_CPU_KERNELS=0): the paths a GPU runs."""
     from model_store.build_text_models import ensure
 
-    return ModelRunner(str(ensure(["llama"])["llama"]), device="cpu")
+    return ModelRunner(str(ensure(["llama"])["llama"]), device="cpu", cpu_kernels=False)
 
 
 def operators_of_one_step(runner: ModelRunner, attention: str, batch: int) -> Counter:
@@ -64,16 +65,38 @@ def test_per_row_step_grows_with_the_batch(runner):
     assert kernels_16 >= 16 * len(runner.layers)
 
 
+def twelve_steps(runner: ModelRunner, attention: str) -> torch.Tensor:
+    """Three sessions of different lengths, 12 decode steps together (crossing block boundaries) ->
+    logits [12, 3, V]."""
+    runner.decode_attention = attention
+    kvs = [runner.new_kv_cache(block_tokens=BLOCK, max_tokens=256) for _ in range(3)]
+    for i, kv in enumerate(kvs):
+        runner.prefill(kv, runner.embed(list(range(3, 8 + 7 * i)), []))
+    steps = [runner.decode(kvs, [5, 6, 7]) for _ in range(12)]
+    for kv in kvs:
+        kv.release()
+    return torch.stack(steps)
+
+
 def test_decode_paths_give_the_same_logits(runner):
     """Both paths over the same contexts (float32 on CPU): the same next-token logits, to rounding."""
-    logits = {}
-    for attention in ("per_row", "batched"):
-        runner.decode_attention = attention
-        kvs = [runner.new_kv_cache(block_tokens=BLOCK, max_tokens=256) for _ in range(3)]
-        for i, kv in enumerate(kvs):
-            runner.prefill(kv, runner.embed(list(range(3, 8 + 7 * i)), []))
-        steps = [runner.decode(kvs, [5, 6, 7]) for _ in range(12)]  # crosses block boundaries
-        logits[attention] = torch.stack(steps)
-        for kv in kvs:
-            kv.release()
-    torch.testing.assert_close(logits["batched"], logits["per_row"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(twelve_steps(runner, "batched"), twelve_steps(runner, "per_row"), rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_default_step_dispatches_as_many_operators_at_any_batch_size(runner):
+    """On CPU with our kernels (the default) the per-row step attends with one call per layer for the
+    whole batch (session/cpu_attention.py): its operator count does not grow with the batch either, and
+    its logits are the torch path's to float32 rounding."""
+    from model_store.build_text_models import ensure
+
+    ours = ModelRunner(str(ensure(["llama"])["llama"]), device="cpu")
+    assert ours.pooled_decode
+    counts = {b: operators_of_one_step(ours, "per_row", b) for b in BATCHES}
+    print(f"operators per CPU-default decode step at batch {BATCHES}: {[sum(counts[b].values()) for b in BATCHES]}")
+    for b in BATCHES[1:]:
+        assert counts[b] == counts[1], (b, counts[b] - counts[1], counts[1] - counts[b])
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in counts[16]
+    # our attention adds in another order than torch's kernel: equal to rounding, the same tokens
+    theirs, mine = twelve_steps(runner, "batched"), twelve_steps(ours, "per_row")
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert torch.equal(mine.argmax(-1), theirs.argmax(-1))
