@@ -1,4 +1,6 @@
-"""bfloat16 decode attention on CPU: one call per layer for the whole batch, built at start-up.
+"""Decode attention on CPU: one call per layer for the whole batch, built at start-up. bfloat16 is
+torch's bits (below); float32 (``decode_attention_f32``) runs the same steps on float32 keys and values
+with an exact exponential, equal to torch's to rounding (docs/ENGINE.md, "float32 on the same kernels").
 
 torch's CPU flash-attention kernel runs a bfloat16 query's two products through MKL's bfloat16 GEMM,
 which on this project's AMD CPU (AVX512-BF16, no AMX) took 261 us per 600-key row and layer against

@@ -1,4 +1,6 @@
-"""bfloat16 linears on CPU by our kernel: oneDNN's bits, a decode batch's rows each as if alone.
+"""Linears on CPU by our kernel: oneDNN's bits, a decode batch's rows each as if alone. bfloat16 below;
+float32 (``linear_f32``) takes the linears oneDNN would (256 KiB and up), in oneDNN's float32 order
+(an FMA per input, in blocks of 512), probed the same way against oneDNN's own reordered weights.
 
 torch runs a bfloat16 ``F.linear`` on CPU through oneDNN. For the few rows of a decode step, that
 costs a fixed ~20 us per call (a 512x512 weight took 25 us from cache), about as much as streaming

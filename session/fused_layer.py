@@ -1,4 +1,5 @@
-"""A bfloat16 decode step's layers on CPU as one C++ call each: the Python step's bits, minus Python.
+"""A decode step's layers on CPU as one C++ call each (and the whole step as one, ``stack``), in
+bfloat16 and float32 (csrc/decode_layer.h): the Python step's bits, minus Python.
 
 With our attention and linear kernels a one-session bfloat16 step on text-bench took 4.5 ms, of which
 the kernels took about 2.4; the rest was ~300 small torch operators a step (RMSNorm's eight, the

@@ -175,8 +175,8 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once configure_decode turned CUDA graphs on
 
     def _pack_linears(self, pack_weights: bool, cpu_kernels: bool) -> tuple[int, dict[str, int]]:
-        """Prepack the language model's linears once: (how many, how many by what). bfloat16 on CPU:
-        our kernel (session/cpu_linear.py) where it builds and reproduces torch's product, oneDNN's
+        """Prepack the language model's linears once: (how many, how many by what). On CPU (bfloat16,
+        float32): our kernel (session/cpu_linear.py) where it builds and reproduces oneDNN's product, oneDNN's
         packed weights (session/packed_linear.py) for the rest; unpacked ones run dense ``F.linear``."""
         if not (pack_weights and can_pack(self.device, self.dtype)):
             return 0, {}
@@ -448,7 +448,7 @@ class ModelRunner:
 
     def _decode_pooled(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
                        position_offsets: torch.Tensor | None) -> torch.Tensor:
-        """The per-row step with bfloat16 attention by our CPU kernel: every row of a layer in one call,
+        """The per-row step with attention by our CPU kernel (bfloat16, float32): every row of a layer in one call,
         reading the head-major pool through the rows' block tables (session/cpu_attention.py). Row b
         feeds token_ids[b] at position lengths[b] of kvs[b]'s sequence; a sequence may own several rows
         at consecutive positions (``extend``): each attends up to its own position, as its decode step

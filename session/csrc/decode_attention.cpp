@@ -1,4 +1,8 @@
-// One decode step's attention for every row of a batch, over a head-major bfloat16 KV pool (CPU).
+// One decode step's attention for every row of a batch, over a head-major KV pool (CPU), in bfloat16
+// (resident::decode_attention_bf16, torch's bits: below) and float32 (resident::decode_attention_f32:
+// the same steps on float32 keys and values, with float32 probabilities and exp_accurate instead of
+// fexp_u20, as torch's kernel takes its exact exponential in float32; its products are not exact, so
+// its order of additions is ours and its results equal torch's to rounding).
 //
 // resident::decode_attention_bf16(q [B, H, hd], k_layer, v_layer [KVH, NB, bt, hd], block_table
 // [B, W] int32, starts [B] int32, ends [B] int32, scale) -> [B, H, hd]: row b's query heads attend
@@ -103,6 +107,26 @@ inline __m512 fexp_u20(__m512 values) {
   casted = _mm512_mask_mov_epi32(casted, min_mask, zero);
   casted = _mm512_mask_mov_epi32(casted, max_mask, infinity);
   return _mm512_castsi512_ps(casted);
+}
+
+// exp to float32 accuracy (a few ulp), for float32 attention, where torch's kernel takes its exact
+// exponential rather than fexp_u20 (whose error, ~1e-5, would show): x = n ln2 + r with |r| <= ln2 / 2,
+// exp(r) by its Taylor polynomial to r^7 (remainder < 1e-8), times 2^n.
+inline __m512 exp_accurate(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // below, the result is 0 as it is for std::exp
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: hi exact in n * hi
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // ATen's vec_reduce_all(x + y) for 16 lanes: halves folded 8, 4, 2, 1 lanes apart.
@@ -221,7 +245,8 @@ void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, 
     const __m512 max_v = _mm512_set1_ps(new_max);
     __m512 lane_sum = _mm512_setzero_ps();
     for (int i = 0; i < vectorized; i += kLanes) {
-      __m512 e = fexp_u20(_mm512_sub_ps(_mm512_loadu_ps(scores + i), max_v));
+      const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(scores + i), max_v);
+      const __m512 e = sizeof(Elem) == 2 ? fexp_u20(shifted) : exp_accurate(shifted);
       lane_sum = _mm512_add_ps(lane_sum, e);
       _mm512_storeu_ps(probs + i, e);
     }

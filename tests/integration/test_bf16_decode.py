@@ -238,7 +238,11 @@ def test_the_cpp_layer_computes_the_python_layers_bits(family, wide_models, monk
 
 
 def test_engine_churn_on_the_whole_step_answers_as_alone(wide_models, tmp_path):
-    """The engine in bfloat16 on the one-call step, under churn: 14 requests of random prompt lengths and
+    churn_answers_as_alone(wide_models["llama"], tmp_path, "bfloat16")
+
+
+def churn_answers_as_alone(model_dir: str, tmp_path, dtype: str) -> None:
+    """The engine in ``dtype`` on the one-call step, under churn: 14 requests of random prompt lengths and
     budgets arrive at random moments into a batch of at most 4 (rows join and finish mid-batch, blocks
     are recycled), three are cancelled while decoding. Every request ends with one terminal event, and
     every finished answer is token for token the one its prompt gets decoded alone (each row of a
@@ -252,12 +256,12 @@ def test_engine_churn_on_the_whole_step_answers_as_alone(wide_models, tmp_path):
     import shutil
 
     path = tmp_path / "llama"  # the random model with a tokenizer (the deep pair's: ids < 512 are in it)
-    shutil.copytree(wide_models["llama"], path)
+    shutil.copytree(model_dir, path)
     target_dir, _ = train_deep_pair.ensure()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(target_dir / name, path / name)
     path = str(path)
-    engine = Engine(EngineConfig(model_path=path, device="cpu", dtype="bfloat16", max_batch_size=4,
+    engine = Engine(EngineConfig(model_path=path, device="cpu", dtype=dtype, max_batch_size=4,
                                  max_context_tokens=256)).start()
     try:
         stack = engine.runner._decode_stack()
@@ -290,7 +294,7 @@ def test_engine_churn_on_the_whole_step_answers_as_alone(wide_models, tmp_path):
     finally:
         engine.stop()
     assert len(ends) == len(requests) and max(stack.step.batches) > 1  # rows shared steps
-    alone = ModelRunner(path, device="cpu", dtype="bfloat16")
+    alone = ModelRunner(path, device="cpu", dtype=dtype)
     finished = [(spec, ends[r.request_id]) for spec, r in zip(specs, requests) if isinstance(ends[r.request_id], Finished)]
     assert len(finished) >= len(requests) - len(cancelled_ids)
     for (prompt, budget), event in finished:

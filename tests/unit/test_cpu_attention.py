@@ -1,6 +1,8 @@
-"""The bfloat16 decode-attention kernel (session/cpu_attention.py) against torch's own SDPA, bit for bit:
-lengths around its 512-key splits, 16-lane exponential tails and 4-key product groups, grouped-query
-heads, windows (a start past 0), block tables in any order, many rows in one call, one and two threads."""
+"""The decode-attention kernel (session/cpu_attention.py) against torch's own SDPA: in bfloat16 bit for
+bit, over lengths around its 512-key splits, 16-lane exponential tails and 4-key product groups,
+grouped-query heads, windows (a start past 0), block tables in any order, many rows in one call, one and
+two threads; in float32 (whose products are not exact, so the order of additions is ours) to float32
+rounding."""
 
 import pytest
 import torch
@@ -11,12 +13,12 @@ from session import cpu_attention
 pytestmark = pytest.mark.skipif(not cpu_attention.load(), reason="kernel not buildable here (no compiler/AVX-512)")
 
 
-def paged(keys: list[torch.Tensor], block_tokens: int, generator: torch.Generator):
+def paged(keys: list[torch.Tensor], block_tokens: int, generator: torch.Generator):  # keys' dtype
     """Rows' [KVH, n, hd] keys scattered over a head-major pool in shuffled blocks -> (pool, block table)."""
     kv_heads, head_dim = keys[0].shape[0], keys[0].shape[2]
     counts = [-(-k.shape[1] // block_tokens) for k in keys]
     order = (torch.randperm(sum(counts), generator=generator) + 1).tolist()  # block 0 stays padding
-    pool = torch.zeros(kv_heads, sum(counts) + 1, block_tokens, head_dim, dtype=torch.bfloat16)
+    pool = torch.zeros(kv_heads, sum(counts) + 1, block_tokens, head_dim, dtype=keys[0].dtype)
     table = torch.zeros(len(keys), max(counts), dtype=torch.int32)
     for row, k in enumerate(keys):
         for index in range(counts[row]):
@@ -27,10 +29,10 @@ def paged(keys: list[torch.Tensor], block_tokens: int, generator: torch.Generato
     return pool, table
 
 
-def run_case(lengths, starts, heads=8, kv_heads=8, head_dim=64, block_tokens=16, seed=0):
+def run_case(lengths, starts, heads=8, kv_heads=8, head_dim=64, block_tokens=16, seed=0, dtype=torch.bfloat16):
     generator = torch.Generator().manual_seed(seed)
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
     q = rand(len(lengths), heads, head_dim, scale=2.0)
     keys = [rand(kv_heads, n, head_dim) for n in lengths]
     values = [rand(kv_heads, n, head_dim) for n in lengths]
@@ -43,7 +45,10 @@ def run_case(lengths, starts, heads=8, kv_heads=8, head_dim=64, block_tokens=16,
     expected = torch.stack([F.scaled_dot_product_attention(
         q[row: row + 1, :, None], keys[row][None, :, start:n], values[row][None, :, start:n], scale=scale,
         enable_gqa=heads != kv_heads)[0, :, 0] for row, (n, start) in enumerate(zip(lengths, starts))])
-    assert out.shape == expected.shape
+    assert out.shape == expected.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+        return
     assert torch.equal(out, expected), f"{int((out != expected).sum())} of {out.numel()} outputs differ"
 
 
@@ -73,6 +78,16 @@ def test_window_starts_past_zero():
 
 def test_head_dim_128_and_block_tokens_256():
     run_case([900, 100], [0, 0], heads=4, kv_heads=4, head_dim=128, block_tokens=256, seed=6)
+
+
+@pytest.mark.parametrize("length", [1, 3, 17, 512, 513, 1500])
+def test_float32_rows_match_sdpa_to_rounding(length):
+    run_case([length], [0], seed=length, dtype=torch.float32)
+
+
+def test_float32_many_rows_grouped_heads_and_windows():
+    run_case([5, 300, 513, 1025, 40], [0, 0, 100, 0, 30], heads=8, kv_heads=2, seed=7, dtype=torch.float32)
+    run_case([900, 100], [0, 0], heads=4, kv_heads=4, head_dim=128, block_tokens=256, seed=8, dtype=torch.float32)
 
 
 def test_bad_range_is_refused():
