@@ -200,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     followups: dict[str, dict] = {}  # the 2-turn chat: ours (session) and vLLM's (prefix cache)
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
     try:  # everything, vLLM included, runs beside the same neighbour
+        bandwidths = [copy_bandwidth()]  # before ours, right after, and at the end (bandwidth_floor takes the best)
         results, runners, workload = measure_ours(args, variants, base, followups)
         runner = next(iter(runners.values()))
         torch.set_num_threads(generate_threads)
-        bandwidths = [copy_bandwidth()]  # right after ours; again at the end (bandwidth_floor takes the best)
+        bandwidths.append(copy_bandwidth())
         results["generate"] = {}
         # the library's own baseline: transformers on dense weights, however ours laid them out
         dense = runners.get(False) or ModelRunner(args.model_path, dtype=args.dtype, pack_weights=False)
@@ -245,13 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     if "ours" in followups and "vllm" in followups:
         summary["ours_over_vllm_followup_s"] = (followups["ours"]["followup_s_median"]
                                                 / followups["vllm"]["followup_s_median"])
-    floor = bandwidth_floor(runner, bandwidths + [copy_bandwidth()])
+    context = len(workload[0][0]) + args.new_tokens // 2  # one session's mean context while it decodes
+    floor = bandwidth_floor(runner, bandwidths + [copy_bandwidth()], context)
     summary["floor_ms_per_token_c1"] = floor["floor_s"] * 1000
+    summary["floor_with_kv_ms_per_token_c1"] = floor["floor_with_kv_s"] * 1000
     if 1 in ours:
         summary["ours_over_floor_c1"] = ours[1]["per_token_s"] / floor["floor_s"]
+        summary["ours_over_floor_with_kv_c1"] = ours[1]["per_token_s"] / floor["floor_with_kv_s"]
     print(f"bandwidth floor at one session: {floor['weight_bytes'] / 1e6:.1f} MB of language-model weights "
           f"per token / {floor['bandwidth'] / 1e9:.1f} GB/s (best of "
-          f"{', '.join(f'{b / 1e9:.1f}' for b in floor['bandwidths'])}) = {floor['floor_s'] * 1000:.2f} ms/token")
+          f"{', '.join(f'{b / 1e9:.1f}' for b in floor['bandwidths'])}) = {floor['floor_s'] * 1000:.2f} ms/token; "
+          f"with the session's KV ({floor['kv_bytes'] / 1e6:.1f} MB at {context} tokens of context) "
+          f"{floor['floor_with_kv_s'] * 1000:.2f} ms/token")
     for key, value in summary.items():
         print(f"{key}: {value:.2f}")
     write_json(args.out / "decode.json", {"settings": vars(args) | {"out": str(args.out)}, "results": {
@@ -347,32 +353,42 @@ def run_vllm(args) -> tuple[dict, dict]:
     return decode, {key: peer["followup"][key] for key in ("followup_s_median", "first_s_median")}
 
 
-def copy_bandwidth(repeats: int = 10) -> float:
-    """Bytes per second of a streaming copy of a buffer larger than the caches (read + write), the best
-    of ``repeats``, with this process's thread setting."""
+def copy_bandwidth(repeats: int = 20) -> float:
+    """Bytes per second the memory moves here, with this process's thread setting: the best of
+    ``repeats`` streaming copies (read + write) and as many sums (read only, as weights are read) of a
+    buffer larger than the caches. Where they differ, the faster gives the lower (stricter) floor."""
     source = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB
     target = torch.empty_like(source)
     target.copy_(source)
+    nbytes = source.numel() * source.element_size()
     best = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
         target.copy_(source)
+        best = min(best, (time.perf_counter() - began) / 2)  # a copy reads and writes: twice the bytes
+        began = time.perf_counter()
+        source.sum()
         best = min(best, time.perf_counter() - began)
-    return 2 * source.numel() * source.element_size() / best  # a copy reads and writes
+    return nbytes / best
 
 
-def bandwidth_floor(runner, bandwidths: list[float]) -> dict:
+def bandwidth_floor(runner, bandwidths: list[float], context_tokens: int = 0) -> dict:
     """The memory-bandwidth floor of one decode step: every language-model weight (embedding row
     aside) is read once per token, at the best of the bandwidths measured in this run (a neighbour, or
-    the peer's processes exiting, only lower a measurement; the best gives the lowest floor)."""
-    def nbytes(module) -> int:  # parameters and oneDNN-packed weights (buffers; session/packed_linear.py)
+    the peer's processes exiting, only lower a measurement; the best gives the lowest floor). Beside
+    it, the floor with the session's keys and values read too (``context_tokens`` of them, every
+    layer), which a step reads as surely as the weights."""
+    def nbytes(module) -> int:  # parameters and packed weights (buffers; session/packed_linear.py, cpu_linear.py)
         return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()) if t.dim() > 1)
 
     lm_bytes = nbytes(runner.lm) - runner.lm.embed_tokens.weight.numel() * runner.lm.embed_tokens.weight.element_size()
     lm_bytes += nbytes(runner.lm_head)
+    info = runner.info
+    kv_bytes = (info.num_layers * 2 * info.num_kv_heads * info.head_dim * runner.kv_dtype.itemsize
+                * context_tokens)
     bandwidth = max(bandwidths)
-    return {"weight_bytes": lm_bytes, "bandwidth": bandwidth, "bandwidths": bandwidths,
-            "floor_s": lm_bytes / bandwidth}
+    return {"weight_bytes": lm_bytes, "kv_bytes": kv_bytes, "bandwidth": bandwidth, "bandwidths": bandwidths,
+            "floor_s": lm_bytes / bandwidth, "floor_with_kv_s": (lm_bytes + kv_bytes) / bandwidth}
 
 
 def _plot(path: Path, results: dict) -> None:
