@@ -6,7 +6,7 @@ adapters change the LM only). Demo adapters for it are built on first use under
 models/adapters-bench (all-linear and attention-only, ranks 4-16); the 100-adapter pool copies
 them under new names, so loads from disk are real.
 
-Run: python -m benchmarks.adapters [--concurrency 8] [--requests 32] [--new-tokens 32]
+Run: python -m benchmarks.adapters [--concurrency 8] [--requests 32] [--new-tokens 32] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--pool", type=int, default=100, help="registered adapters for the random-access run")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     if Path(args.model_path).resolve() == BENCH_MODEL.resolve():
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         if not target.exists():
             shutil.copytree(adapters_dir / MIX[i % 4], target)
 
-    engine = Engine(EngineConfig(model_path=args.model_path, adapters_dir=str(adapters_dir),
+    engine = Engine(EngineConfig(model_path=args.model_path, adapters_dir=str(adapters_dir), dtype=args.dtype,
                                  max_batch_size=args.concurrency, max_context_tokens=1024)).start()
     prompts = [engine.formatter.opening(_question(i)).token_ids for i in range(16)]
     run_batch(engine, [None, "tone"], 4, 2, prompts)  # warm-up
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.stop()
 
     pool_engine = Engine(EngineConfig(model_path=args.model_path, adapters_dir=str(pool_dir), max_device_adapters=8,
+                                      dtype=args.dtype,
                                       max_host_adapters=32, max_batch_size=args.concurrency, max_context_tokens=1024),
                          runner=engine.runner).start()
     rng = random.Random(0)

@@ -111,6 +111,7 @@ class LoraBank:
         self.single: tuple[int, int] | None = None  # this forward: (slot, rank) shared by every row
         self.mixed: tuple[tuple, torch.Tensor] | None = None  # this forward: (adapters present, row mask)
         self._cat_cache: dict = {}  # ((layer, target), adapters present) -> (A^T cat, B^T cat)
+        self.version = 0  # bumped by every load: a slot's weights changed
 
     @property
     def nbytes(self) -> int:
@@ -132,6 +133,7 @@ class LoraBank:
             self.bt[key][slot, : adapter.rank].copy_(b.T)
         self.ranks[slot] = adapter.rank
         self._cat_cache.clear()  # concatenations that included this slot are stale
+        self.version += 1
 
     def set_rows(self, slots: list[int] | None) -> None:
         """Before a forward: the adapter slot of each batch row (None or all zero: the base model).

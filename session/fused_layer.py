@@ -146,11 +146,33 @@ def norm(h: torch.Tensor, module: nn.Module, lanes: int) -> torch.Tensor:
 
 def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,
         v_layer: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor,
-        ends: torch.Tensor) -> torch.Tensor:
-    """One layer: h [B, D], cos/sin [B, hd], one layer of the head-major pool, slots [B] -> h [B, D]."""
+        ends: torch.Tensor, lora: list = (), mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer: h [B, D], cos/sin [B, hd], one layer of the head-major pool, slots [B] -> h [B, D].
+    ``lora``: this layer's 14 LoRA tensors (``lora_arguments``) or empty; ``mask``: a mix's row mask."""
     weights, biases, sizes, floats = arguments
     return op("decode_layer", h.dtype)(h, weights, biases, sizes, floats, cos, sin, k_layer, v_layer, slots, table,
-                                      starts, ends)
+                                      starts, ends, list(lora), mask)
+
+
+def lora_arguments(bank, num_layers: int) -> tuple[list, torch.Tensor | None]:
+    """The LoRA deltas of a step with adapter rows (``bank``: session/adapters.py's LoraBank, its rows
+    set), as LoRALinear computes them: per layer and linear (LINEARS' order) A^T [in, R] and B^T [R,
+    out], None and None where no adapter targets that linear, then the mix's row mask [B, 1, R] (None
+    where every row has one adapter). ([], None) for a step without adapter rows."""
+    if bank is None or (bank.single is None and bank.mixed is None) or not bank.at:
+        return [], None
+    tensors: list = []
+    for index in range(num_layers):
+        for name in LINEARS:
+            key = (index, name)
+            if key not in bank.at:
+                tensors += [None, None]
+            elif bank.single is not None:
+                slot, rank = bank.single
+                tensors += [bank.at[key][slot, :, :rank], bank.bt[key][slot, :rank]]
+            else:
+                tensors += list(bank.concatenated(key, bank.mixed[0]))
+    return tensors, (bank.mixed[1] if bank.mixed is not None else None)
 
 
 ROPE_TABLE_POSITIONS = 32768  # at most; a step past them runs the layers one call each

@@ -167,6 +167,7 @@ class ModelRunner:
         self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.kv_dtype in cpu_attention.DTYPES
                               and self.info.head_dim % 16 == 0 and cpu_attention.load())
         self.lora = None  # a LoraBank once enable_lora ran
+        self._lora_cached: tuple | None = None  # (rows' adapters, bank version) -> _lora_arguments' tensors
         self.cpu_kernels = cpu_kernels
         self.fused_layers: list[tuple] | None | bool = False  # False: not planned yet (_fused_plan)
         self.decode_stack: fused_layer.Stack | None | bool = False  # False: not planned yet (_decode_stack)
@@ -466,8 +467,9 @@ class ModelRunner:
             # int32 [windows + 1, B]: each row's first key per window, then its end
             bounds = torch.tensor([[self._window_start(w, n) for n in lengths] for w in stack.windows]
                                   + [[n + 1 for n in lengths]], dtype=torch.int32)
+            lora, mask = self._lora_arguments()
             out = stack.step.run(ints[:rows], ints[rows:2 * rows], pool.k, pool.v, ints[2 * rows:], table,
-                                 bounds[:-1], bounds[-1])
+                                 bounds[:-1], bounds[-1], lora, mask)
             return out if stack.head else self.lm_head(out[:, None])[:, 0].float()
         slots = self._step_slots(kvs, lengths)
         ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
@@ -476,9 +478,10 @@ class ModelRunner:
                   for window in set(self.windows)}  # window -> [B]: each row's first key
         if fused is not None:  # the same operators from C++, a call per layer (session/fused_layer.py)
             h, cos, sin, flat_slots = h[:, 0], cos[:, 0], sin[:, 0], slots[:, 0].contiguous()
+            lora, mask = self._lora_arguments()
             for index, arguments in enumerate(fused):
                 h = fused_layer.run(h, arguments, cos, sin, pool.k[index], pool.v[index], flat_slots, table,
-                                    starts[self.windows[index]], ends)
+                                    starts[self.windows[index]], ends, lora[14 * index:14 * index + 14], mask)
             if fused_layer.is_norm(self.lm.norm):  # the final norm by the layer's own (checked at load)
                 h = fused_layer.norm(h, self.lm.norm, fused_layer.lanes(fused))
                 return self.lm_head(h[:, None])[:, 0].float()  # [B, 1, D]: the head sums as for one row each
@@ -492,10 +495,8 @@ class ModelRunner:
         return self._logits(h)[:, 0]
 
     def _fused_plan(self) -> list[tuple] | None:
-        """The layers' arguments for the C++ layer where every layer is one it reproduces and this step
-        has no adapter rows (LoRA runs in Python); planned once, after any LoRA install."""
-        if self.lora is not None and (self.lora.single is not None or self.lora.mixed is not None):
-            return None
+        """The layers' arguments for the C++ layer where every layer is one it reproduces; planned once,
+        after any LoRA install (a step's adapter rows go in as ``_lora_arguments``)."""
         if self.fused_layers is False:
             i = self.info
             self.fused_layers = (fused_layer.plan(self.layers, i.num_heads, i.num_kv_heads, i.head_dim)
@@ -503,6 +504,18 @@ class ModelRunner:
                                  and type(self).attention_inputs is ModelRunner.attention_inputs
                                  and type(self).finish_layer is ModelRunner.finish_layer else None)
         return self.fused_layers
+
+    def _lora_arguments(self) -> tuple[list, torch.Tensor | None]:
+        """This step's LoRA deltas for the C++ layer (``fused_layer.lora_arguments``), the tensor list
+        kept while the rows' adapters and the bank's weights stay the same (a batch keeps its mix for
+        many steps)."""
+        bank = self.lora
+        if bank is None or (bank.single is None and bank.mixed is None):
+            return [], None
+        key = (bank.single, bank.mixed[0] if bank.mixed is not None else None, bank.version)
+        if self._lora_cached is None or self._lora_cached[0] != key:
+            self._lora_cached = (key, fused_layer.lora_arguments(bank, len(self.layers))[0])
+        return self._lora_cached[1], (bank.mixed[1] if bank.mixed is not None else None)
 
     def _decode_stack(self) -> fused_layer.Stack | None:
         """The whole step as one C++ call around the fused layers (session/fused_layer.py); planned once."""

@@ -24,6 +24,10 @@
 //            input block sizes, then 1 where the q and k norms exist, then the lanes of ATen's float
 //            sum (8 or 16: rms_norm)
 //   floats:  the two norms' epsilons, the q/k norms' epsilon, the attention scale
+//   lora:    empty (no adapter rows), or per linear (q .. down) its LoRA A^T [in, R] and B^T [R, out]
+//            (None, None where no adapter targets it); mask [B, 1, R] or None: the deltas session/
+//            adapters.py's LoRALinear adds, by the same ATen calls (so the same bits): one adapter for
+//            every row, y += (x A^T) B^T; a mix, y += ((x A^T) * mask) B^T over the mix's concatenation
 #pragma once
 
 #include <ATen/ATen.h>
@@ -187,12 +191,27 @@ inline void write_rows(at::Tensor& layer, const at::Tensor& slots, const at::Ten
 }
 
 // One layer; the arguments as the header documents them. F: the linears' weight format.
+// LoRALinear's delta (session/adapters.py) added to y [B, out] in place: linear i of ``lora`` (from
+// ``first``, 14 entries a layer), x [B, in].
+inline void add_lora(const c10::List<c10::optional<at::Tensor>>& lora, int64_t first, int i,
+                     const c10::optional<at::Tensor>& mask, const at::Tensor& x, const at::Tensor& y) {
+  if (lora.size() == 0) return;
+  const c10::optional<at::Tensor> a = lora.get(first + 2 * i), b = lora.get(first + 2 * i + 1);
+  if (!a.has_value() || !b.has_value()) return;
+  at::Tensor h = at::matmul(x, *a);  // [B, R]
+  if (mask.has_value()) h = h * mask->view({x.size(0), -1});
+  at::Tensor rows = y;
+  rows.addmm_(h, *b);
+}
+
 template <typename F>
 at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef sizes,
                          at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& k_layer, const at::Tensor& v_layer, const at::Tensor& slots,
-                         const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends) {
+                         const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends,
+                         const c10::List<c10::optional<at::Tensor>>& lora, int64_t lora_first,
+                         const c10::optional<at::Tensor>& mask) {
   using Elem = typename F::Elem;
   static auto attention_op =
       c10::Dispatcher::singleton()
@@ -213,6 +232,9 @@ at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
   const at::Tensor x = rms_norm<Elem>(hidden, weights[0], floats[0], lanes);
   const Prepared<F> q_proj = linear(0, x), k_proj = linear(1, x), v_proj = linear(2, x);
   run_linears<F>({&q_proj, &k_proj, &v_proj});  // one parallel region for the three
+  add_lora(lora, lora_first, 0, mask, x, q_proj.y);
+  add_lora(lora, lora_first, 1, mask, x, k_proj.y);
+  add_lora(lora, lora_first, 2, mask, x, v_proj.y);
   at::Tensor q = q_proj.y.view({batch, heads, head_dim});
   at::Tensor k = k_proj.y.view({batch, kv_heads, head_dim});
   const at::Tensor v = v_proj.y.view({batch, kv_heads, head_dim});
@@ -226,14 +248,20 @@ at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
   write_rows(keys, slots, k);
   write_rows(values, slots, v.contiguous());
   const at::Tensor o = attention_op.call(q, k_layer, v_layer, block_table, starts, ends, floats[3]);
-  const Prepared<F> o_proj = linear(3, o.view({batch, heads * head_dim}));
+  const at::Tensor o_rows = o.view({batch, heads * head_dim});
+  const Prepared<F> o_proj = linear(3, o_rows);
   run_linears<F>({&o_proj});
+  add_lora(lora, lora_first, 3, mask, o_rows, o_proj.y);
   const at::Tensor h = add<Elem>(hidden.contiguous(), o_proj.y);
   const at::Tensor y = rms_norm<Elem>(h, weights[1], floats[1], lanes);
   const Prepared<F> gate = linear(4, y), up = linear(5, y);
   run_linears<F>({&gate, &up});
-  const Prepared<F> down = linear(6, at::silu(gate.y) * up.y);
+  add_lora(lora, lora_first, 4, mask, y, gate.y);
+  add_lora(lora, lora_first, 5, mask, y, up.y);
+  const at::Tensor product = at::silu(gate.y) * up.y;
+  const Prepared<F> down = linear(6, product);
   run_linears<F>({&down});
+  add_lora(lora, lora_first, 6, mask, product, down.y);
   return add<Elem>(h, down.y);
 }
 
@@ -241,9 +269,11 @@ template <typename F>
 at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights, c10::List<c10::optional<at::Tensor>> biases,
                         at::IntArrayRef sizes, at::ArrayRef<double> floats, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor k_layer, at::Tensor v_layer, const at::Tensor& slots,
-                        const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends) {
+                        const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends,
+                        c10::List<c10::optional<at::Tensor>> lora, const c10::optional<at::Tensor>& mask) {
+  TORCH_CHECK(lora.size() == 0 || lora.size() == 14, "lora: empty, or A and B for each of the 7 linears");
   return layer_forward<F>(hidden, weights, biases, sizes, floats, cos, sin, k_layer, v_layer, slots, block_table,
-                          starts, ends);
+                          starts, ends, lora, 0, mask);
 }
 
 // A whole decode step in one call: the model's layers (each as layer_forward), and around them the
@@ -290,18 +320,22 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // ids, positions: [B] int64 (every position below the table's length); k_pool, v_pool: the pool's
   // [layers, KVH, NB, bt, hd]; slots [B] int64; block_table [B, W], starts [windows, B], ends [B]
-  // int32 -> logits [B, V] float32 where the head is ours, else the normed hidden state [B, D].
+  // int32; lora: empty, or 14 per layer (the header), mask as there -> logits [B, V] float32 where the
+  // head is ours, else the normed hidden state [B, D].
   at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& k_pool,
                  const at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& block_table,
-                 const at::Tensor& starts, const at::Tensor& ends) {
+                 const at::Tensor& starts, const at::Tensor& ends, c10::List<c10::optional<at::Tensor>> lora,
+                 c10::optional<at::Tensor> mask) {
     TORCH_CHECK(!layers.empty() && embedding.defined(), "DecodeStack: layers and ends not set");
     TORCH_CHECK(k_pool.size(0) == static_cast<int64_t>(layers.size()), "the pool's layers");
+    TORCH_CHECK(lora.size() == 0 || lora.size() == 14 * layers.size(), "lora: empty, or 14 per layer");
     const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
     at::Tensor h = embedding.index_select(0, ids);
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& layer = layers[i];
       h = layer_forward<F>(h, layer.weights, layer.biases, layer.sizes, layer.floats, cos, sin, k_pool.select(0, i),
-                           v_pool.select(0, i), slots, block_table, starts.select(0, layer.window_row), ends);
+                           v_pool.select(0, i), slots, block_table, starts.select(0, layer.window_row), ends, lora,
+                           static_cast<int64_t>(14 * i), mask);
     }
     h = rms_norm<Elem>(h, norm_weight, norm_eps, lanes);
     if (!head.defined()) return h;
@@ -318,7 +352,7 @@ struct DecodeStack : torch::CustomClassHolder {
   TORCH_LIBRARY_FRAGMENT(resident, m) {                                                                        \
     m.def("decode_layer_" suffix "(Tensor h, Tensor[] weights, Tensor?[] biases, int[] sizes, float[] floats, " \
           "Tensor cos, Tensor sin, Tensor(a!) k_layer, Tensor(b!) v_layer, Tensor slots, Tensor block_table, "  \
-          "Tensor starts, Tensor ends) -> Tensor");                                                            \
+          "Tensor starts, Tensor ends, Tensor?[] lora, Tensor? mask) -> Tensor");                              \
     m.def("rms_norm_" suffix "(Tensor x, Tensor weight, float eps, int lanes) -> Tensor");                    \
     m.def("rotary_" suffix "(Tensor x, Tensor cos, Tensor sin) -> Tensor");                                   \
     m.class_<DecodeStack<F>>(stack)                                                                            \

@@ -346,14 +346,47 @@ def test_the_rotary_table_is_refused_where_the_module_differs():
     assert fused_layer.rope_table(rotary, 64, 64, torch.bfloat16) is None
 
 
-def test_adapter_rows_run_the_python_layer(wide_models):
-    """A step with LoRA rows takes the Python layers (LoRA deltas are added there); one without, the C++."""
-    runner = ModelRunner(wide_models["llama"], device="cpu", dtype="bfloat16")
-    runner.enable_lora(num_slots=2, max_rank=4)
-    runner.set_adapters([0, 0])
-    assert runner._fused_plan() is not None
-    runner.set_adapters([1, 0])
-    assert runner._fused_plan() is None
+def test_adapter_rows_run_in_the_cpp_step_with_the_python_layers_bits(wide_models):
+    lora_rows_in_the_cpp_step(wide_models["llama"], "bfloat16")
+
+
+def lora_rows_in_the_cpp_step(model_dir: str, dtype: str) -> None:
+    """Steps with LoRA rows run the one-call step with the deltas added in C++ by LoRALinear's own ATen
+    calls: one adapter for every row, a mix of two adapters and the base, and the base alone give the
+    Python layer's logits bit for bit, as does the per-layer C++ call (and the adapters change them)."""
+    from session.adapters import AdapterWeights, TARGETS
+
+    def adapter(seed: int, rank: int, targets) -> AdapterWeights:
+        generator = torch.Generator().manual_seed(seed)
+        return AdapterWeights(f"a{seed}", rank, {
+            key: (torch.randn(rank, fan_in, generator=generator) * 0.05,
+                  torch.randn(fan_out, rank, generator=generator) * 0.05)
+            for key, (fan_in, fan_out) in shapes.items() if key[1] in targets})
+
+    runs = {}
+    for name in ("cpp", "layered", "python"):
+        runner = ModelRunner(model_dir, device="cpu", dtype=dtype)
+        bank, shapes = runner.enable_lora(num_slots=2, max_rank=8)
+        bank.load(1, adapter(1, 8, TARGETS))
+        bank.load(2, adapter(2, 4, ("q_proj", "v_proj", "down_proj")))  # an attention-and-down adapter
+        if name == "python":
+            runner.fused_layers = None
+        elif name == "layered":
+            runner.decode_stack = None
+        else:
+            stack = runner._decode_stack()
+            assert stack is not None
+            stack.step = CountedStep(stack.step)
+        kvs = [runner.new_kv_cache(block_tokens=16, max_tokens=256) for _ in range(3)]
+        for kv, start in zip(kvs, (3, 9, 20)):
+            runner.prefill(kv, runner.embed(list(range(start, start + 30)), []))
+        steps = [runner.decode(kvs, [5, 6, 7], adapter_slots=slots)
+                 for slots in ([1, 1, 1], [1, 0, 2], [2, 1, 0], [0, 0, 0], [2, 2, 2])]
+        if name == "cpp":
+            assert stack.step.batches == [3] * 5  # every step one C++ call, adapter rows or not
+        runs[name] = torch.stack(steps)
+    assert torch.equal(runs["cpp"], runs["python"]) and torch.equal(runs["layered"], runs["python"])
+    assert not torch.equal(runs["cpp"][0], runs["cpp"][3])  # the adapters change the logits
 
 
 def test_our_rms_norm_is_transformers_bits_at_many_widths():

@@ -14,7 +14,8 @@ import torch
 
 from session import cpu_attention, cpu_linear, fused_layer
 from session.model_runner import ModelRunner
-from tests.integration.test_bf16_decode import STEPS, CountedStep, churn_answers_as_alone, ours, transformers_steps
+from tests.integration.test_bf16_decode import (STEPS, CountedStep, churn_answers_as_alone, lora_rows_in_the_cpp_step,
+                                               ours, transformers_steps)
 
 pytestmark = pytest.mark.skipif(not (fused_layer.load(torch.float32) and cpu_attention.load()),
                                 reason="needs AVX-512 and the kernels built (a C++ compiler)")
@@ -107,6 +108,10 @@ def test_the_stack_under_engine_churn_answers_as_alone(wide_models, tmp_path):
     """14 requests arriving at random into a float32 batch of 4 (three cancelled): each row of the C++
     step computes as if alone, so every finished answer is its prompt's answer decoded alone."""
     churn_answers_as_alone(wide_models["llama"], tmp_path, "float32")
+
+
+def test_adapter_rows_run_in_the_cpp_step_with_the_python_layers_bits(wide_models):
+    lora_rows_in_the_cpp_step(wide_models["llama"], "float32")
 
 
 def test_small_float32_weights_keep_mkls_product():
