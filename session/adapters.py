@@ -112,6 +112,9 @@ class LoraBank:
         self.mixed: tuple[tuple, torch.Tensor] | None = None  # this forward: (adapters present, row mask)
         self._cat_cache: dict = {}  # ((layer, target), adapters present) -> (A^T cat, B^T cat)
         self.version = 0  # bumped by every load: a slot's weights changed
+        # CPU: our kernel for decode rows' deltas (csrc/lora.h; the runner sets it where the library
+        # builds), (y [N, out], x [N, in], A^T, B^T, mask [N, R] or None) -> None, y updated in place
+        self.kernel = None
 
     @property
     def nbytes(self) -> int:
@@ -186,7 +189,16 @@ class LoRALinear(nn.Module):
         # x: [B, T, in] -> y: [B, T, out]; y is fresh from the base linear, so it is updated in place.
         y = self.base(x)
         bank = self.bank
-        if bank.single is not None:
+        if bank.kernel is not None and (bank.single is not None or bank.mixed is not None) and x.shape[-2] == 1:
+            # decode rows (one token each): the kernel the C++ decode layer calls, so both give these bits
+            if bank.single is not None:
+                slot, rank = bank.single
+                a, b, mask = bank.at[self.key][slot, :, :rank], bank.bt[self.key][slot, :rank], None
+            else:
+                present, mask = bank.mixed
+                (a, b), mask = bank.concatenated(self.key, present), mask.view(-1, mask.shape[-1])
+            bank.kernel(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]).contiguous(), a, b, mask)
+        elif bank.single is not None:
             slot, rank = bank.single
             a, b = bank.at[self.key][slot, :, :rank], bank.bt[self.key][slot, :rank]  # [in, r], [r, out]
             y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ a, b)

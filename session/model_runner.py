@@ -196,6 +196,9 @@ class ModelRunner:
 
         shapes = target_shapes(self.layers)
         self.lora = LoraBank(shapes, num_slots, max_rank, self.dtype, self.device)
+        ours = self.cpu_kernels and self.device.type == "cpu" and self.dtype in fused_layer.KERNELS
+        if ours and fused_layer.load(self.dtype):  # decode rows' deltas by our kernel (csrc/lora.h)
+            self.lora.kernel = fused_layer.op("lora_add", self.dtype)
         install_lora(self.layers, self.lora)
         return self.lora, shapes
 

@@ -26,8 +26,9 @@
 //   floats:  the two norms' epsilons, the q/k norms' epsilon, the attention scale
 //   lora:    empty (no adapter rows), or per linear (q .. down) its LoRA A^T [in, R] and B^T [R, out]
 //            (None, None where no adapter targets it); mask [B, 1, R] or None: the deltas session/
-//            adapters.py's LoRALinear adds, by the same ATen calls (so the same bits): one adapter for
-//            every row, y += (x A^T) B^T; a mix, y += ((x A^T) * mask) B^T over the mix's concatenation
+//            adapters.py's LoRALinear adds to decode rows, by the same kernel (csrc/lora.h, so the same
+//            bits): one adapter for every row, y += (x A^T) B^T; a mix, y += ((x A^T) * mask) B^T over
+//            the mix's concatenation
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,6 +38,7 @@
 
 #include "bf16.h"
 #include "linear_tiles.h"
+#include "lora.h"
 
 #include <cmath>
 #include <cstdint>
@@ -193,15 +195,22 @@ inline void write_rows(at::Tensor& layer, const at::Tensor& slots, const at::Ten
 // One layer; the arguments as the header documents them. F: the linears' weight format.
 // LoRALinear's delta (session/adapters.py) added to y [B, out] in place: linear i of ``lora`` (from
 // ``first``, 14 entries a layer), x [B, in].
-inline void add_lora(const c10::List<c10::optional<at::Tensor>>& lora, int64_t first, int i,
-                     const c10::optional<at::Tensor>& mask, const at::Tensor& x, const at::Tensor& y) {
+template <typename Elem>
+void add_lora(const c10::List<c10::optional<at::Tensor>>& lora, int64_t first, int i,
+              const c10::optional<at::Tensor>& mask, const at::Tensor& x, const at::Tensor& y) {
   if (lora.size() == 0) return;
   const c10::optional<at::Tensor> a = lora.get(first + 2 * i), b = lora.get(first + 2 * i + 1);
   if (!a.has_value() || !b.has_value()) return;
-  at::Tensor h = at::matmul(x, *a);  // [B, R]
-  if (mask.has_value()) h = h * mask->view({x.size(0), -1});
   at::Tensor rows = y;
-  rows.addmm_(h, *b);
+  c10::optional<at::Tensor> row_mask;
+  if (mask.has_value()) row_mask = mask->view({x.size(0), -1});
+  lora_add<Elem>(rows, x.contiguous(), *a, *b, row_mask);
+}
+
+template <typename Elem>
+void lora_add_op(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                 const c10::optional<at::Tensor>& mask) {
+  lora_add<Elem>(y, x, a, b, mask);
 }
 
 template <typename F>
@@ -232,9 +241,9 @@ at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
   const at::Tensor x = rms_norm<Elem>(hidden, weights[0], floats[0], lanes);
   const Prepared<F> q_proj = linear(0, x), k_proj = linear(1, x), v_proj = linear(2, x);
   run_linears<F>({&q_proj, &k_proj, &v_proj});  // one parallel region for the three
-  add_lora(lora, lora_first, 0, mask, x, q_proj.y);
-  add_lora(lora, lora_first, 1, mask, x, k_proj.y);
-  add_lora(lora, lora_first, 2, mask, x, v_proj.y);
+  add_lora<Elem>(lora, lora_first, 0, mask, x, q_proj.y);
+  add_lora<Elem>(lora, lora_first, 1, mask, x, k_proj.y);
+  add_lora<Elem>(lora, lora_first, 2, mask, x, v_proj.y);
   at::Tensor q = q_proj.y.view({batch, heads, head_dim});
   at::Tensor k = k_proj.y.view({batch, kv_heads, head_dim});
   const at::Tensor v = v_proj.y.view({batch, kv_heads, head_dim});
@@ -251,17 +260,17 @@ at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
   const at::Tensor o_rows = o.view({batch, heads * head_dim});
   const Prepared<F> o_proj = linear(3, o_rows);
   run_linears<F>({&o_proj});
-  add_lora(lora, lora_first, 3, mask, o_rows, o_proj.y);
+  add_lora<Elem>(lora, lora_first, 3, mask, o_rows, o_proj.y);
   const at::Tensor h = add<Elem>(hidden.contiguous(), o_proj.y);
   const at::Tensor y = rms_norm<Elem>(h, weights[1], floats[1], lanes);
   const Prepared<F> gate = linear(4, y), up = linear(5, y);
   run_linears<F>({&gate, &up});
-  add_lora(lora, lora_first, 4, mask, y, gate.y);
-  add_lora(lora, lora_first, 5, mask, y, up.y);
+  add_lora<Elem>(lora, lora_first, 4, mask, y, gate.y);
+  add_lora<Elem>(lora, lora_first, 5, mask, y, up.y);
   const at::Tensor product = at::silu(gate.y) * up.y;
   const Prepared<F> down = linear(6, product);
   run_linears<F>({&down});
-  add_lora(lora, lora_first, 6, mask, product, down.y);
+  add_lora<Elem>(lora, lora_first, 6, mask, product, down.y);
   return add<Elem>(h, down.y);
 }
 
@@ -355,6 +364,7 @@ struct DecodeStack : torch::CustomClassHolder {
           "Tensor starts, Tensor ends, Tensor?[] lora, Tensor? mask) -> Tensor");                              \
     m.def("rms_norm_" suffix "(Tensor x, Tensor weight, float eps, int lanes) -> Tensor");                    \
     m.def("rotary_" suffix "(Tensor x, Tensor cos, Tensor sin) -> Tensor");                                   \
+    m.def("lora_add_" suffix "(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor? mask) -> ()");             \
     m.class_<DecodeStack<F>>(stack)                                                                            \
         .def(torch::init<>())                                                                                  \
         .def("add_layer", &DecodeStack<F>::add_layer)                                                          \
@@ -365,4 +375,5 @@ struct DecodeStack : torch::CustomClassHolder {
     m.impl("decode_layer_" suffix, &decode_layer<F>);                                                          \
     m.impl("rms_norm_" suffix, &rms_norm<F::Elem>);                                                            \
     m.impl("rotary_" suffix, &rotate<F::Elem>);                                                                \
+    m.impl("lora_add_" suffix, &lora_add_op<F::Elem>);                                                         \
   }

@@ -1,0 +1,91 @@
+// LoRA deltas for decode rows on CPU (session/adapters.py's LoRALinear, and the decode layer in
+// csrc/decode_layer.h): y[n] += ((x[n] A^T) * mask[n]) B^T for rows n of one token each, in float32,
+// rounded once into y. ATen's two products cost a oneDNN call each in bfloat16 (~10-20 us, 14 a layer);
+// this is one pass over A and B per row, vectorized 16 outputs at a time.
+//
+// y [N, out] contiguous; x [N, in], rows contiguous; a = A^T [in, R], b = B^T [R, out], each row
+// contiguous (any row stride: a slot's slice of the bank); mask [N, R] contiguous, or None. All of the
+// layer's element type. h = x A^T is summed input by input in float32, masked, then each output adds
+// h[j] B^T[j] for j in order, in float32, and y + delta is rounded once.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+
+#include "bf16.h"
+#include "parallel.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline __m512 lora_load16(const uint16_t* p) {  // 16 bfloat16 -> float32 (exact)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 lora_load16(const float* p) { return _mm512_loadu_ps(p); }
+inline float lora_float(uint16_t v) { return resident::bf16_to_float(v); }
+inline float lora_float(float v) { return v; }
+inline void lora_store(float v, uint16_t* out) { *out = resident::float_to_bf16(v); }
+inline void lora_store(float v, float* out) { *out = v; }
+
+// ``count`` (<= 16) elements from p as float32, zero past them
+template <typename Elem>
+inline __m512 lora_load_part(const Elem* p, int64_t count) {
+  if (count == 16) return lora_load16(p);
+  alignas(64) float lanes[16] = {};
+  for (int64_t i = 0; i < count; ++i) lanes[i] = lora_float(p[i]);
+  return _mm512_load_ps(lanes);
+}
+
+template <typename Elem>
+void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+              const c10::optional<at::Tensor>& mask) {
+  const at::ScalarType type = sizeof(Elem) == 2 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && a.dim() == 2 && b.dim() == 2, "lora: 2-d y, x, A^T, B^T");
+  TORCH_CHECK(y.scalar_type() == type && x.scalar_type() == type && a.scalar_type() == type && b.scalar_type() == type,
+              "lora: one dtype");
+  const int64_t rows = x.size(0), in = x.size(1), rank = a.size(1), out = b.size(1);
+  TORCH_CHECK(y.is_contiguous() && y.size(0) == rows && y.size(1) == out && a.size(0) == in && b.size(0) == rank &&
+                  x.stride(1) == 1 && a.stride(1) == 1 && b.stride(1) == 1,
+              "lora: y [N, out] contiguous, x [N, in], A^T [in, R], B^T [R, out] with contiguous rows");
+  const Elem* m = nullptr;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == type && mask->is_contiguous() && mask->numel() == rows * rank, "lora: mask [N, R]");
+    m = reinterpret_cast<const Elem*>(mask->data_ptr());
+  }
+  const auto* xs = reinterpret_cast<const Elem*>(x.data_ptr());
+  const auto* as = reinterpret_cast<const Elem*>(a.data_ptr());
+  const auto* bs = reinterpret_cast<const Elem*>(b.data_ptr());
+  auto* ys = reinterpret_cast<Elem*>(y.data_ptr());
+  const int64_t x_stride = x.stride(0), a_stride = a.stride(0), b_stride = b.stride(0);
+  const int64_t chunks = (rank + 15) / 16;
+  resident::for_each_shared(rows, [&](int64_t n) {
+    std::vector<float> h(chunks * 16, 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {  // h = x A^T, 16 of its R at a time
+      const int64_t width = std::min<int64_t>(16, rank - c * 16);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < in; ++i)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(lora_float(xs[n * x_stride + i])),
+                              lora_load_part(as + i * a_stride + c * 16, width), acc);
+      _mm512_storeu_ps(h.data() + c * 16, acc);
+    }
+    if (m != nullptr)
+      for (int64_t j = 0; j < rank; ++j) h[j] *= lora_float(m[n * rank + j]);
+    for (int64_t o = 0; o < out; o += 16) {  // y += h B^T, 16 outputs at a time
+      const int64_t width = std::min<int64_t>(16, out - o);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < rank; ++j)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(h[j]), lora_load_part(bs + j * b_stride + o, width), acc);
+      alignas(64) float delta[16];
+      _mm512_store_ps(delta, acc);
+      for (int64_t e = 0; e < width; ++e) lora_store(lora_float(ys[n * out + o + e]) + delta[e], ys + n * out + o + e);
+    }
+  });
+}
+
+}  // namespace
