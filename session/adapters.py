@@ -189,8 +189,10 @@ class LoRALinear(nn.Module):
         # x: [B, T, in] -> y: [B, T, out]; y is fresh from the base linear, so it is updated in place.
         y = self.base(x)
         bank = self.bank
-        if bank.kernel is not None and (bank.single is not None or bank.mixed is not None) and x.shape[-2] == 1:
-            # decode rows (one token each): the kernel the C++ decode layer calls, so both give these bits
+        if (bank.kernel is not None and (bank.single is not None or bank.mixed is not None) and x.shape[-2] == 1
+                and not torch.compiler.is_compiling()):
+            # decode rows (one token each), eager: the kernel the C++ decode layer calls, so both give these
+            # bits (a compiled graph, RESIDENT_COMPILE, traces ATen's products below)
             if bank.single is not None:
                 slot, rank = bank.single
                 a, b, mask = bank.at[self.key][slot, :, :rank], bank.bt[self.key][slot, :rank], None

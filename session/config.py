@@ -29,7 +29,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" -> cuda if available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" -> float32 on cpu, bfloat16 on cuda; or float32/bfloat16/float16
     pack_weights: bool = True  # CPU: the language model's linears prepacked for oneDNN (session/packed_linear.py)
-    cpu_kernels: bool = True  # CPU, bfloat16 and float32: our attention, linear and decode-step kernels, built at start-up
+    cpu_kernels: bool = True  # CPU: our kernels (attention, linears, the decode step), built at start-up
     kv_dtype: str = "auto"  # KV cache and attention: "auto" = dtype; or float32 (more precise, twice the KV bytes)
     session_ttl_s: float = 1200.0  # idle sessions expire after this many seconds
     reaper_interval_s: float = 1.0  # how often the engine looks for expired sessions
