@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from session.kernels import CppKernel
+from session.kernels import AVX2, AVX512, CppKernel
 
-KERNEL = CppKernel("decode attention", "decode_attention.cpp",
-                   isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
-                   cpu_requires=("avx512f", "avx512bw", "avx512vl", "fma"))
+KERNEL = CppKernel("decode attention", "decode_attention.cpp", (AVX512, AVX2))
 
 
 def load() -> bool:
@@ -40,6 +38,12 @@ def load() -> bool:
 
 
 DTYPES = (torch.bfloat16, torch.float32)  # the pools the kernel reads
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether our kernel attends over a pool of ``dtype`` here (loading it if needed): float32 on any
+    build, bfloat16 on the AVX-512 one only (its order of additions was probed on such a CPU)."""
+    return dtype in DTYPES and load() and (dtype == torch.float32 or KERNEL.isa == AVX512)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,

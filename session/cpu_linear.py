@@ -40,15 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from session.kernels import CppKernel
+from session.kernels import AVX2, AVX512, AVX512_BF16, CppKernel
 from session.packed_linear import swap_weight, worth_packing
 
 KERNELS = {
-    torch.bfloat16: CppKernel("bfloat16 linear", "linear_bf16.cpp",
-                              isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
-                              cpu_requires=("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
-    torch.float32: CppKernel("float32 linear", "linear_f32.cpp", isa=("-mavx512f", "-mfma"),
-                             cpu_requires=("avx512f", "fma")),
+    torch.bfloat16: CppKernel("bfloat16 linear", "linear_bf16.cpp", (AVX512_BF16,)),
+    torch.float32: CppKernel("float32 linear", "linear_f32.cpp", (AVX512, AVX2)),
 }
 KERNEL = KERNELS[torch.bfloat16]
 LANES = 16  # outputs per packed block: one float32 lane each

@@ -29,16 +29,13 @@ import torch
 from torch import nn
 
 from session.cpu_linear import KernelLinear
-from session.kernels import CppKernel
+from session.kernels import AVX2, AVX512, AVX512_BF16, CppKernel
 
 logger = logging.getLogger(__name__)
 
 KERNELS = {  # the linear tiles' instructions
-    torch.bfloat16: CppKernel("fused bfloat16 decode layer", "decode_layer.cpp",
-                              isa=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
-                              cpu_requires=("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
-    torch.float32: CppKernel("fused float32 decode layer", "decode_layer_f32.cpp", isa=("-mavx512f", "-mfma"),
-                             cpu_requires=("avx512f", "fma")),
+    torch.bfloat16: CppKernel("fused bfloat16 decode layer", "decode_layer.cpp", (AVX512_BF16,)),
+    torch.float32: CppKernel("fused float32 decode layer", "decode_layer_f32.cpp", (AVX512, AVX2)),
 }
 KERNEL = KERNELS[torch.bfloat16]
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the operators' names per dtype

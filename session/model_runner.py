@@ -164,8 +164,8 @@ class ModelRunner:
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
         # decode attention on CPU: our kernel, one call per layer (session/cpu_attention.py)
-        self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.kv_dtype in cpu_attention.DTYPES
-                              and self.info.head_dim % 16 == 0 and cpu_attention.load())
+        self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.info.head_dim % 16 == 0
+                              and cpu_attention.supports(self.kv_dtype))
         self.lora = None  # a LoraBank once enable_lora ran
         self._lora_cached: tuple | None = None  # (rows' adapters, bank version) -> _lora_arguments' tensors
         self.cpu_kernels = cpu_kernels

@@ -35,9 +35,13 @@ MIN_FLOAT32_BYTES = 256 << 10  # smaller float32 weights run faster dense (modul
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacking applies: CPU, float32 or bfloat16, a torch built with oneDNN."""
-    return (device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN prepacking applies: CPU, float32 or bfloat16, a torch built with oneDNN; bfloat16 only where
+    oneDNN has a bfloat16 path on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: its reorder raises
+    elsewhere)."""
+    if not (device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Linear):
@@ -71,7 +75,7 @@ def swap_weight(module: nn.Linear, cls: type, packed: torch.Tensor) -> None:
 
 def worth_packing(module: nn.Module) -> bool:
     """A plain ``nn.Linear`` that runs faster packed: bfloat16, or float32 of at least MIN_FLOAT32_BYTES."""
-    if type(module) is not nn.Linear or module.weight.dtype not in PACKABLE_DTYPES:
+    if type(module) is not nn.Linear or not can_pack(module.weight.device, module.weight.dtype):
         return False
     weight = module.weight
     return weight.dtype == torch.bfloat16 or weight.numel() * weight.element_size() >= MIN_FLOAT32_BYTES

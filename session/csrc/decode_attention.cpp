@@ -27,9 +27,9 @@
 // million outputs differ over two models' greedy decoding, 1 of about 400,000 on random data (a
 // row of two splits), which the tests' seeds do not hit.
 //
-// Built at run time by session/cpu_attention.py with -mavx512f -mavx512bw -mfma -ffp-contract=off (fused
-// multiply-adds only where written, on exact products);
-// used only where the CPU reports AVX-512.
+// Built at run time by session/cpu_attention.py for AVX-512 (-mavx512f -mavx512bw -mfma) or AVX2 with
+// FMA (csrc/simd.h: the same bits on both), -ffp-contract=off (fused multiply-adds only where written,
+// on exact products). bfloat16 is taken only from the AVX-512 build: the CPU it was probed on.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,6 +39,7 @@
 
 #include "bf16.h"
 #include "parallel.h"
+#include "simd.h"
 
 #include <cmath>
 #include <cstdint>
@@ -48,17 +49,12 @@
 namespace {
 
 constexpr int kSplit = 512;  // torch's kv_split_size for a one-token query
-constexpr int kLanes = 16;
 
 using resident::bf16_to_float;
 using resident::float_to_bf16;
-
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32 (exact)
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+using resident::simd::kLanes;
+using resident::simd::V16;
+namespace simd = resident::simd;
 
 inline float to_float(uint16_t x) { return bf16_to_float(x); }
 inline float to_float(float x) { return x; }
@@ -67,72 +63,49 @@ inline void store(float value, float* out) { *out = value; }
 
 // values[0 .. n) rounded to bfloat16 in place (held as float32), as float_to_bf16 does one at a time.
 inline void round_to_bf16(float* values, int n) {
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), high = _mm512_set1_epi32(int(0xFFFF0000));
-  const __m512i nan = _mm512_set1_epi32(0x7FC00000);
   int i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const __m512 v = _mm512_loadu_ps(values + i);
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, lsb), bias), high);
-    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-    _mm512_storeu_ps(values + i, _mm512_castsi512_ps(rounded));
-  }
+  for (; i + kLanes <= n; i += kLanes) simd::storeu(values + i, simd::round_bits_to_bf16(simd::loadu(values + i)));
   for (; i < n; ++i) values[i] = bf16_to_float(float_to_bf16(values[i]));
 }
 
 // ATen's Vectorized<float>::fexp_u20 (AVX-512), step for step.
-inline __m512 fexp_u20(__m512 values) {
-  const __m512 c0 = _mm512_set1_ps(0.00010703434948458272f);
-  const __m512 c1 = _mm512_set1_ps(0.30354260500649682f);
-  const __m512 c2 = _mm512_set1_ps(-0.22433836478672356f);
-  const __m512 c3 = _mm512_set1_ps(-0.079204240219773236f);
-  const __m512 log2e = _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b));
-  const __m512 a = _mm512_set1_ps(8388608.f);  // 2^23 / log2(2)
-  const __m512 b = _mm512_set1_ps(8388608.f * 127.f);
-  const __m512 ln_flt_min = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));
-  const __m512 ln_flt_max = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));
-  const __m512i infinity = _mm512_set1_epi32(0x7F800000);
-  const __m512i zero = _mm512_setzero_si512();
-  __mmask16 min_mask = _mm512_cmp_ps_mask(values, ln_flt_min, _CMP_LT_OS);
-  __mmask16 max_mask = _mm512_cmp_ps_mask(values, ln_flt_max, _CMP_GT_OS);
-  __m512 src = _mm512_mul_ps(values, log2e);
-  __m512 fractional = _mm512_sub_ps(src, _mm512_floor_ps(src));
-  __m512 res = _mm512_fmadd_ps(fractional, c3, c2);
-  res = _mm512_fmadd_ps(fractional, res, c1);
-  res = _mm512_fmadd_ps(fractional, res, c0);
-  src = _mm512_sub_ps(src, res);
-  __m512 tmp = _mm512_fmadd_ps(a, src, b);
-  __m512i casted = _mm512_cvttps_epi32(tmp);
-  casted = _mm512_mask_mov_epi32(casted, min_mask, zero);
-  casted = _mm512_mask_mov_epi32(casted, max_mask, infinity);
-  return _mm512_castsi512_ps(casted);
+inline V16 fexp_u20(V16 values) {
+  const V16 c0 = simd::set1(0.00010703434948458272f);
+  const V16 c1 = simd::set1(0.30354260500649682f);
+  const V16 c2 = simd::set1(-0.22433836478672356f);
+  const V16 c3 = simd::set1(-0.079204240219773236f);
+  const V16 log2e = simd::set1_bits(0x3fb8aa3b);
+  const V16 a = simd::set1(8388608.f);  // 2^23 / log2(2)
+  const V16 b = simd::set1(8388608.f * 127.f);
+  const simd::M16 below = simd::less(values, simd::set1_bits(int32_t(0xc2aeac50)));    // ln(FLT_MIN)
+  const simd::M16 above = simd::greater(values, simd::set1_bits(int32_t(0x42b17218)));  // ln(FLT_MAX)
+  V16 src = simd::mul(values, log2e);
+  const V16 fractional = simd::sub(src, simd::floor(src));
+  V16 res = simd::fmadd(fractional, c3, c2);
+  res = simd::fmadd(fractional, res, c1);
+  res = simd::fmadd(fractional, res, c0);
+  src = simd::sub(src, res);
+  const V16 casted = simd::truncate_bits(simd::fmadd(a, src, b));
+  return simd::select(above, simd::set1_bits(0x7F800000), simd::select(below, simd::zero(), casted));
 }
 
 // exp to float32 accuracy (a few ulp), for float32 attention, where torch's kernel takes its exact
 // exponential rather than fexp_u20 (whose error, ~1e-5, would show): x = n ln2 + r with |r| <= ln2 / 2,
 // exp(r) by its Taylor polynomial to r^7 (remainder < 1e-8), times 2^n.
-inline __m512 exp_accurate(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // below, the result is 0 as it is for std::exp
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: hi exact in n * hi
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+inline V16 exp_accurate(V16 x) {
+  x = simd::max(x, simd::set1(-104.f));  // below, the result is 0 as it is for std::exp
+  const V16 n = simd::round_even(simd::mul(x, simd::set1(1.44269504088896341f)));
+  V16 r = simd::fnmadd(n, simd::set1(0.693359375f), x);  // ln2 in two parts: hi exact in n * hi
+  r = simd::fnmadd(n, simd::set1(-2.12194440e-4f), r);
+  V16 p = simd::set1(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = simd::fmadd(p, r, simd::set1(c));
+  return simd::scale2(p, n);
 }
 
 // ATen's vec_reduce_all(x + y) for 16 lanes: halves folded 8, 4, 2, 1 lanes apart.
-inline float reduce_add(__m512 v) {
+inline float reduce_add(V16 v) {
   alignas(64) float lanes[kLanes];
-  _mm512_store_ps(lanes, v);
+  simd::lanes_of(v, lanes);
   for (int width = kLanes / 2; width >= 1; width /= 2)
     for (int i = 0; i < width; ++i) lanes[i] = lanes[i] + lanes[i + width];
   return lanes[0];
@@ -145,12 +118,16 @@ inline float reduce_add(__m512 v) {
 // rounds as a multiply then an add. Lanes: 128-bit block j of the accumulator holds key j's four
 // partial sums. ``qb``: per 16 dimensions, the query's 128-bit block m copied to all four blocks
 // (query_blocks), so that block j of qb[4 g + m] * (keys' blocks m, transposed) is key j's step m.
+#if defined(__AVX512F__)
+using QueryBlock = __m512;  // qb's element
+constexpr int kQueryBlockDims = 4;  // query dimensions per QueryBlock (per 16 dimensions: four)
+
 template <typename Elem>
-inline void dots4(const __m512* qb, const Elem* const* k, int head_dim, float* out) {
+inline void dots4(const QueryBlock* qb, const Elem* const* k, int head_dim, float* out) {
   __m512 acc = _mm512_setzero_ps();
   for (int d = 0, g = 0; d < head_dim; d += kLanes, ++g) {
-    const __m512 k0 = load16(k[0] + d), k1 = load16(k[1] + d);
-    const __m512 k2 = load16(k[2] + d), k3 = load16(k[3] + d);
+    const __m512 k0 = simd::loadu(k[0] + d).v, k1 = simd::loadu(k[1] + d).v;
+    const __m512 k2 = simd::loadu(k[2] + d).v, k3 = simd::loadu(k[3] + d).v;
     // 4x4 transpose of 128-bit blocks: step m holds block m of k0, k1, k2, k3
     const __m512 a = _mm512_shuffle_f32x4(k0, k1, 0x44), b = _mm512_shuffle_f32x4(k0, k1, 0xEE);
     const __m512 c = _mm512_shuffle_f32x4(k2, k3, 0x44), e = _mm512_shuffle_f32x4(k2, k3, 0xEE);
@@ -166,7 +143,7 @@ inline void dots4(const __m512* qb, const Elem* const* k, int head_dim, float* o
 }
 
 // dots4's query operand: for each 16 dimensions g, its 128-bit blocks m = 0..3 each copied to all four.
-inline void query_blocks(const float* q, int head_dim, __m512* qb) {
+inline void query_blocks(const float* q, int head_dim, QueryBlock* qb) {
   for (int d = 0, g = 0; d < head_dim; d += kLanes, ++g) {
     const __m512 qd = _mm512_load_ps(q + d);
     qb[4 * g + 0] = _mm512_shuffle_f32x4(qd, qd, 0x00);
@@ -175,6 +152,45 @@ inline void query_blocks(const float* q, int head_dim, __m512* qb) {
     qb[4 * g + 3] = _mm512_shuffle_f32x4(qd, qd, 0xFF);
   }
 }
+
+#else
+// AVX2: the same four partial sums per key, two keys per register (128-bit half j holds key j's), the
+// query's four dimensions d .. d+3 in both halves.
+using QueryBlock = __m256;
+constexpr int kQueryBlockDims = 4;
+
+inline __m256 pair_sums(__m256 acc) {  // per half: (s0 + s2) + (s1 + s3) in its lane 0
+  const __m256 pairs = _mm256_add_ps(acc, _mm256_permute_ps(acc, 0x4E));
+  return _mm256_add_ps(pairs, _mm256_permute_ps(pairs, 0xB1));
+}
+
+template <typename Elem>
+inline void dots4(const QueryBlock* qb, const Elem* const* k, int head_dim, float* out) {
+  __m256 acc01 = _mm256_setzero_ps(), acc23 = _mm256_setzero_ps();
+  for (int d = 0; d < head_dim; d += kLanes) {
+    const V16 k0 = simd::loadu(k[0] + d), k1 = simd::loadu(k[1] + d);
+    const V16 k2 = simd::loadu(k[2] + d), k3 = simd::loadu(k[3] + d);
+    const QueryBlock* q = qb + d / kQueryBlockDims;
+    // step m: dimensions d + 4m .. d + 4m + 3 of two keys, one per half
+    acc01 = _mm256_fmadd_ps(q[0], _mm256_permute2f128_ps(k0.lo, k1.lo, 0x20), acc01);
+    acc23 = _mm256_fmadd_ps(q[0], _mm256_permute2f128_ps(k2.lo, k3.lo, 0x20), acc23);
+    acc01 = _mm256_fmadd_ps(q[1], _mm256_permute2f128_ps(k0.lo, k1.lo, 0x31), acc01);
+    acc23 = _mm256_fmadd_ps(q[1], _mm256_permute2f128_ps(k2.lo, k3.lo, 0x31), acc23);
+    acc01 = _mm256_fmadd_ps(q[2], _mm256_permute2f128_ps(k0.hi, k1.hi, 0x20), acc01);
+    acc23 = _mm256_fmadd_ps(q[2], _mm256_permute2f128_ps(k2.hi, k3.hi, 0x20), acc23);
+    acc01 = _mm256_fmadd_ps(q[3], _mm256_permute2f128_ps(k0.hi, k1.hi, 0x31), acc01);
+    acc23 = _mm256_fmadd_ps(q[3], _mm256_permute2f128_ps(k2.hi, k3.hi, 0x31), acc23);
+  }
+  alignas(32) float sums01[8], sums23[8];
+  _mm256_store_ps(sums01, pair_sums(acc01));
+  _mm256_store_ps(sums23, pair_sums(acc23));
+  out[0] = sums01[0], out[1] = sums01[4], out[2] = sums23[0], out[3] = sums23[4];
+}
+
+inline void query_blocks(const float* q, int head_dim, QueryBlock* qb) {
+  for (int d = 0; d < head_dim; d += kQueryBlockDims) qb[d / kQueryBlockDims] = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(q + d));
+}
+#endif
 
 template <typename Elem>
 struct Pool {
@@ -211,7 +227,7 @@ void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, 
   alignas(64) float probs[kSplit];  // bfloat16: rounded to it, held as float32
   alignas(64) float dst[512];
   for (int d = 0; d < head_dim; ++d) q[d] = to_float(q_in[d]);
-  alignas(64) __m512 qb[512 / kLanes * 4];
+  alignas(64) QueryBlock qb[512 / kQueryBlockDims];
   query_blocks(q, head_dim, qb);
   float running_max = -std::numeric_limits<float>::infinity(), running_sum = 0.f;
   const Elem* rows[4];
@@ -225,15 +241,15 @@ void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, 
     }
     float block_max = -std::numeric_limits<float>::infinity();
     {
-      const __m512 scale_v = _mm512_set1_ps(scale);
-      __m512 max_lanes = _mm512_set1_ps(block_max);
+      const V16 scale_v = simd::set1(scale);
+      V16 max_lanes = simd::set1(block_max);
       int i = 0;
       for (; i + kLanes <= size; i += kLanes) {
-        const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(scores + i), scale_v);
-        _mm512_storeu_ps(scores + i, scaled);
-        max_lanes = _mm512_max_ps(max_lanes, scaled);
+        const V16 scaled = simd::mul(simd::loadu(scores + i), scale_v);
+        simd::storeu(scores + i, scaled);
+        max_lanes = simd::max(max_lanes, scaled);
       }
-      block_max = _mm512_reduce_max_ps(max_lanes);  // a maximum is exact in any order
+      block_max = simd::reduce_max(max_lanes);
       for (; i < size; ++i) {
         scores[i] = scores[i] * scale;
         block_max = std::max(block_max, scores[i]);
@@ -242,13 +258,13 @@ void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, 
     const float new_max = running_max > block_max ? running_max : block_max;
     // exponentials and their sum, as _exp_reduce_sum_fusion_kernel
     const int vectorized = size - size % kLanes;
-    const __m512 max_v = _mm512_set1_ps(new_max);
-    __m512 lane_sum = _mm512_setzero_ps();
+    const V16 max_v = simd::set1(new_max);
+    V16 lane_sum = simd::zero();
     for (int i = 0; i < vectorized; i += kLanes) {
-      const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(scores + i), max_v);
-      const __m512 e = sizeof(Elem) == 2 ? fexp_u20(shifted) : exp_accurate(shifted);
-      lane_sum = _mm512_add_ps(lane_sum, e);
-      _mm512_storeu_ps(probs + i, e);
+      const V16 shifted = simd::sub(simd::loadu(scores + i), max_v);
+      const V16 e = sizeof(Elem) == 2 ? fexp_u20(shifted) : exp_accurate(shifted);
+      lane_sum = simd::add(lane_sum, e);
+      simd::storeu(probs + i, e);
     }
     float block_sum = reduce_add(lane_sum);
     for (int i = vectorized; i < size; ++i) {
@@ -272,28 +288,27 @@ void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, 
     for (int d = 0; d < head_dim; d += 4 * kLanes) {  // 64 outputs at a time, held in registers
       Cursor<Elem> at = value_at;
       const int chunks = std::min(4, (head_dim - d) / kLanes);
-      __m512 acc[4];
-      for (int c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(dst + d + c * kLanes);
+      V16 acc[4];
+      for (int c = 0; c < chunks; ++c) acc[c] = simd::loadu(dst + d + c * kLanes);
       for (int i = 0; i < fours; i += 4) {
         const Elem* v[4];
-        __m512 w[4];
-        for (int j = 0; j < 4; ++j) v[j] = at.next() + d, w[j] = _mm512_set1_ps(probs[i + j]);
+        V16 w[4];
+        for (int j = 0; j < 4; ++j) v[j] = at.next() + d, w[j] = simd::set1(probs[i + j]);
         for (int c = 0; c < chunks; ++c) {
           const int o = c * kLanes;
           // p v products are exact in float32 (two bfloat16 factors): a fused multiply-add rounds as mul + add
-          const __m512 even = _mm512_fmadd_ps(w[2], load16(v[2] + o), _mm512_mul_ps(w[0], load16(v[0] + o)));
-          const __m512 odd = _mm512_fmadd_ps(w[3], load16(v[3] + o), _mm512_mul_ps(w[1], load16(v[1] + o)));
-          acc[c] = _mm512_add_ps(acc[c], _mm512_add_ps(even, odd));
+          const V16 even = simd::fmadd(w[2], simd::loadu(v[2] + o), simd::mul(w[0], simd::loadu(v[0] + o)));
+          const V16 odd = simd::fmadd(w[3], simd::loadu(v[3] + o), simd::mul(w[1], simd::loadu(v[1] + o)));
+          acc[c] = simd::add(acc[c], simd::add(even, odd));
         }
       }
       const Elem* rest[3];
       for (int i = fours; i < size; ++i) rest[i - fours] = at.next() + d;
       for (int i = size - 1; i >= fours; --i) {
-        const __m512 w = _mm512_set1_ps(probs[i]);
-        for (int c = 0; c < chunks; ++c)
-          acc[c] = _mm512_fmadd_ps(w, load16(rest[i - fours] + c * kLanes), acc[c]);
+        const V16 w = simd::set1(probs[i]);
+        for (int c = 0; c < chunks; ++c) acc[c] = simd::fmadd(w, simd::loadu(rest[i - fours] + c * kLanes), acc[c]);
       }
-      for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(dst + d + c * kLanes, acc[c]);
+      for (int c = 0; c < chunks; ++c) simd::storeu(dst + d + c * kLanes, acc[c]);
     }
   }
   const float reciprocal = 1.f / (running_sum == 0.f ? 1.f : running_sum);

@@ -2,8 +2,8 @@
 // the order of additions), shared by the linear operators and the decode layer (csrc/decode_layer.h),
 // which runs several linears of one input (q, k, v; gate, up) in one parallel region. Two weight
 // formats, the same tiles: bfloat16 pairs for VDPBF16PS (compiled with -mavx512bf16 only) and float32
-// lines for FMA (-mavx512f). An unnamed namespace: each library keeps its own copy, nothing is
-// exported.
+// lines for FMA (AVX-512 or AVX2: csrc/simd.h, the same bits on both). An unnamed namespace: each
+// library keeps its own copy, nothing is exported.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "parallel.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -20,9 +21,19 @@
 
 namespace {
 
-constexpr int kLanes = 16;
+using resident::simd::kLanes;
+using resident::simd::V16;
+namespace simd = resident::simd;
+
+// rows x output blocks per tile, its accumulators in registers: 6 x 4 of AVX-512's 32; AVX2 has 16 of
+// half the width (a V16 takes two), so 2 x 3 (one row still runs 6 chains of multiply-adds)
+#if defined(__AVX512F__)
 constexpr int kRowTile = 6;
 constexpr int kBlockTile = 4;
+#else
+constexpr int kRowTile = 2;
+constexpr int kBlockTile = 3;
+#endif
 
 #ifdef __AVX512BF16__
 // bfloat16: per block of 16 outputs and pair of inputs, the 32 weights one VDPBF16PS takes; each lane
@@ -37,11 +48,11 @@ struct Bf16Pairs {
     std::memcpy(&bits, row + 2 * p, sizeof bits);
     return (__m512bh)_mm512_set1_epi32(bits);
   }
-  static __m512 add_products(__m512 acc, Input x, const Elem* w) {
-    return _mm512_dpbf16_ps(acc, x, (__m512bh)_mm512_loadu_si512(w));
+  static V16 add_products(V16 acc, Input x, const Elem* w) {
+    return {_mm512_dpbf16_ps(acc.v, x, (__m512bh)_mm512_loadu_si512(w))};
   }
-  static void store(Elem* out, __m512 sum, int64_t count) {  // count <= 16 outputs
-    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sum);
+  static void store(Elem* out, V16 sum, int64_t count) {  // count <= 16 outputs
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sum.v);
     if (count == kLanes) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), rounded);
     } else {
@@ -57,16 +68,12 @@ struct Bf16Pairs {
 // product to its sum with one fused multiply-add, input after input. Outputs stored as summed.
 struct F32Lines {
   using Elem = float;
-  using Input = __m512;
+  using Input = V16;
   static constexpr at::ScalarType kType = at::kFloat;
   static constexpr int kInputs = 1;
-  static Input input(const Elem* row, int64_t p) { return _mm512_set1_ps(row[p]); }
-  static __m512 add_products(__m512 acc, Input x, const Elem* w) {
-    return _mm512_fmadd_ps(x, _mm512_loadu_ps(w), acc);
-  }
-  static void store(Elem* out, __m512 sum, int64_t count) {
-    _mm512_mask_storeu_ps(out, count == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1), sum);
-  }
+  static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
+  static V16 add_products(V16 acc, Input x, const Elem* w) { return simd::fmadd(x, simd::loadu(w), acc); }
+  static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
 };
 
 template <typename F>
@@ -92,9 +99,9 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
   const int64_t per_block = pb.k_block / F::kInputs;
   for (int64_t start = 0; start < pb.steps; start += per_block) {
     const int64_t stop = std::min(pb.steps, start + per_block);
-    __m512 acc[MR][NR];
+    V16 acc[MR][NR];
     for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+      for (int r = 0; r < NR; ++r) acc[m][r] = simd::zero();
     const typename F::Elem* w0 = pb.w + (b0 * pb.steps) * line;
     const int64_t block_stride = pb.steps * line;
     for (int64_t p = start; p < stop; ++p) {
@@ -109,9 +116,9 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
       float* out = pb.scratch + (m0 + m) * width + b0 * kLanes;
       for (int r = 0; r < NR; ++r) {
         if (start == 0) {
-          _mm512_storeu_ps(out + r * kLanes, acc[m][r]);
+          simd::storeu(out + r * kLanes, acc[m][r]);
         } else {
-          _mm512_storeu_ps(out + r * kLanes, _mm512_add_ps(_mm512_loadu_ps(out + r * kLanes), acc[m][r]));
+          simd::storeu(out + r * kLanes, simd::add(simd::loadu(out + r * kLanes), acc[m][r]));
         }
       }
     }
@@ -121,8 +128,8 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
     typename F::Elem* out = pb.y + (m0 + m) * pb.n;
     for (int r = 0; r < NR; ++r) {
       const int64_t first = (b0 + r) * kLanes;
-      __m512 sum = _mm512_loadu_ps(sums + r * kLanes);
-      if (pb.bias != nullptr) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pb.bias + first));
+      V16 sum = simd::loadu(sums + r * kLanes);
+      if (pb.bias != nullptr) sum = simd::add(sum, simd::loadu(pb.bias + first));
       F::store(out + first, sum, std::min<int64_t>(kLanes, pb.n - first));
     }
   }
@@ -176,7 +183,7 @@ struct Prepared {
     column_tiles = rows == 0 ? 0 : (blocks + kBlockTile - 1) / kBlockTile;
   }
 
-  void run_tile(int64_t t) const {  // output blocks 4t .. 4t+3 for every row
+  void run_tile(int64_t t) const {  // output blocks kBlockTile t .. kBlockTile (t + 1) - 1 for every row
     const int64_t b0 = t * kBlockTile, blocks = (pb.n + kLanes - 1) / kLanes;
     switch (std::min<int64_t>(kBlockTile, blocks - b0)) {
       case 4: rows_of<F, 4>(pb, rows, b0); break;

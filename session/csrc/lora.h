@@ -1,7 +1,7 @@
 // LoRA deltas for decode rows on CPU (session/adapters.py's LoRALinear, and the decode layer in
 // csrc/decode_layer.h): y[n] += ((x[n] A^T) * mask[n]) B^T for rows n of one token each, in float32,
 // rounded once into y. ATen's two products cost a oneDNN call each in bfloat16 (~10-20 us, 14 a layer);
-// this is one pass over A and B per row, vectorized 16 outputs at a time.
+// this is one pass over A and B per row, vectorized 16 outputs at a time (csrc/simd.h).
 //
 // y [N, out] contiguous; x [N, in], rows contiguous; a = A^T [in, R], b = B^T [R, out], each row
 // contiguous (any row stride: a slot's slice of the bank); mask [N, R] contiguous, or None. All of the
@@ -15,6 +15,7 @@
 
 #include "bf16.h"
 #include "parallel.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -23,11 +24,9 @@
 
 namespace {
 
-inline __m512 lora_load16(const uint16_t* p) {  // 16 bfloat16 -> float32 (exact)
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 lora_load16(const float* p) { return _mm512_loadu_ps(p); }
+using resident::simd::V16;
+namespace simd = resident::simd;
+
 inline float lora_float(uint16_t v) { return resident::bf16_to_float(v); }
 inline float lora_float(float v) { return v; }
 inline void lora_store(float v, uint16_t* out) { *out = resident::float_to_bf16(v); }
@@ -35,11 +34,11 @@ inline void lora_store(float v, float* out) { *out = v; }
 
 // ``count`` (<= 16) elements from p as float32, zero past them
 template <typename Elem>
-inline __m512 lora_load_part(const Elem* p, int64_t count) {
-  if (count == 16) return lora_load16(p);
+inline V16 lora_load_part(const Elem* p, int64_t count) {
+  if (count == 16) return simd::loadu(p);
   alignas(64) float lanes[16] = {};
   for (int64_t i = 0; i < count; ++i) lanes[i] = lora_float(p[i]);
-  return _mm512_load_ps(lanes);
+  return simd::loadu(lanes);
 }
 
 template <typename Elem>
@@ -68,21 +67,20 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
     std::vector<float> h(chunks * 16, 0.f);
     for (int64_t c = 0; c < chunks; ++c) {  // h = x A^T, 16 of its R at a time
       const int64_t width = std::min<int64_t>(16, rank - c * 16);
-      __m512 acc = _mm512_setzero_ps();
+      V16 acc = simd::zero();
       for (int64_t i = 0; i < in; ++i)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(lora_float(xs[n * x_stride + i])),
-                              lora_load_part(as + i * a_stride + c * 16, width), acc);
-      _mm512_storeu_ps(h.data() + c * 16, acc);
+        acc = simd::fmadd(simd::set1(lora_float(xs[n * x_stride + i])), lora_load_part(as + i * a_stride + c * 16, width),
+                          acc);
+      simd::storeu(h.data() + c * 16, acc);
     }
     if (m != nullptr)
       for (int64_t j = 0; j < rank; ++j) h[j] *= lora_float(m[n * rank + j]);
     for (int64_t o = 0; o < out; o += 16) {  // y += h B^T, 16 outputs at a time
       const int64_t width = std::min<int64_t>(16, out - o);
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < rank; ++j)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(h[j]), lora_load_part(bs + j * b_stride + o, width), acc);
+      V16 acc = simd::zero();
+      for (int64_t j = 0; j < rank; ++j) acc = simd::fmadd(simd::set1(h[j]), lora_load_part(bs + j * b_stride + o, width), acc);
       alignas(64) float delta[16];
-      _mm512_store_ps(delta, acc);
+      simd::storeu(delta, acc);
       for (int64_t e = 0; e < width; ++e) lora_store(lora_float(ys[n * out + o + e]) + delta[e], ys + n * out + o + e);
     }
   });

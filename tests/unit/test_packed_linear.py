@@ -7,10 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from session.model_runner import ModelRunner
+from session.model_runner import ModelRunner, cpu_has_bf16
 from session.packed_linear import MIN_FLOAT32_BYTES, PackedLinear, can_pack, pack_linear, pack_linears, worth_packing
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch built without oneDNN")
+needs_bf16 = pytest.mark.skipif(not (can_pack(torch.device("cpu"), torch.bfloat16) and cpu_has_bf16()),
+                                reason="no bfloat16 on this CPU (oneDNN's, or the runner's: it falls back to float32)")
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,7 @@ def dense_and_packed(dtype: torch.dtype, bias: bool) -> tuple[nn.Linear, nn.Line
     return dense, pack_linear(packed)
 
 
+@needs_bf16
 @pytest.mark.parametrize("shape", [(1, 96), (5, 96), (2, 3, 96)], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 def test_bfloat16_is_bit_identical_to_dense(shape, bias):
@@ -48,6 +51,7 @@ def test_float32_matches_dense_to_rounding(shape):
         torch.testing.assert_close(out, dense(x), rtol=1e-5, atol=1e-5)
 
 
+@needs_bf16
 def test_packing_replaces_the_dense_weight_in_place():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4, bias=False))).to(torch.bfloat16)
     first = model[0]
@@ -65,9 +69,11 @@ def test_small_float32_weights_stay_dense():
     assert MIN_FLOAT32_BYTES == 256 << 10
     assert pack_linears([nn.Sequential(small, large)]) == 1
     assert type(small) is nn.Linear and type(large) is PackedLinear
-    assert worth_packing(nn.Linear(128, 384).to(torch.bfloat16))  # bfloat16: packed at any size
+    # bfloat16: packed at any size, where oneDNN has bfloat16 here
+    assert worth_packing(nn.Linear(128, 384).to(torch.bfloat16)) == can_pack(torch.device("cpu"), torch.bfloat16)
 
 
+@needs_bf16
 def test_runner_packs_the_language_model_only_on_request(llama_path):
     packed = ModelRunner(llama_path, device="cpu", dtype="bfloat16", cpu_kernels=False)  # ours: test_cpu_linear
     dense = ModelRunner(llama_path, device="cpu", dtype="bfloat16", pack_weights=False)
@@ -88,7 +94,7 @@ def test_runner_packs_the_language_model_only_on_request(llama_path):
 def test_float16_and_accelerators_are_not_packed():
     assert not can_pack(torch.device("cpu"), torch.float16)
     assert not can_pack(torch.device("cuda"), torch.float32)
-    assert can_pack(torch.device("cpu"), torch.bfloat16)
+    assert can_pack(torch.device("cpu"), torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def test_dense_reference_is_unchanged_by_packing():
