@@ -164,6 +164,19 @@ class LoraBank:
                 mask[row, :, offsets[slot][0]: offsets[slot][1]] = 1
         self.mixed = (present, mask)
 
+    def factors(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's A^T [in, R] and B^T [R, out] for one linear: its one adapter's (``single``),
+        or the mix's side by side (``concatenated``). Only while the forward has adapter rows."""
+        if self.single is not None:
+            slot, rank = self.single
+            return self.at[key][slot, :, :rank], self.bt[key][slot, :rank]
+        return self.concatenated(key, self.mixed[0])
+
+    @property
+    def row_mask(self) -> torch.Tensor | None:
+        """This forward's mix's row mask [B, T, R] (``mixed``), or None."""
+        return self.mixed[1] if self.mixed is not None else None
+
     def concatenated(self, key: tuple[int, str], present: tuple[tuple[int, int], ...]):
         """A^T of the adapters present side by side [in, R], and their B^T stacked [R, out] (cached)."""
         cached = self._cat_cache.get((key, present))
@@ -189,25 +202,19 @@ class LoRALinear(nn.Module):
         # x: [B, T, in] -> y: [B, T, out]; y is fresh from the base linear, so it is updated in place.
         y = self.base(x)
         bank = self.bank
-        if (bank.kernel is not None and (bank.single is not None or bank.mixed is not None) and x.shape[-2] == 1
-                and not torch.compiler.is_compiling()):
+        if bank.single is None and bank.mixed is None:
+            return y
+        a, b = bank.factors(self.key)  # [in, R], [R, out]
+        mask = bank.row_mask  # [B, T, R]: each row keeps only its own adapter's columns; None: one adapter
+        if bank.kernel is not None and x.shape[-2] == 1 and not torch.compiler.is_compiling():
             # decode rows (one token each), eager: the kernel the C++ decode layer calls, so both give these
             # bits (a compiled graph, RESIDENT_COMPILE, traces ATen's products below)
-            if bank.single is not None:
-                slot, rank = bank.single
-                a, b, mask = bank.at[self.key][slot, :, :rank], bank.bt[self.key][slot, :rank], None
-            else:
-                present, mask = bank.mixed
-                (a, b), mask = bank.concatenated(self.key, present), mask.view(-1, mask.shape[-1])
-            bank.kernel(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]).contiguous(), a, b, mask)
-        elif bank.single is not None:
-            slot, rank = bank.single
-            a, b = bank.at[self.key][slot, :, :rank], bank.bt[self.key][slot, :rank]  # [in, r], [r, out]
+            bank.kernel(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]).contiguous(), a, b,
+                        None if mask is None else mask.view(-1, mask.shape[-1]))
+        elif mask is None:
             y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ a, b)
-        elif bank.mixed is not None:
-            present, mask = bank.mixed
-            a, b = bank.concatenated(self.key, present)  # [in, R], [R, out]
-            h = (x @ a) * mask  # [B, T, R]: each row keeps only its own adapter's columns
+        else:
+            h = (x @ a) * mask  # [B, T, R]
             y.view(-1, y.shape[-1]).addmm_(h.view(-1, h.shape[-1]), b)
         return y
 

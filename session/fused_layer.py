@@ -162,14 +162,8 @@ def lora_arguments(bank, num_layers: int) -> tuple[list, torch.Tensor | None]:
     for index in range(num_layers):
         for name in LINEARS:
             key = (index, name)
-            if key not in bank.at:
-                tensors += [None, None]
-            elif bank.single is not None:
-                slot, rank = bank.single
-                tensors += [bank.at[key][slot, :, :rank], bank.bt[key][slot, :rank]]
-            else:
-                tensors += list(bank.concatenated(key, bank.mixed[0]))
-    return tensors, (bank.mixed[1] if bank.mixed is not None else None)
+            tensors += list(bank.factors(key)) if key in bank.at else [None, None]
+    return tensors, bank.row_mask
 
 
 ROPE_TABLE_POSITIONS = 32768  # at most; a step past them runs the layers one call each

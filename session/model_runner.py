@@ -518,7 +518,7 @@ class ModelRunner:
         key = (bank.single, bank.mixed[0] if bank.mixed is not None else None, bank.version)
         if self._lora_cached is None or self._lora_cached[0] != key:
             self._lora_cached = (key, fused_layer.lora_arguments(bank, len(self.layers))[0])
-        return self._lora_cached[1], (bank.mixed[1] if bank.mixed is not None else None)
+        return self._lora_cached[1], bank.row_mask
 
     def _decode_stack(self) -> fused_layer.Stack | None:
         """The whole step as one C++ call around the fused layers (session/fused_layer.py); planned once."""
