@@ -15,6 +15,7 @@ session/cpu_linear.py, at start-up, never per step.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -62,12 +63,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RESIDENT_KERNEL_CACHE") or Path.home() / ".cache" / "resident" / "kernels")
 
 
-def cpu_flags() -> set[str]:
-    """The instruction-set flags Linux reports for this CPU (/proc/cpuinfo); empty where unreadable."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags Linux reports for this CPU (/proc/cpuinfo), read once; empty where
+    unreadable."""
     try:
-        return set(open("/proc/cpuinfo").read().split())
+        with open("/proc/cpuinfo") as info:
+            return frozenset(info.read().split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 class CppKernel:
