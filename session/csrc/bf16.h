@@ -22,4 +22,11 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as c10::BFlo
   return uint16_t((u + ((u >> 16) & 1) + 0x7FFF) >> 16);
 }
 
+// The kernels' two element types, bfloat16 (its bits, uint16_t) and float32, to and from float32.
+inline float to_float(uint16_t x) { return bf16_to_float(x); }
+inline float to_float(float x) { return x; }
+template <typename Elem> Elem from_float(float f);
+template <> inline uint16_t from_float<uint16_t>(float f) { return float_to_bf16(f); }
+template <> inline float from_float<float>(float f) { return f; }
+
 }  // namespace resident

@@ -54,12 +54,9 @@ using resident::bf16_to_float;
 using resident::float_to_bf16;
 using resident::simd::kLanes;
 using resident::simd::V16;
+using resident::from_float;
+using resident::to_float;
 namespace simd = resident::simd;
-
-inline float to_float(uint16_t x) { return bf16_to_float(x); }
-inline float to_float(float x) { return x; }
-inline void store(float value, uint16_t* out) { *out = float_to_bf16(value); }
-inline void store(float value, float* out) { *out = value; }
 
 // values[0 .. n) rounded to bfloat16 in place (held as float32), as float_to_bf16 does one at a time.
 inline void round_to_bf16(float* values, int n) {
@@ -312,7 +309,7 @@ void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, 
     }
   }
   const float reciprocal = 1.f / (running_sum == 0.f ? 1.f : running_sum);
-  for (int d = 0; d < head_dim; ++d) store(dst[d] * reciprocal, out + d);
+  for (int d = 0; d < head_dim; ++d) out[d] = from_float<Elem>(dst[d] * reciprocal);
 }
 
 template <typename Elem>

@@ -52,12 +52,9 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
 
 constexpr int kMaxLanes = 16;  // ATen's Vectorized<float> has 8 (AVX2) or 16 (AVX512) lanes: see rms_norm
 
-// The two element types: bfloat16 (its bits, uint16_t) and float32.
-inline float to_float(uint16_t x) { return resident::bf16_to_float(x); }
-inline float to_float(float x) { return x; }
-template <typename Elem> Elem from_float(float f);
-template <> inline uint16_t from_float<uint16_t>(float f) { return resident::float_to_bf16(f); }
-template <> inline float from_float<float>(float f) { return f; }
+// The two element types: bfloat16 (its bits, uint16_t) and float32 (csrc/bf16.h).
+using resident::from_float;
+using resident::to_float;
 template <typename Elem> inline float rounded(float f) { return to_float(from_float<Elem>(f)); }  // as ATen stores it
 template <typename Elem> constexpr at::ScalarType scalar_type() { return sizeof(Elem) == 2 ? at::kBFloat16 : at::kFloat; }
 template <typename Elem> const Elem* data(const at::Tensor& t) { return reinterpret_cast<const Elem*>(t.data_ptr()); }

@@ -27,17 +27,15 @@ namespace {
 using resident::simd::V16;
 namespace simd = resident::simd;
 
-inline float lora_float(uint16_t v) { return resident::bf16_to_float(v); }
-inline float lora_float(float v) { return v; }
-inline void lora_store(float v, uint16_t* out) { *out = resident::float_to_bf16(v); }
-inline void lora_store(float v, float* out) { *out = v; }
+using resident::from_float;
+using resident::to_float;
 
 // ``count`` (<= 16) elements from p as float32, zero past them
 template <typename Elem>
 inline V16 lora_load_part(const Elem* p, int64_t count) {
   if (count == 16) return simd::loadu(p);
   alignas(64) float lanes[16] = {};
-  for (int64_t i = 0; i < count; ++i) lanes[i] = lora_float(p[i]);
+  for (int64_t i = 0; i < count; ++i) lanes[i] = to_float(p[i]);
   return simd::loadu(lanes);
 }
 
@@ -69,19 +67,19 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
       const int64_t width = std::min<int64_t>(16, rank - c * 16);
       V16 acc = simd::zero();
       for (int64_t i = 0; i < in; ++i)
-        acc = simd::fmadd(simd::set1(lora_float(xs[n * x_stride + i])), lora_load_part(as + i * a_stride + c * 16, width),
+        acc = simd::fmadd(simd::set1(to_float(xs[n * x_stride + i])), lora_load_part(as + i * a_stride + c * 16, width),
                           acc);
       simd::storeu(h.data() + c * 16, acc);
     }
     if (m != nullptr)
-      for (int64_t j = 0; j < rank; ++j) h[j] *= lora_float(m[n * rank + j]);
+      for (int64_t j = 0; j < rank; ++j) h[j] *= to_float(m[n * rank + j]);
     for (int64_t o = 0; o < out; o += 16) {  // y += h B^T, 16 outputs at a time
       const int64_t width = std::min<int64_t>(16, out - o);
       V16 acc = simd::zero();
       for (int64_t j = 0; j < rank; ++j) acc = simd::fmadd(simd::set1(h[j]), lora_load_part(bs + j * b_stride + o, width), acc);
       alignas(64) float delta[16];
       simd::storeu(delta, acc);
-      for (int64_t e = 0; e < width; ++e) lora_store(lora_float(ys[n * out + o + e]) + delta[e], ys + n * out + o + e);
+      for (int64_t e = 0; e < width; ++e) ys[n * out + o + e] = from_float<Elem>(to_float(ys[n * out + o + e]) + delta[e]);
     }
   });
 }
