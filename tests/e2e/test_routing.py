@@ -173,8 +173,16 @@ def test_a_client_that_leaves_or_a_timeout_cancels_the_turn(cluster):
     assert next(streamed.iter_lines()).startswith(b"data: ")
     streamed.close()  # the client leaves after the first chunk
 
-    config = FrontConfig.from_env({}, backends=tuple(b.url for b in backends), admin_token=TOKEN, timeout_s=0.5,
-                                  health_interval_s=0.5)
+    # The front's timeout is a fifth of what the whole long turn takes on these backends, so the cancel
+    # reaches the engine while the turn still decodes, however fast the machine (a fixed 0.5 s raced a
+    # 900-token turn that took about as long on a fast CPU, and the turn then committed).
+    measured, _ = open_session(front_a.url, 63)
+    began = time.monotonic()
+    assert post(front_a.url, chat("Tell me a very long story.", max_tokens=900), session=measured).status_code == 200
+    whole_turn_s = time.monotonic() - began
+    post(front_a.url, {"requestType": "CLOSE"}, session=measured)
+    config = FrontConfig.from_env({}, backends=tuple(b.url for b in backends), admin_token=TOKEN,
+                                  timeout_s=whole_turn_s / 5, health_interval_s=0.5)
     impatient = FrontThread(config).start(free_port())
     try:
         deadline = time.monotonic() + 30
