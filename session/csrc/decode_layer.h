@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -103,19 +104,11 @@ inline float aten_row_sum(const float* x, int64_t n, int lanes) {
 // to float, x * x, mean (ATen's sum, then / n), + eps, 1 / sqrt, times, to the element type, weight
 // times. ``lanes``: the width of ATen's float vectors in its sum kernel (8 where it runs AVX2 code, as
 // it did on this project's CPU; session/fused_layer.py finds it at load by comparing with LlamaRMSNorm).
+// src, dst: [rows, n] contiguous; w: [n].
 template <typename Elem>
-at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps, int64_t lanes) {
-  TORCH_CHECK(lanes == 8 || lanes == 16, "lanes: 8 or 16");
-  const at::Tensor x = input.contiguous(), w_tensor = weight.contiguous();
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  TORCH_CHECK(x.scalar_type() == scalar_type<Elem>() && weight.scalar_type() == scalar_type<Elem>() &&
-                  weight.numel() == n,
-              "rms_norm: rows and weight of one dtype");
-  at::Tensor out = at::empty_like(x);
-  const Elem* src = data<Elem>(x);
-  const Elem* w = data<Elem>(w_tensor);
-  Elem* dst = data<Elem>(out);
-  std::vector<float> squares(n);
+void rms_norm_rows(const Elem* src, const Elem* w, Elem* dst, int64_t rows, int64_t n, double eps, int64_t lanes) {
+  thread_local std::vector<float> squares;
+  squares.resize(n);
   const float epsilon = static_cast<float>(eps), count = static_cast<float>(n);
   for (int64_t r = 0; r < rows; ++r) {
     const Elem* row = src + r * n;
@@ -129,20 +122,42 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
       dst[r * n + e] = from_float<Elem>(to_float(w[e]) * normed);
     }
   }
+}
+
+// rms_norm_rows of ``input`` (any shape, normalized over its last dimension) into ``out`` (made or
+// remade there to fit, as linear_tiles.h's buffer).
+template <typename Elem>
+const at::Tensor& rms_norm_into(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps,
+                                int64_t lanes) {
+  TORCH_CHECK(lanes == 8 || lanes == 16, "lanes: 8 or 16");
+  const at::Tensor x = input.contiguous(), w = weight.contiguous();
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(x.scalar_type() == scalar_type<Elem>() && weight.scalar_type() == scalar_type<Elem>() &&
+                  weight.numel() == n,
+              "rms_norm: rows and weight of one dtype");
+  buffer(out, x.sizes(), x.options());
+  rms_norm_rows<Elem>(data<Elem>(x), data<Elem>(w), data<Elem>(out), x.numel() / n, n, eps, lanes);
   return out;
 }
 
-// transformers' rotate_half and apply_rotary_pos_emb: (x * cos) + (rotate_half(x) * sin), each
-// product and the sum rounded to the element type. x [B, heads, hd] (any strides), cos/sin [B, hd].
 template <typename Elem>
-at::Tensor rotate(const at::Tensor& input, const at::Tensor& cos, const at::Tensor& sin) {
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps, int64_t lanes) {
+  at::Tensor out;
+  return rms_norm_into<Elem>(out, input, weight, eps, lanes);
+}
+
+// transformers' rotate_half and apply_rotary_pos_emb: (x * cos) + (rotate_half(x) * sin), each
+// product and the sum rounded to the element type. x [B, heads, hd] (any strides), cos/sin [B, hd];
+// into ``out`` [B, heads, hd] (made or remade there to fit).
+template <typename Elem>
+const at::Tensor& rotate_into(at::Tensor& out, const at::Tensor& input, const at::Tensor& cos, const at::Tensor& sin) {
   const at::Tensor x = input.contiguous(), c = cos.contiguous(), s = sin.contiguous();
   const int64_t batch = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
   TORCH_CHECK(x.dim() == 3 && c.sizes() == s.sizes() && c.dim() == 2 && c.size(0) == batch && c.size(1) == dim,
               "rotary: x [B, heads, hd], cos and sin [B, hd]");
   TORCH_CHECK(x.scalar_type() == scalar_type<Elem>() && c.scalar_type() == x.scalar_type() &&
                   s.scalar_type() == x.scalar_type(), "rotary: one dtype");
-  at::Tensor out = at::empty_like(x);
+  buffer(out, x.sizes(), x.options());
   const Elem* xs = data<Elem>(x);
   const Elem* cs = data<Elem>(c);
   const Elem* ss = data<Elem>(s);
@@ -161,16 +176,41 @@ at::Tensor rotate(const at::Tensor& input, const at::Tensor& cos, const at::Tens
   return out;
 }
 
-// a + b (the residual adds): the float sum rounded to the element type
 template <typename Elem>
-at::Tensor add(const at::Tensor& a, const at::Tensor& b) {
+at::Tensor rotate(const at::Tensor& input, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor out;
+  return rotate_into<Elem>(out, input, cos, sin);
+}
+
+// a + b (the residual adds): the float sum rounded to the element type, into ``out`` (made or remade
+// there to fit; it may be ``a`` or ``b`` itself, each element is read before it is written)
+template <typename Elem>
+const at::Tensor& add_into(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.numel() == b.numel(), "add: contiguous, same size");
-  at::Tensor out = at::empty_like(a);
+  buffer(out, a.sizes(), a.options());
   const Elem* x = data<Elem>(a);
   const Elem* y = data<Elem>(b);
   Elem* o = data<Elem>(out);
   for (int64_t e = 0; e < a.numel(); ++e) o[e] = from_float<Elem>(to_float(x[e]) + to_float(y[e]));
   return out;
+}
+
+// One layer's intermediate tensors, and each linear's output and float32 block sums: a DecodeStack
+// keeps one for all its layers and steps (remade where a batch size or a layer's shape differs from
+// the last), so that a step allocates no more than attention's outputs; the per-layer operator makes
+// one per call. Its tensors are overwritten by the next layer: nothing in it leaves a call.
+struct Workspace {
+  at::Tensor normed, q_normed, k_normed, q, k, mid, product, out;
+  at::Tensor y[7], sums[7];  // q, k, v, o, gate, up, down
+  at::Tensor head_sums;
+};
+
+// A linear's bias [n] as Prepared takes it without converting it each call: float32, zero-padded to
+// whole blocks of outputs (an absent bias stays absent).
+inline c10::optional<at::Tensor> float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return bias;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "a bias of its linear's out features");
+  return at::constant_pad_nd(bias->to(at::kFloat), {0, (n + kLanes - 1) / kLanes * kLanes - n}).contiguous();
 }
 
 // The pool's write_rows for a head-major layer: row b's keys of every kv head into slot slots[b].
@@ -211,13 +251,13 @@ void lora_add_op(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const a
 }
 
 template <typename F>
-at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
-                         const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef sizes,
-                         at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& k_layer, const at::Tensor& v_layer, const at::Tensor& slots,
-                         const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends,
-                         const c10::List<c10::optional<at::Tensor>>& lora, int64_t lora_first,
-                         const c10::optional<at::Tensor>& mask) {
+const at::Tensor& layer_forward(Workspace& ws, const at::Tensor& hidden, at::TensorList weights,
+                                const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef sizes,
+                                at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& k_layer, const at::Tensor& v_layer, const at::Tensor& slots,
+                                const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends,
+                                const c10::List<c10::optional<at::Tensor>>& lora, int64_t lora_first,
+                                const c10::optional<at::Tensor>& mask) {
   using Elem = typename F::Elem;
   static auto attention_op =
       c10::Dispatcher::singleton()
@@ -233,9 +273,9 @@ at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
   const int64_t lanes = sizes[18];
   TORCH_CHECK(!qk_norm || weights.size() == 11, "q/k norms announced, not given");
   auto linear = [&](int i, const at::Tensor& x) {  // i: 0..6 = q, k, v, o, gate, up, down
-    return Prepared<F>(x, weights[2 + i], biases.get(i), sizes[3 + i], sizes[10 + i]);
+    return Prepared<F>(x, weights[2 + i], biases.get(i), sizes[3 + i], sizes[10 + i], ws.y[i], ws.sums[i]);
   };
-  const at::Tensor x = rms_norm<Elem>(hidden, weights[0], floats[0], lanes);
+  const at::Tensor& x = rms_norm_into<Elem>(ws.normed, hidden, weights[0], floats[0], lanes);
   const Prepared<F> q_proj = linear(0, x), k_proj = linear(1, x), v_proj = linear(2, x);
   run_linears<F>({&q_proj, &k_proj, &v_proj});  // one parallel region for the three
   add_lora<Elem>(lora, lora_first, 0, mask, x, q_proj.y);
@@ -245,30 +285,33 @@ at::Tensor layer_forward(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor k = k_proj.y.view({batch, kv_heads, head_dim});
   const at::Tensor v = v_proj.y.view({batch, kv_heads, head_dim});
   if (qk_norm) {
-    q = rms_norm<Elem>(q, weights[9], floats[2], lanes);
-    k = rms_norm<Elem>(k, weights[10], floats[2], lanes);
+    q = rms_norm_into<Elem>(ws.q_normed, q, weights[9], floats[2], lanes);
+    k = rms_norm_into<Elem>(ws.k_normed, k, weights[10], floats[2], lanes);
   }
-  q = rotate<Elem>(q, cos, sin);
-  k = rotate<Elem>(k, cos, sin);
+  const at::Tensor& q_rotated = rotate_into<Elem>(ws.q, q, cos, sin);
+  const at::Tensor& k_rotated = rotate_into<Elem>(ws.k, k, cos, sin);
   at::Tensor keys = k_layer, values = v_layer;
-  write_rows(keys, slots, k);
-  write_rows(values, slots, v.contiguous());
-  const at::Tensor o = attention_op.call(q, k_layer, v_layer, block_table, starts, ends, floats[3]);
+  write_rows(keys, slots, k_rotated);
+  write_rows(values, slots, v);
+  const at::Tensor o = attention_op.call(q_rotated, k_layer, v_layer, block_table, starts, ends, floats[3]);
   const at::Tensor o_rows = o.view({batch, heads * head_dim});
   const Prepared<F> o_proj = linear(3, o_rows);
   run_linears<F>({&o_proj});
   add_lora<Elem>(lora, lora_first, 3, mask, o_rows, o_proj.y);
-  const at::Tensor h = add<Elem>(hidden.contiguous(), o_proj.y);
-  const at::Tensor y = rms_norm<Elem>(h, weights[1], floats[1], lanes);
+  const at::Tensor& h = add_into<Elem>(ws.mid, hidden.contiguous(), o_proj.y);  // hidden is not read after this
+  const at::Tensor& y = rms_norm_into<Elem>(ws.normed, h, weights[1], floats[1], lanes);
   const Prepared<F> gate = linear(4, y), up = linear(5, y);
   run_linears<F>({&gate, &up});
   add_lora<Elem>(lora, lora_first, 4, mask, y, gate.y);
   add_lora<Elem>(lora, lora_first, 5, mask, y, up.y);
-  const at::Tensor product = at::silu(gate.y) * up.y;
+  at::Tensor gate_y = gate.y;
+  at::silu_(gate_y);  // ATen's SiLU and product, as the Python layer's act_fn(gate) * up
+  buffer(ws.product, up.y.sizes(), up.y.options());
+  const at::Tensor& product = at::mul_out(ws.product, gate_y, up.y);
   const Prepared<F> down = linear(6, product);
   run_linears<F>({&down});
   add_lora<Elem>(lora, lora_first, 6, mask, product, down.y);
-  return add<Elem>(h, down.y);
+  return add_into<Elem>(ws.out, h, down.y);
 }
 
 template <typename F>
@@ -278,7 +321,8 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights, c10::L
                         const at::Tensor& block_table, const at::Tensor& starts, const at::Tensor& ends,
                         c10::List<c10::optional<at::Tensor>> lora, const c10::optional<at::Tensor>& mask) {
   TORCH_CHECK(lora.size() == 0 || lora.size() == 14, "lora: empty, or A and B for each of the 7 linears");
-  return layer_forward<F>(hidden, weights, biases, sizes, floats, cos, sin, k_layer, v_layer, slots, block_table,
+  Workspace ws;
+  return layer_forward<F>(ws, hidden, weights, biases, sizes, floats, cos, sin, k_layer, v_layer, slots, block_table,
                           starts, ends, lora, 0, mask);
 }
 
@@ -297,6 +341,8 @@ struct DecodeStack : torch::CustomClassHolder {
     int64_t window_row;  // this layer's row of run's ``starts``
   };
   std::vector<Layer> layers;
+  Workspace workspace;  // every layer's, every step's (run is called by one thread at a time)
+  std::mutex running;
   at::Tensor embedding, cos_table, sin_table;  // [V, D]; [P, hd] each (positions 0 .. P-1)
   at::Tensor norm_weight, head;                // the final norm; the head packed for our kernel (or undefined)
   c10::optional<at::Tensor> head_bias;
@@ -306,6 +352,7 @@ struct DecodeStack : torch::CustomClassHolder {
   void add_layer(std::vector<at::Tensor> weights, c10::List<c10::optional<at::Tensor>> biases,
                  std::vector<int64_t> sizes, std::vector<double> floats, int64_t window_row) {
     TORCH_CHECK(sizes.size() == 19 && floats.size() == 4 && biases.size() == 7, "a layer: sizes 19, floats 4, biases 7");
+    for (size_t i = 0; i < 7; ++i) biases.set(i, float_bias(biases.get(i), sizes[3 + i]));  // once, not per step
     layers.push_back({std::move(weights), std::move(biases), std::move(sizes), std::move(floats), window_row});
     lanes = layers.back().sizes[18];
   }
@@ -319,7 +366,7 @@ struct DecodeStack : torch::CustomClassHolder {
     norm_weight = std::move(norm);
     norm_eps = eps;
     head = packed_head.has_value() ? *packed_head : at::Tensor();
-    head_bias = std::move(bias);
+    head_bias = float_bias(bias, n);
     head_n = n;
     head_block = block;
   }
@@ -335,19 +382,21 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(!layers.empty() && embedding.defined(), "DecodeStack: layers and ends not set");
     TORCH_CHECK(k_pool.size(0) == static_cast<int64_t>(layers.size()), "the pool's layers");
     TORCH_CHECK(lora.size() == 0 || lora.size() == 14 * layers.size(), "lora: empty, or 14 per layer");
+    const std::lock_guard<std::mutex> one_at_a_time(running);
     const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
     at::Tensor h = embedding.index_select(0, ids);
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& layer = layers[i];
-      h = layer_forward<F>(h, layer.weights, layer.biases, layer.sizes, layer.floats, cos, sin, k_pool.select(0, i),
-                           v_pool.select(0, i), slots, block_table, starts.select(0, layer.window_row), ends, lora,
-                           static_cast<int64_t>(14 * i), mask);
+      h = layer_forward<F>(workspace, h, layer.weights, layer.biases, layer.sizes, layer.floats, cos, sin,
+                           k_pool.select(0, i), v_pool.select(0, i), slots, block_table,
+                           starts.select(0, layer.window_row), ends, lora, static_cast<int64_t>(14 * i), mask);
     }
-    h = rms_norm<Elem>(h, norm_weight, norm_eps, lanes);
+    h = rms_norm<Elem>(h, norm_weight, norm_eps, lanes);  // a new tensor: nothing returned is the workspace's
     if (!head.defined()) return h;
-    const Prepared<F> logits(h, head, head_bias, head_n, head_block);
+    at::Tensor logits_y;
+    const Prepared<F> logits(h, head, head_bias, head_n, head_block, logits_y, workspace.head_sums);
     run_linears<F>({&logits});
-    return logits.y.to(at::kFloat);
+    return sizeof(Elem) == 2 ? logits.y.to(at::kFloat) : logits.y;  // float32: logits_y is new each step
   }
 };
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 namespace {
@@ -150,7 +151,17 @@ void rows_of(const Problem<F>& pb, int64_t rows, int64_t b0) {
   }
 }
 
-// One linear set up for the tiles: its output, scratch and float32 bias allocated, every check done.
+// [rows, cols] of ``options`` in ``slot``: the tensor already there where it has that shape and dtype,
+// else a new one (a decode step's buffers are allocated once per batch size: csrc/decode_layer.h).
+inline const at::Tensor& buffer(at::Tensor& slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (!slot.defined() || slot.sizes() != sizes || slot.scalar_type() != options.dtype().toScalarType())
+    slot = at::empty(sizes, options);
+  return slot;
+}
+
+// One linear set up for the tiles: every check done, its output and scratch in ``out`` and ``sums``
+// (made or remade there to fit), the bias in float32 padded to whole blocks (used as it is where it
+// already is one: csrc/decode_layer.h converts a stack's biases once).
 template <typename F>
 struct Prepared {
   using Elem = typename F::Elem;
@@ -160,6 +171,17 @@ struct Prepared {
 
   Prepared(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
            int64_t k_block) {
+    at::Tensor out, sums;
+    init(input, packed, bias, n, k_block, out, sums);
+  }
+  Prepared(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
+           int64_t k_block, at::Tensor& out, at::Tensor& sums) {
+    init(input, packed, bias, n, k_block, out, sums);
+  }
+
+ private:
+  void init(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
+            int64_t k_block, at::Tensor& out, at::Tensor& sums) {
     // an odd K in pairs: one zero input more, so that every pair is one 32-bit load
     x = input.size(-1) % F::kInputs ? at::constant_pad_nd(input, {0, F::kInputs - input.size(-1) % F::kInputs})
                                     : input;
@@ -171,11 +193,13 @@ struct Prepared {
     const int64_t k = x.size(1), blocks = packed.size(0), steps = packed.size(1);
     TORCH_CHECK(blocks == (n + kLanes - 1) / kLanes && steps == k / F::kInputs, "packed does not match x and n");
     TORCH_CHECK(k_block > 0 && k_block % F::kInputs == 0, "k_block: a positive multiple of ", F::kInputs);
-    y = at::empty({rows, n}, x.options());
-    scratch = at::empty({rows, blocks * kLanes}, x.options().dtype(at::kFloat));
+    y = buffer(out, {rows, n}, x.options());
+    scratch = buffer(sums, {rows, blocks * kLanes}, x.options().dtype(at::kFloat));
     if (bias.has_value() && bias->defined()) {  // the bias in float32, zero-padded to whole blocks
-      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [n]");
-      bias_sums = at::constant_pad_nd(bias->to(at::kFloat), {0, blocks * kLanes - n}).contiguous();
+      TORCH_CHECK(bias->dim() == 1 && (bias->size(0) == n || bias->size(0) == blocks * kLanes), "bias: [n]");
+      bias_sums = bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->size(0) == blocks * kLanes
+                      ? *bias
+                      : at::constant_pad_nd(bias->to(at::kFloat), {0, blocks * kLanes - n}).contiguous();
     }
     pb = Problem<F>{reinterpret_cast<const Elem*>(x.data_ptr()), x.stride(0), reinterpret_cast<const Elem*>(packed.data_ptr()),
                     steps, n, k_block, bias_sums.defined() ? bias_sums.data_ptr<float>() : nullptr,
@@ -183,6 +207,7 @@ struct Prepared {
     column_tiles = rows == 0 ? 0 : (blocks + kBlockTile - 1) / kBlockTile;
   }
 
+ public:
   void run_tile(int64_t t) const {  // output blocks kBlockTile t .. kBlockTile (t + 1) - 1 for every row
     const int64_t b0 = t * kBlockTile, blocks = (pb.n + kLanes - 1) / kLanes;
     switch (std::min<int64_t>(kBlockTile, blocks - b0)) {
@@ -194,12 +219,16 @@ struct Prepared {
   }
 };
 
-// Every column tile of the given linears in one parallel region.
+// Every column tile of the given linears (at most 4) in one parallel region.
 template <typename F>
-void run_linears(const std::vector<const Prepared<F>*>& linears) {
-  std::vector<int64_t> ends;
+void run_linears(std::initializer_list<const Prepared<F>*> given) {
+  constexpr size_t kMost = 4;
+  TORCH_CHECK(given.size() <= kMost, "run_linears: at most 4 linears");
+  const Prepared<F>* linears[kMost];
+  int64_t ends[kMost];
   int64_t total = 0;
-  for (const Prepared<F>* p : linears) ends.push_back(total += p->column_tiles);
+  size_t count = 0;
+  for (const Prepared<F>* p : given) linears[count] = p, ends[count++] = total += p->column_tiles;
   resident::for_each_shared(total, [&](int64_t t) {
     size_t which = 0;
     while (t >= ends[which]) ++which;
