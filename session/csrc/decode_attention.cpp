@@ -41,6 +41,7 @@
 #include "parallel.h"
 #include "simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -215,6 +216,30 @@ struct Cursor {
   }
 };
 
+// Asks for a row's keys or values a fixed distance ahead of the arithmetic that reads them: one key
+// at a time, the attention loops wait on memory (measured from DRAM on one core: 14 GB/s).
+template <typename Elem>
+struct Lookahead {
+  Cursor<Elem> cursor;
+  int left;   // positions not yet asked for
+  int lines;  // cache lines per position
+  Lookahead(const Pool<Elem>& pool, const int32_t* table, int kv_head, int position, int end, int head_dim)
+      : cursor(pool, table, kv_head, position), left(end - position),
+        lines(static_cast<int>((head_dim * sizeof(Elem) + 63) / 64)) {}
+  void fetch(int count) {
+    for (; count > 0 && left > 0; --count, --left) {
+      const char* at = reinterpret_cast<const char*>(cursor.next());
+      for (int l = 0; l < lines; ++l) _mm_prefetch(at + 64 * l, _MM_HINT_T0);
+    }
+  }
+};
+
+// How far ahead a Lookahead asks: 8 KiB of keys or values (64 positions of a 64-wide bfloat16 head).
+// Measured on pools larger than the caches (one row, 600 positions, 8 heads of 64, Zen 5): one core
+// 88 us a call without, 51 us with (16 positions ahead: 72 us; 256: 63 us); two cores 67-85 against
+// 34-41 us.
+constexpr int kAheadBytes = 8192;
+
 // One (row, query head): positions start .. end-1 of the row whose blocks are `table`.
 template <typename Elem>
 void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, const int32_t* table, int start,
@@ -226,12 +251,16 @@ void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, 
   for (int d = 0; d < head_dim; ++d) q[d] = to_float(q_in[d]);
   alignas(64) QueryBlock qb[512 / kQueryBlockDims];
   query_blocks(q, head_dim, qb);
+  const int ahead = std::max<int>(4, kAheadBytes / (head_dim * static_cast<int>(sizeof(Elem))));
   float running_max = -std::numeric_limits<float>::infinity(), running_sum = 0.f;
   const Elem* rows[4];
   for (int n = start; n < end; n += kSplit) {
     const int size = std::min(kSplit, end - n);
     Cursor<Elem> key_at(keys, table, kv_head, n), value_at(values, table, kv_head, n);
+    Lookahead<Elem> key_ahead(keys, table, kv_head, n, n + size, head_dim);
+    key_ahead.fetch(ahead);
     for (int i = 0; i < size; i += 4) {
+      key_ahead.fetch(4);
       const int count = std::min(4, size - i);
       for (int j = 0; j < 4; ++j) rows[j] = j < count ? key_at.next() : rows[0];  // a short group repeats a key
       dots4(qb, rows, head_dim, scores + i);
@@ -284,10 +313,13 @@ void attend(const Elem* q_in, const Pool<Elem>& keys, const Pool<Elem>& values, 
     const int fours = size - size % 4;
     for (int d = 0; d < head_dim; d += 4 * kLanes) {  // 64 outputs at a time, held in registers
       Cursor<Elem> at = value_at;
+      Lookahead<Elem> value_ahead(values, table, kv_head, n, n + size, head_dim);
+      value_ahead.fetch(ahead);
       const int chunks = std::min(4, (head_dim - d) / kLanes);
       V16 acc[4];
       for (int c = 0; c < chunks; ++c) acc[c] = simd::loadu(dst + d + c * kLanes);
       for (int i = 0; i < fours; i += 4) {
+        value_ahead.fetch(4);
         const Elem* v[4];
         V16 w[4];
         for (int j = 0; j < 4; ++j) v[j] = at.next() + d, w[j] = simd::set1(probs[i + j]);
