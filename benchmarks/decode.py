@@ -354,9 +354,21 @@ def run_vllm(args) -> tuple[dict, dict]:
 
 
 def copy_bandwidth(repeats: int = 20) -> float:
-    """Bytes per second the memory moves here, with this process's thread setting: the best of
-    ``repeats`` streaming copies (read + write) and as many sums (read only, as weights are read) of a
-    buffer larger than the caches. Where they differ, the faster gives the lower (stricter) floor."""
+    """Bytes per second the memory moves here, with this process's thread setting, measured in a child
+    process (``measure_bandwidth``). Not in this one: torch operators run on this thread would give it
+    an OpenMP team beside the engine's, and GNU OpenMP then stops spinning between parallel regions
+    once its threads outnumber the cores; an engine started after one such measurement stepped ~1 ms
+    slower (text-bench, bfloat16, one session: 2.1-2.7 against 3.1-3.4 ms)."""
+    code = (f"import torch; torch.set_num_threads({torch.get_num_threads()}); "
+            f"from benchmarks.decode import measure_bandwidth; print(measure_bandwidth({repeats}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True)
+    return float(out.stdout.split()[-1])
+
+
+def measure_bandwidth(repeats: int) -> float:
+    """The best of ``repeats`` streaming copies (read + write) and as many sums (read only, as weights
+    are read) of a buffer larger than the caches. Where they differ, the faster gives the lower
+    (stricter) floor. Called by ``copy_bandwidth``, in its own process."""
     source = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB
     target = torch.empty_like(source)
     target.copy_(source)

@@ -306,6 +306,39 @@ def churn_answers_as_alone(model_dir: str, tmp_path, dtype: str) -> None:
         assert list(event.token_ids) == tokens
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_stacks_workspace_follows_the_batch_size(family, wide_models):
+    batch_sizes_share_the_workspace(wide_models[family], "bfloat16")
+
+
+def batch_sizes_share_the_workspace(model_dir: str, dtype: str) -> None:
+    """One DecodeStack keeps its step's buffers across steps (csrc/decode_layer.h's Workspace): steps
+    whose batches change size (3, 3, 1, 2, 2, 1, 1, ... rows) remake them, and every step's logits are those
+    the layers one C++ call each compute (a fresh workspace per call), bit for bit. The logits a step
+    returned stay as they were after later steps (nothing returned is the workspace's)."""
+    prompts = [list(range(3, 30 + 5 * i)) for i in range(3)]
+    schedule = [[0, 1, 2], [0, 1, 2], [1], [0, 2], [1, 2], [2], [0], [0, 1, 2], [1], [0, 2]] * 2
+    runs = []
+    for use_stack in (True, False):
+        runner = ModelRunner(model_dir, device="cpu", dtype=dtype)
+        stack = runner._decode_stack()
+        assert stack is not None and stack.head
+        if use_stack:
+            stack.step = CountedStep(stack.step)
+        else:
+            runner.decode_stack = None
+        kvs = [runner.new_kv_cache(block_tokens=16, max_tokens=256) for _ in prompts]
+        for kv, prompt in zip(kvs, prompts):
+            runner.prefill(kv, runner.embed(prompt, []))
+        steps = [runner.decode([kvs[b] for b in rows], [5 + 7 * b + t for b in rows]) for t, rows in enumerate(schedule)]
+        runs.append((steps, [step.clone() for step in steps]))
+        if use_stack:
+            assert stack.step.batches == [len(rows) for rows in schedule]
+    (stacked, stacked_then), (layered, _) = runs
+    assert all(torch.equal(a, b) for a, b in zip(stacked, layered))
+    assert all(torch.equal(a, b) for a, b in zip(stacked, stacked_then))
+
+
 def test_a_step_past_the_rotary_table_runs_the_layers(wide_models):
     """Positions past the rotary table (capped at ROPE_TABLE_POSITIONS) run the layers one call each,
     with the same bits as the stack up to there."""

@@ -14,8 +14,9 @@ import torch
 
 from session import cpu_attention, cpu_linear, fused_layer
 from session.model_runner import ModelRunner
-from tests.integration.test_bf16_decode import (STEPS, CountedStep, churn_answers_as_alone, lora_rows_in_the_cpp_step,
-                                               ours, transformers_steps)
+from tests.integration.test_bf16_decode import (STEPS, CountedStep, batch_sizes_share_the_workspace,
+                                               churn_answers_as_alone, lora_rows_in_the_cpp_step, ours,
+                                               transformers_steps)
 
 pytestmark = pytest.mark.skipif(not (fused_layer.load(torch.float32) and cpu_attention.load()),
                                 reason="needs AVX-512 and the kernels built (a C++ compiler)")
@@ -112,6 +113,11 @@ def test_the_stack_under_engine_churn_answers_as_alone(wide_models, tmp_path):
 
 def test_adapter_rows_run_in_the_cpp_step_with_the_python_layers_bits(wide_models):
     lora_rows_in_the_cpp_step(wide_models["llama"], "float32")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_stacks_workspace_follows_the_batch_size(family, wide_models):
+    batch_sizes_share_the_workspace(wide_models[family], "float32")
 
 
 def test_small_float32_weights_keep_mkls_product():
