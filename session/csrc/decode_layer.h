@@ -205,14 +205,6 @@ struct Workspace {
   at::Tensor head_sums;
 };
 
-// A linear's bias [n] as Prepared takes it without converting it each call: float32, zero-padded to
-// whole blocks of outputs (an absent bias stays absent).
-inline c10::optional<at::Tensor> float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
-  if (!bias.has_value() || !bias->defined()) return bias;
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "a bias of its linear's out features");
-  return at::constant_pad_nd(bias->to(at::kFloat), {0, (n + kLanes - 1) / kLanes * kLanes - n}).contiguous();
-}
-
 // The pool's write_rows for a head-major layer: row b's keys of every kv head into slot slots[b].
 inline void write_rows(at::Tensor& layer, const at::Tensor& slots, const at::Tensor& rows) {
   TORCH_CHECK(rows.scalar_type() == layer.scalar_type() && rows.is_contiguous(), "rows: the pool's dtype, contiguous");

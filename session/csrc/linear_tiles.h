@@ -159,6 +159,14 @@ inline const at::Tensor& buffer(at::Tensor& slot, at::IntArrayRef sizes, const a
   return slot;
 }
 
+// A linear's bias [n] as the tiles add it: float32, zero-padded to whole blocks of 16 outputs (an
+// absent bias stays absent). Prepared converts one per call; a DecodeStack converts its layers' once.
+inline c10::optional<at::Tensor> float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return bias;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [n], its linear's out features");
+  return at::constant_pad_nd(bias->to(at::kFloat), {0, (n + kLanes - 1) / kLanes * kLanes - n}).contiguous();
+}
+
 // One linear set up for the tiles: every check done, its output and scratch in ``out`` and ``sums``
 // (made or remade there to fit), the bias in float32 padded to whole blocks (used as it is where it
 // already is one: csrc/decode_layer.h converts a stack's biases once).
@@ -195,11 +203,10 @@ struct Prepared {
     TORCH_CHECK(k_block > 0 && k_block % F::kInputs == 0, "k_block: a positive multiple of ", F::kInputs);
     y = buffer(out, {rows, n}, x.options());
     scratch = buffer(sums, {rows, blocks * kLanes}, x.options().dtype(at::kFloat));
-    if (bias.has_value() && bias->defined()) {  // the bias in float32, zero-padded to whole blocks
-      TORCH_CHECK(bias->dim() == 1 && (bias->size(0) == n || bias->size(0) == blocks * kLanes), "bias: [n]");
-      bias_sums = bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->size(0) == blocks * kLanes
-                      ? *bias
-                      : at::constant_pad_nd(bias->to(at::kFloat), {0, blocks * kLanes - n}).contiguous();
+    if (bias.has_value() && bias->defined()) {  // float_bias's form, converted here unless it already is
+      const bool converted = bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 1 &&
+                             bias->size(0) == blocks * kLanes;
+      bias_sums = converted ? *bias : *float_bias(bias, n);
     }
     pb = Problem<F>{reinterpret_cast<const Elem*>(x.data_ptr()), x.stride(0), reinterpret_cast<const Elem*>(packed.data_ptr()),
                     steps, n, k_block, bias_sums.defined() ? bias_sums.data_ptr<float>() : nullptr,
