@@ -92,6 +92,59 @@ def test_float32_many_rows_grouped_heads_and_windows():
     run_case([900, 100], [0, 0], heads=4, kv_heads=4, head_dim=128, block_tokens=256, seed=8, dtype=torch.float32)
 
 
+def one_sequence_rows(rows, last, heads, kv_heads, head_dim, start, seed, dtype, block_tokens=16):
+    """A verify's shape: ``rows`` rows of one sequence (the same blocks, the same first key) ending at
+    consecutive positions up to ``last`` -> (q, k_pool, v_pool, table, starts, ends, keys, values)."""
+    generator = torch.Generator().manual_seed(seed)
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+    q = rand(rows, heads, head_dim, scale=2.0)
+    keys, values = rand(kv_heads, last, head_dim), rand(kv_heads, last, head_dim)
+    k_pool, table = paged([keys], block_tokens, torch.Generator().manual_seed(seed + 1))
+    v_pool, _ = paged([values], block_tokens, torch.Generator().manual_seed(seed + 1))
+    ends = torch.arange(last - rows + 1, last + 1, dtype=torch.int32)
+    return q, k_pool, v_pool, table.expand(rows, -1).contiguous(), torch.full((rows,), start, dtype=torch.int32), ends, keys, values
+
+
+@pytest.mark.parametrize("rows,last,heads,kv_heads,head_dim,start", [
+    (5, 205, 4, 2, 32, 0),      # the deep pair's verify: 10 queries share a kv head
+    (9, 515, 8, 2, 64, 0),      # 36 queries a kv head, ends on both sides of the 512-key split
+    (3, 1030, 4, 4, 128, 0),    # one query head a kv head, three rows; the second split's tails differ
+    (6, 700, 8, 1, 64, 150),    # a window's first key shared by every row
+    (2, 17, 32, 8, 64, 0),      # Llama-3's grouping: four query heads a kv head
+])
+def test_rows_of_one_sequence_attend_together_bit_for_bit(rows, last, heads, kv_heads, head_dim, start):
+    """The rows a verify feeds (one sequence, consecutive ends) and the query heads of a kv head are one
+    item of the kernel's (keys and values read once for all): each query still matches SDPA alone."""
+    if not cpu_attention.supports(torch.bfloat16):
+        pytest.skip(f"no bfloat16 attention on the {cpu_attention.KERNEL.isa.name} build")
+    q, k_pool, v_pool, table, starts, ends, keys, values = one_sequence_rows(
+        rows, last, heads, kv_heads, head_dim, start, seed=rows + last, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    out = cpu_attention.decode_attention(q, k_pool, v_pool, table, starts, ends, scale)
+    expected = torch.stack([F.scaled_dot_product_attention(
+        q[row: row + 1, :, None], keys[None, :, start:int(n)], values[None, :, start:int(n)], scale=scale,
+        enable_gqa=heads != kv_heads)[0, :, 0] for row, n in enumerate(ends)])
+    assert torch.equal(out, expected), f"{int((out != expected).sum())} of {out.numel()} outputs differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_attending_with_others_gives_its_bits_alone(dtype):
+    """float32's order of additions is ours, so SDPA only bounds it: here every query of a grouped call
+    (7 rows of one sequence, 4 query heads a kv head: 28 queries in 4 items of 7) equals, bit for bit, the
+    same query in a call where it attends alone (one row per call, each kv head repeated per query head)."""
+    if not cpu_attention.supports(dtype):
+        pytest.skip(f"no {dtype} attention on the {cpu_attention.KERNEL.isa.name} build")
+    heads, kv_heads = 8, 2
+    q, k_pool, v_pool, table, starts, ends, _, _ = one_sequence_rows(7, 530, heads, kv_heads, 64, 0, seed=9, dtype=dtype)
+    together = cpu_attention.decode_attention(q, k_pool, v_pool, table, starts, ends, 0.125)
+    k_alone, v_alone = (pool.repeat_interleave(heads // kv_heads, dim=0) for pool in (k_pool, v_pool))
+    alone = torch.cat([cpu_attention.decode_attention(q[row: row + 1], k_alone, v_alone, table[row: row + 1],
+                                                      starts[row: row + 1], ends[row: row + 1], 0.125)
+                       for row in range(q.shape[0])])
+    assert torch.equal(together, alone), f"{int((together != alone).sum())} of {alone.numel()} outputs differ"
+
+
 def test_bad_range_is_refused():
     q = torch.zeros(1, 2, 64)
     pool = torch.zeros(2, 2, 16, 64)
