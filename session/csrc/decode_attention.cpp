@@ -8,6 +8,8 @@
 // [B, W] int32, starts [B] int32, ends [B] int32, scale) -> [B, H, hd]: row b's query heads attend
 // to its positions starts[b] .. ends[b]-1, found through its block table. One call per layer for
 // the whole batch, reading keys and values where they lie (no gather, no per-row call).
+// The queries that share a kv head's keys (its query heads, in the rows of one sequence a verify
+// feeds) attend as one item, each key read and converted once for them (attend, below).
 //
 // It computes what torch's CPU flash-attention kernel computes for a bfloat16 query of one token
 // over the same keys (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), bit for bit, so that greedy
