@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     followups: dict[str, dict] = {}  # the 2-turn chat: ours (session) and vLLM's (prefix cache)
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
     try:  # everything, vLLM included, runs beside the same neighbour
-        bandwidths = [copy_bandwidth()]  # before ours, right after, and at the end (bandwidth_floor takes the best)
+        bandwidths = [copy_bandwidth()]  # before ours, right after, and at the end (bandwidth_floor: the best, and the median)
         results, runners, workload = measure_ours(args, variants, base, followups)
         runner = next(iter(runners.values()))
         torch.set_num_threads(generate_threads)
@@ -250,14 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     floor = bandwidth_floor(runner, bandwidths + [copy_bandwidth()], context)
     summary["floor_ms_per_token_c1"] = floor["floor_s"] * 1000
     summary["floor_with_kv_ms_per_token_c1"] = floor["floor_with_kv_s"] * 1000
+    summary["typical_floor_ms_per_token_c1"] = floor["typical_floor_s"] * 1000
     if 1 in ours:
         summary["ours_over_floor_c1"] = ours[1]["per_token_s"] / floor["floor_s"]
         summary["ours_over_floor_with_kv_c1"] = ours[1]["per_token_s"] / floor["floor_with_kv_s"]
+        summary["ours_over_typical_floor_c1"] = ours[1]["per_token_s"] / floor["typical_floor_s"]
     print(f"bandwidth floor at one session: {floor['weight_bytes'] / 1e6:.1f} MB of language-model weights "
           f"per token / {floor['bandwidth'] / 1e9:.1f} GB/s (best of "
-          f"{', '.join(f'{b / 1e9:.1f}' for b in floor['bandwidths'])}) = {floor['floor_s'] * 1000:.2f} ms/token; "
+          f"{', '.join(f'{b / 1e9:.1f}' for b, _ in floor['bandwidths'])}) = {floor['floor_s'] * 1000:.2f} ms/token; "
           f"with the session's KV ({floor['kv_bytes'] / 1e6:.1f} MB at {context} tokens of context) "
-          f"{floor['floor_with_kv_s'] * 1000:.2f} ms/token")
+          f"{floor['floor_with_kv_s'] * 1000:.2f} ms/token; at the readings' median bandwidth "
+          f"({floor['typical_bandwidth'] / 1e9:.1f} GB/s) {floor['typical_floor_s'] * 1000:.2f} ms/token")
     for key, value in summary.items():
         print(f"{key}: {value:.2f}")
     write_json(args.out / "decode.json", {"settings": vars(args) | {"out": str(args.out)}, "results": {
@@ -353,43 +356,48 @@ def run_vllm(args) -> tuple[dict, dict]:
     return decode, {key: peer["followup"][key] for key in ("followup_s_median", "first_s_median")}
 
 
-def copy_bandwidth(repeats: int = 20) -> float:
-    """Bytes per second the memory moves here, with this process's thread setting, measured in a child
-    process (``measure_bandwidth``). Not in this one: torch operators run on this thread would give it
-    an OpenMP team beside the engine's, and GNU OpenMP then stops spinning between parallel regions
-    once its threads outnumber the cores; an engine started after one such measurement stepped ~1 ms
-    slower (text-bench, bfloat16, one session: 2.1-2.7 against 3.1-3.4 ms)."""
+def copy_bandwidth(repeats: int = 20) -> tuple[float, float]:
+    """(best, median) bytes per second the memory moves here, with this process's thread setting,
+    measured in a child process (``measure_bandwidth``). Not in this one: torch operators run on this
+    thread would give it an OpenMP team beside the engine's, and GNU OpenMP then stops spinning between
+    parallel regions once its threads outnumber the cores; an engine started after one such
+    measurement stepped ~1 ms slower (text-bench, bfloat16, one session: 2.1-2.7 against 3.1-3.4 ms)."""
     code = (f"import torch; torch.set_num_threads({torch.get_num_threads()}); "
-            f"from benchmarks.decode import measure_bandwidth; print(measure_bandwidth({repeats}))")
+            f"from benchmarks.decode import measure_bandwidth; print(*measure_bandwidth({repeats}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True)
-    return float(out.stdout.split()[-1])
+    best, typical = map(float, out.stdout.split()[-2:])
+    return best, typical
 
 
-def measure_bandwidth(repeats: int) -> float:
-    """The best of ``repeats`` streaming copies (read + write) and as many sums (read only, as weights
-    are read) of a buffer larger than the caches. Where they differ, the faster gives the lower
-    (stricter) floor. Called by ``copy_bandwidth``, in its own process."""
+def measure_bandwidth(repeats: int) -> tuple[float, float]:
+    """(best, median) bytes per second of ``repeats`` streaming copies (read + write) and as many sums
+    (read only, as weights are read) of a buffer larger than the caches, each pass the faster of its
+    copy and its sum. The best gives the lower (stricter) floor; the median is what this host gives
+    most of the time (on a shared VM the two differed by up to 1.6x). Called by ``copy_bandwidth``, in
+    its own process."""
     source = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB
     target = torch.empty_like(source)
     target.copy_(source)
     nbytes = source.numel() * source.element_size()
-    best = float("inf")
+    passes = []
     for _ in range(repeats):
         began = time.perf_counter()
         target.copy_(source)
-        best = min(best, (time.perf_counter() - began) / 2)  # a copy reads and writes: twice the bytes
+        copy_s = (time.perf_counter() - began) / 2  # a copy reads and writes: twice the bytes
         began = time.perf_counter()
         source.sum()
-        best = min(best, time.perf_counter() - began)
-    return nbytes / best
+        passes.append(min(copy_s, time.perf_counter() - began))
+    return nbytes / min(passes), nbytes / median(passes)
 
 
-def bandwidth_floor(runner, bandwidths: list[float], context_tokens: int = 0) -> dict:
+def bandwidth_floor(runner, bandwidths: list[tuple[float, float]], context_tokens: int = 0) -> dict:
     """The memory-bandwidth floor of one decode step: every language-model weight (embedding row
     aside) is read once per token, at the best of the bandwidths measured in this run (a neighbour, or
     the peer's processes exiting, only lower a measurement; the best gives the lowest floor). Beside
     it, the floor with the session's keys and values read too (``context_tokens`` of them, every
-    layer), which a step reads as surely as the weights."""
+    layer), which a step reads as surely as the weights, and the weights' floor at the median of the
+    readings' medians (``typical``: what the host gives most of the time). ``bandwidths``: (best,
+    median) pairs of ``copy_bandwidth``."""
     def nbytes(module) -> int:  # parameters and packed weights (buffers; session/packed_linear.py, cpu_linear.py)
         return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()) if t.dim() > 1)
 
@@ -398,9 +406,11 @@ def bandwidth_floor(runner, bandwidths: list[float], context_tokens: int = 0) ->
     info = runner.info
     kv_bytes = (info.num_layers * 2 * info.num_kv_heads * info.head_dim * runner.kv_dtype.itemsize
                 * context_tokens)
-    bandwidth = max(bandwidths)
-    return {"weight_bytes": lm_bytes, "kv_bytes": kv_bytes, "bandwidth": bandwidth, "bandwidths": bandwidths,
-            "floor_s": lm_bytes / bandwidth, "floor_with_kv_s": (lm_bytes + kv_bytes) / bandwidth}
+    bandwidth = max(best for best, _ in bandwidths)
+    typical = median([typical for _, typical in bandwidths])
+    return {"weight_bytes": lm_bytes, "kv_bytes": kv_bytes, "bandwidth": bandwidth, "typical_bandwidth": typical,
+            "bandwidths": bandwidths, "floor_s": lm_bytes / bandwidth, "floor_with_kv_s": (lm_bytes + kv_bytes) / bandwidth,
+            "typical_floor_s": lm_bytes / typical}
 
 
 def _plot(path: Path, results: dict) -> None:
