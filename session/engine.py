@@ -35,7 +35,7 @@ from session.sequence import (  # noqa: F401  (re-exported: callers build reques
     AdapterRequest, CancelRequest, CloseRequest, GenerationRequest, Sequence, SessionAdminRequest,
 )
 from session.stats import EngineStats, snapshot
-from session.threads import ComputeThread
+from session.threads import ComputeThread, one_thread_here
 from session.vision import NO_IMAGES, Images
 
 logger = logging.getLogger(__name__)
@@ -129,8 +129,10 @@ class Engine:
 
     def preprocess_images(self, images: list) -> Images:
         """PIL images -> Images (pixels, original sizes, token counts). Runs in the caller's thread
-        (CPU work, no model)."""
-        return preprocess_images(self.vision, images)
+        (CPU work, no model), on that thread alone: a parallel operator here would give the caller an
+        OpenMP team beside the engine's, which slows every decode step after it (``one_thread_here``)."""
+        with one_thread_here():
+            return preprocess_images(self.vision, images)
 
     def new_session_id(self) -> str:
         return new_session_id(self.config.session_id_tag)

@@ -31,8 +31,9 @@ import queue
 import statistics
 import threading
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -149,6 +150,31 @@ class ThreadTuner:
     def figures(self) -> dict[int, dict[int, float | None]]:
         """bucket -> thread count -> its recent step seconds (for logs and tests)."""
         return {b: {c: f.seconds for c, f in figs.items()} for b, figs in self._figures.items()}
+
+
+@contextmanager
+def one_thread_here() -> Iterator[None]:
+    """Torch operators run inside on the calling thread alone, and its thread count is restored after.
+
+    ``ComputeThread`` keeps the engine's OpenMP team the process's only one, but threads outside the
+    engine run torch operators too: request images are preprocessed on the caller's thread (the
+    handler's executor threads), and Qwen2-VL's preprocessing runs parallel operators. A thread's
+    first parallel operator gives it a team of its own, which lives as long as the thread, and from
+    then on GNU OpenMP stops spinning between the engine's parallel regions (its threads outnumber the
+    cores). Measured (text-bench, bfloat16, one session, 2 threads): 1.6-2.4 ms a token, and 3.3-3.7
+    after one parallel operator on a thread that stays. With one thread (OpenMP's count is per thread,
+    and torch reads the calling thread's) such operators start no team. Who calls this:
+    ``Engine.preprocess_images``.
+    """
+    previous = torch.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class ComputeThread:

@@ -174,3 +174,38 @@ def test_engine_loads_and_decodes_on_its_loop_thread(monkeypatch, tiny_model_pat
     finally:
         engine.stop()
     assert threads["decode"] == threads["load"] != threading.get_ident()
+
+
+def test_images_are_preprocessed_without_an_openmp_team_of_the_callers(monkeypatch, tiny_model_path):
+    """A parallel operator on a thread that stays (the handler's executor threads) would give it an
+    OpenMP team beside the engine's, slowing every later decode step: the engine runs preprocessing on
+    the caller's thread alone, and gives the thread its own count back."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    import session.engine as engine_module
+    from session.config import EngineConfig
+    from session.engine import Engine
+
+    seen = {}
+
+    def parallel_preprocess(vision, images):  # as a processor that runs torch's parallel operators would
+        seen["threads"] = torch.get_num_threads()
+        seen["sum"] = float(torch.ones(1 << 24).sum())
+        return "images"
+
+    monkeypatch.setattr(engine_module, "preprocess_images", parallel_preprocess)
+    engine = Engine(EngineConfig(model_path=str(tiny_model_path), max_device_adapters=0)).start()
+    pool = ThreadPoolExecutor(1)
+    try:
+        pool.submit(torch.set_num_threads, 2).result()  # the caller's own count, before any operator
+        before = len(os.listdir("/proc/self/task"))
+        assert pool.submit(engine.preprocess_images, ["an image"]).result() == "images"
+        assert seen == {"threads": 1, "sum": float(1 << 24)}
+        assert len(os.listdir("/proc/self/task")) == before  # no team's worker started
+        assert pool.submit(torch.get_num_threads).result() == 2
+    finally:
+        pool.shutdown()
+        engine.stop()
