@@ -145,6 +145,43 @@ def test_a_query_attending_with_others_gives_its_bits_alone(dtype):
     assert torch.equal(together, alone), f"{int((together != alone).sum())} of {alone.numel()} outputs differ"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_batches_give_every_query_its_bits_alone(dtype):
+    """A randomized schedule of what a step's call can hold: several sequences, each with 1-9 rows at
+    consecutive ends (some with a window's first key), 1-8 query heads a kv head, head dims 16-128,
+    blocks of 16 or 256 positions. Every output equals, bit for bit, the same query attending alone."""
+    if not cpu_attention.supports(dtype):
+        pytest.skip(f"no {dtype} attention on the {cpu_attention.KERNEL.isa.name} build")
+    import random
+
+    rng = random.Random(11)
+    for case in range(12):
+        kv_heads, group = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3, 4, 8])
+        heads, head_dim, block_tokens = kv_heads * group, rng.choice([16, 32, 64, 128]), rng.choice([16, 256])
+        generator = torch.Generator().manual_seed(case)
+        sequences = [rng.randint(1, 1100) for _ in range(rng.randint(1, 4))]
+        keys = [torch.randn(kv_heads, n, head_dim, generator=generator).to(dtype) for n in sequences]
+        values = [torch.randn(kv_heads, n, head_dim, generator=generator).to(dtype) for n in sequences]
+        k_pool, table = paged(keys, block_tokens, torch.Generator().manual_seed(case + 1))
+        v_pool, _ = paged(values, block_tokens, torch.Generator().manual_seed(case + 1))
+        rows, starts, ends = [], [], []
+        for index, n in enumerate(sequences):
+            count = rng.randint(1, min(9, n))
+            start = rng.choice([0, rng.randint(0, n - count)])
+            rows += [index] * count
+            starts += [start] * count
+            ends += list(range(n - count + 1, n + 1))
+        q = (torch.randn(len(rows), heads, head_dim, generator=generator) * 2).to(dtype)
+        tables = table[rows].contiguous()
+        together = cpu_attention.decode_attention(q, k_pool, v_pool, tables, torch.tensor(starts, dtype=torch.int32),
+                                                  torch.tensor(ends, dtype=torch.int32), head_dim ** -0.5)
+        k_alone, v_alone = (pool.repeat_interleave(group, dim=0) for pool in (k_pool, v_pool))
+        alone = torch.cat([cpu_attention.decode_attention(
+            q[r: r + 1], k_alone, v_alone, tables[r: r + 1], torch.tensor(starts[r: r + 1], dtype=torch.int32),
+            torch.tensor(ends[r: r + 1], dtype=torch.int32), head_dim ** -0.5) for r in range(len(rows))])
+        assert torch.equal(together, alone), (case, int((together != alone).sum()), alone.numel())
+
+
 def test_bad_range_is_refused():
     q = torch.zeros(1, 2, 64)
     pool = torch.zeros(2, 2, 16, 64)
