@@ -267,8 +267,7 @@ struct QueryState {
   alignas(64) float probs[kSplit];  // bfloat16: rounded to it, held as float32
   alignas(64) float dst[512];
   float running_max, running_sum;
-  int end;   // one past its last position
-  int size;  // its positions in the split being attended (0: none left)
+  int size;  // its positions in the split being attended
 };
 
 // One split's scores of NQ queries, positions n .. n+most-1 (``most``: the longest query's size there;
@@ -438,13 +437,12 @@ void attend(const Query<Elem>* queries, int count, const Pool<Elem>& keys, const
     query_blocks(q, head_dim, st[x]->qb);
     st[x]->running_max = -std::numeric_limits<float>::infinity();
     st[x]->running_sum = 0.f;
-    st[x]->end = queries[x].end;
   }
   const int ahead = std::max<int>(4, kAheadBytes / (head_dim * static_cast<int>(sizeof(Elem))));
   for (int n = start; n < queries[0].end; n += kSplit) {
     int active = 0;  // queries with positions in this split: a prefix (longest first)
-    while (active < count && st[active]->end > n) {
-      st[active]->size = std::min(kSplit, st[active]->end - n);
+    while (active < count && queries[active].end > n) {
+      st[active]->size = std::min(kSplit, queries[active].end - n);
       ++active;
     }
     const int most = st[0]->size;
@@ -534,7 +532,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
     b = e;
   }
-  const std::vector<Item>& work = items;
+  const std::vector<Item>& work = items;  // in the lambda, ``items`` would name each worker's own (empty) vector
   resident::for_each_shared(static_cast<int64_t>(work.size()), [&](int64_t i) {
     const Item& item = work[i];
     attend<Elem>(item.queries, item.count, keys, vals, table + item.row * width, st[item.row], item.kv_head,
