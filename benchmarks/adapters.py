@@ -27,9 +27,9 @@ MIX = ["tone", "domain", "customer", "terse"]
 
 def run_batch(engine, adapters: list[str | None], new_tokens: int, concurrency: int, prompts) -> dict:
     """Send one request per entry of ``adapters`` (None: base), ``concurrency`` at a time."""
-    from session.engine import GenerationRequest
-    from session.events import EventStream, Failed, Finished
-    from session.protocol import SamplingParams
+    from session.engine.loop import GenerationRequest
+    from session.engine.events import EventStream, Failed, Finished
+    from session.serving.protocol import SamplingParams
 
     latencies: list[float] = []
     gate = threading.Semaphore(concurrency)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_demo_models(only=["bench"])
     from model_store.build_adapters import build_all
     from session.config import EngineConfig
-    from session.engine import Engine
+    from session.engine.loop import Engine
 
     adapters_dir = REPO / "models" / f"adapters-{Path(args.model_path).name}"
     build_all(Path(args.model_path), adapters_dir, count=4)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _question(i: int):
-    from session.protocol import Message, TextPart
+    from session.serving.protocol import Message, TextPart
 
     return (Message("user", (TextPart(f"Question {i}: explain what a context manager does in Python."),)),)
 

@@ -9,7 +9,7 @@ and per token, and the ratio per_row / batched (> 1: batched is faster).
 Run: python -m benchmarks.attention_paths [--levels 1 16] [--steps 32] [--context 600] [--threads 1]
 
 ``--layouts`` instead times the per-row path over a head-major and a token-major pool
-(session/kv_cache.py; CPU uses head-major) and checks that both give the same logits.
+(session/model/kv_cache.py; CPU uses head-major) and checks that both give the same logits.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from launch.torchserve import ensure_demo_models
 
 PATHS = ("per_row", "batched")
 LAYOUTS = ("consecutive", "interleaved")  # how each session's blocks lie in the pool
-POOL_LAYOUTS = ("head-major", "token-major")  # the pool's own layout (session/kv_cache.py)
+POOL_LAYOUTS = ("head-major", "token-major")  # the pool's own layout (session/model/kv_cache.py)
 
 
 def sessions(runner, num_rows: int, context: int, block_tokens: int, interleaved: bool, pool=None) -> list:
@@ -67,7 +67,7 @@ def measure(runner, num_rows: int, context: int, steps: int, block_tokens: int) 
 def measure_pool_layouts(runner, num_rows: int, context: int, steps: int, block_tokens: int) -> dict:
     """Median seconds per per-row decode step over a head-major and a token-major pool (the same
     contexts, consecutive blocks), measured round-robin; and whether both gave the same logits."""
-    from session.kv_cache import BlockPool
+    from session.model.kv_cache import BlockPool
 
     info = runner.info
     pools = {layout: BlockPool(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_demo_models(only=["bench"])
     if args.threads:
         torch.set_num_threads(args.threads)
-    from session.model_runner import ModelRunner
+    from session.model.runner import ModelRunner
 
     runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype)
     if args.layouts:

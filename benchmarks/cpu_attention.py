@@ -1,5 +1,5 @@
 """bfloat16 decode attention on CPU: torch's flash kernel, one call per row (what transformers runs and what
-our per-row path ran before), against our kernel, one call for all rows (session/cpu_attention.py).
+our per-row path ran before), against our kernel, one call for all rows (session/model/cpu/attention.py).
 
 Each row: one query token over ``--context`` keys, ``--heads`` heads of ``--head-dim``, its keys in a
 head-major pool of 256-token blocks. Both are timed interleaved in the same loop (median of
@@ -46,7 +46,7 @@ def case(rows: int, context: int, heads: int, head_dim: int, seed: int = 0):
 
 
 def measure(rows: int, context: int, heads: int, head_dim: int, repeats: int) -> dict:
-    from session import cpu_attention
+    from session.model.cpu import attention as cpu_attention
 
     q, keys, values, k_pool, v_pool, table = case(rows, context, heads, head_dim)
     scale = head_dim ** -0.5
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    from session import cpu_attention
+    from session.model.cpu import attention as cpu_attention
 
     if not cpu_attention.load():
         print("the kernel cannot be built or used here (see the log)")

@@ -1,5 +1,5 @@
 """CPU linears: torch's ``F.linear`` on dense weights vs oneDNN on weights packed once (RESIDENT_PACK_WEIGHTS)
-vs our kernel on weights packed for it (session/cpu_linear.py, RESIDENT_CPU_KERNELS).
+vs our kernel on weights packed for it (session/model/cpu/linear.py, RESIDENT_CPU_KERNELS).
 
 Workload: every linear of a language model (its layers' projections and the head), run in turn for
 M rows, as one decode step of M sessions runs them; the weights exceed the caches, so each product
@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import REPO, format_table, median, write_json
-from session import cpu_linear
-from session.packed_linear import can_pack
+from session.model.cpu import linear as cpu_linear
+from session.model.cpu.packed_linear import can_pack
 
 TEXT_BENCH = REPO / "models" / "text-bench"
 
 
 def linears(model_path: str, dtype: torch.dtype) -> list[torch.Tensor]:
     """The dense weights [out, in] of the language model's linears and head, in forward order."""
-    from session.model_runner import ModelRunner
+    from session.model.runner import ModelRunner
 
     runner = ModelRunner(model_path, device="cpu", dtype=str(dtype).removeprefix("torch."), pack_weights=False)
     modules = [m for layer in runner.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]

@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.common import BENCH_MODEL, REPO, format_table, median, write_json
 from launch.torchserve import ensure_demo_models
-from session.model_runner import ModelRunner
+from session.model.runner import ModelRunner
 
 TEXT_BENCH_MODEL = REPO / "models" / "text-bench"  # llava-bench's language model as a plain Llama
 
@@ -46,7 +46,7 @@ def prompts(engine, count: int):
     from PIL import Image
     import numpy as np
 
-    from session.vision import NO_IMAGES
+    from session.families.vision import NO_IMAGES
 
     if engine.vision is None:
         from benchmarks.first_vs_followup import opening_message
@@ -66,7 +66,7 @@ def prompts(engine, count: int):
 
 
 def _user_with_image(text: str, image: bool = True):
-    from session.protocol import ImagePart, Message, TextPart
+    from session.serving.protocol import ImagePart, Message, TextPart
 
     return (Message("user", ((ImagePart("data:,"),) if image else ()) + (TextPart(text),)),)
 
@@ -76,9 +76,9 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
     follow-ups are submitted at once and timed. A reader thread per request stamps its events."""
     import threading
 
-    from session.engine import CloseRequest, GenerationRequest
-    from session.events import EventStream, Failed, Finished, Started
-    from session.protocol import Message, SamplingParams, TextPart
+    from session.engine.loop import CloseRequest, GenerationRequest
+    from session.engine.events import EventStream, Failed, Finished, Started
+    from session.serving.protocol import Message, SamplingParams, TextPart
 
     def wait(request):
         while not isinstance(event := request.stream.get(timeout=600), (Finished, Failed)):
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     variants = {"ours": {}}
     if args.thread_policies:
-        from session.threads import cpu_candidates
+        from session.model.threads import cpu_candidates
 
         variants |= {f"ours threads={n}": {"threads": n} for n in cpu_candidates()}
     if args.unpacked:
@@ -274,7 +274,7 @@ def measure_ours(args, variants: dict, base: dict, followups: dict):
     """Each variant of our engine at every level, one engine at a time, sharing one copy of the weights
     per weight layout (packed for oneDNN or dense: RESIDENT_PACK_WEIGHTS, RESIDENT_COMPILE)."""
     from session.config import EngineConfig
-    from session.engine import Engine
+    from session.engine.loop import Engine
 
     results: dict[str, dict[int, dict]] = {}
     runners: dict[bool, ModelRunner] = {}  # packed? -> runner
@@ -307,10 +307,10 @@ def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
     from benchmarks.common import image_data_url
     from benchmarks.first_vs_followup import FIRST_QUESTION, FOLLOWUP_QUESTIONS, WARMUP_SEED, opening_message
     from benchmarks.vllm_peer import FOLLOWUP_SEED_BASE
-    from session.engine import CloseRequest, GenerationRequest
-    from session.events import EventStream, Failed, Finished
-    from session.images import decode_data_url
-    from session.protocol import ImagePart, Message, SamplingParams, TextPart
+    from session.engine.loop import CloseRequest, GenerationRequest
+    from session.engine.events import EventStream, Failed, Finished
+    from session.families.image_decode import decode_data_url
+    from session.serving.protocol import ImagePart, Message, SamplingParams, TextPart
 
     def turn(sid, messages, images, opens) -> tuple[float, Finished]:
         start = time.perf_counter()  # image decoding and preprocessing count, as in vLLM's turn
@@ -398,7 +398,7 @@ def bandwidth_floor(runner, bandwidths: list[tuple[float, float]], context_token
     layer), which a step reads as surely as the weights, and the weights' floor at the median of the
     readings' medians (``typical``: what the host gives most of the time). ``bandwidths``: (best,
     median) pairs of ``copy_bandwidth``."""
-    def nbytes(module) -> int:  # parameters and packed weights (buffers; session/packed_linear.py, cpu_linear.py)
+    def nbytes(module) -> int:  # parameters and packed weights (buffers; session/model/cpu/packed_linear.py, cpu_linear.py)
         return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()) if t.dim() > 1)
 
     lm_bytes = nbytes(runner.lm) - runner.lm.embed_tokens.weight.numel() * runner.lm.embed_tokens.weight.element_size()

@@ -32,7 +32,7 @@ import requests
 
 from benchmarks.common import format_table, free_port, image_data_url, mean, percentile, write_json
 from launch.torchserve import DEFAULT_MODEL, REPO, ensure_demo_models
-from session.protocol import ADMIN_TOKEN_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
+from session.serving.protocol import ADMIN_TOKEN_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 
 QUESTIONS = ["What is in the top left corner?", "And the bottom right?", "Which colour is most common?",
              "Describe it in one word.", "Is there any red?", "What else?"]

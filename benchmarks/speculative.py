@@ -29,8 +29,8 @@ import torch
 
 from benchmarks.common import format_table, median, write_json
 from model_store.train_pair import PAIR_DIR, eval_prompts
-from session.model_runner import ModelRunner
-from session.speculative import SpeculationController, SpeculativeDecoder
+from session.model.runner import ModelRunner
+from session.speculative.decoder import SpeculationController, SpeculativeDecoder
 
 
 @dataclass

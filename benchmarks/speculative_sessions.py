@@ -36,9 +36,9 @@ from benchmarks.common import format_table, median, write_json
 from model_store import train_deep_pair
 from model_store.train_pair import PAIR_DIR, eval_prompts
 from session.config import EngineConfig
-from session.engine import Engine, GenerationRequest
-from session.events import EventStream, Failed, Finished
-from session.protocol import SamplingParams
+from session.engine.loop import Engine, GenerationRequest
+from session.engine.events import EventStream, Failed, Finished
+from session.serving.protocol import SamplingParams
 
 HF_METHODS = ("hf generate", "hf assisted")
 
@@ -146,7 +146,7 @@ def _acceptance_counts(engine: Engine) -> tuple[int, int]:
 
 def draft_step_ratio(name: str, dtype: str = "float32") -> float:
     """A draft decode step over a target decode step (ModelRunner, one row, 40 cached tokens), min of 5."""
-    from session.model_runner import ModelRunner
+    from session.model.runner import ModelRunner
 
     def step_s(runner: ModelRunner) -> float:
         kv = runner.new_kv_cache(block_tokens=256, max_tokens=512)

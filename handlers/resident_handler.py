@@ -1,4 +1,4 @@
-"""TorchServe handler: a thin adapter from TorchServe's contract to ``session.api.ChatService``.
+"""TorchServe handler: a thin adapter from TorchServe's contract to ``session.serving.api.ChatService``.
 
 Runs with ``asyncCommunication: true`` and ``batchSize: 1``: TorchServe hands every request to
 ``handle`` as soon as it arrives, while the engine thread batches the requests of all sessions
@@ -18,10 +18,10 @@ import time
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.metrics.metric_type_enum import MetricTypes
 
-from session.api import ApiResponse, ChatService, error_response
+from session.serving.api import ApiResponse, ChatService, error_response
 from session.config import EngineConfig
-from session.protocol import form_body_error, header
-from session.engine import Engine
+from session.serving.protocol import form_body_error, header
+from session.engine.loop import Engine
 
 logger = logging.getLogger(__name__)
 

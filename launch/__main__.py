@@ -19,7 +19,7 @@ from launch.cluster import run_cluster, run_front
 from launch.torchserve import DEFAULT_MODEL, REPO, PortInUse, ensure_demo_models, start_torchserve
 from launch.watchdog import watch
 from session.errors import ConfigError
-from session.support import check_checkpoint
+from session.families.support import check_checkpoint
 
 
 def serve_port() -> int:

@@ -2,7 +2,7 @@
 (``make cluster``, and the container's ``serve``). ``python -m launch front``: the front alone,
 before backends listed in RESIDENT_FRONT_BACKENDS (docker/compose.yaml's router).
 
-Environment (besides RESIDENT_FRONT_* for the front, session/front.py, and RESIDENT_* for the engine):
+Environment (besides RESIDENT_FRONT_* for the front, session/front/server.py, and RESIDENT_* for the engine):
   PORT, SAGEMAKER_BIND_TO_PORT  the front's port (default 8080; SAGEMAKER_BIND_TO_PORT wins)
   HOST                          the front's bind address (default 127.0.0.1; 0.0.0.0 in a container)
   BACKENDS                      number of backends (default 2), or "auto": one per visible device
@@ -51,8 +51,8 @@ from typing import Callable, Mapping
 from launch.torchserve import DEFAULT_MODEL, MODEL_NAME, REPO, TorchServe, ensure_demo_models, start_torchserve
 from launch.watchdog import watch
 from session.errors import ConfigError
-from session.support import check_checkpoint
-from session.front import Front, FrontConfig
+from session.families.support import check_checkpoint
+from session.front.server import Front, FrontConfig
 
 logger = logging.getLogger("resident.cluster")
 

@@ -8,7 +8,7 @@ follow-up is recomputed.
 
 Liveness is read out of band, never by queueing behind requests: the worker must be READY in the
 management API and the engine loop's heartbeat file (touched every iteration, at least once a
-second, see session/engine.py) must be fresher than ``stall_s``. A saturated engine still turns its
+second, see session/engine/loop.py) must be fresher than ``stall_s``. A saturated engine still turns its
 loop every step, so load never looks like a failure; a dead worker (no READY) or a loop stuck in
 one step for longer than ``stall_s`` does.
 """

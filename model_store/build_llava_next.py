@@ -15,7 +15,7 @@ and the chat template), loaded by ``LlavaNextForConditionalGeneration.from_pretr
 
 Both use a CLIP tower with patch 14, feature layer -2 and the "default" strategy (the CLS is dropped),
 so one ``<image>`` expands to a count that depends on the image's size and aspect ratio
-(session/anyres.py computes it).
+(session/families/anyres.py computes it).
 
 Run: python -m model_store.build_llava_next [--only vicuna] [--out models]
 """

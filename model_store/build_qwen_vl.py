@@ -111,7 +111,7 @@ def build_processor(family: str, tokenizer):
     """The processor a hub checkpoint has, less the video processor (it needs torchvision)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from session.qwen_vl import build_processor as image_only_processor
+    from session.families.qwen_vl import build_processor as image_only_processor
 
     image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH_SIZE,
                                                merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE)

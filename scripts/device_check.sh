@@ -13,7 +13,7 @@ mkdir -p "$LOGS"
 if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "device-check: no CUDA device on this machine; CPU smoke only (operator count of one decode step)"
     make install >/dev/null || exit 1
-    exec "$PY" -m pytest tests/unit/test_op_count.py -q -s -p no:cacheprovider
+    exec "$PY" -m pytest tests/unit/model/test_op_count.py -q -s -p no:cacheprovider
 fi
 
 # torch from PyPI with its CUDA libraries (the Makefile's default is the CPU build)
@@ -32,7 +32,7 @@ stage() {  # stage NAME COMMAND...: runs it with its log under $LOGS, records pa
 # Equivalence on the GPU: float32 (RESIDENT_TEST_DTYPE, see tests/conftest.py), so the tests' token-exact
 # references hold; the batched path runs with CUDA graphs there (RESIDENT_ATTENTION=auto on CUDA).
 stage equivalence env RESIDENT_TEST_DTYPE=float32 "$PY" -m pytest -q -p no:cacheprovider -k "not compiled" \
-    tests/unit/test_op_count.py tests/unit/test_kv_cache.py tests/integration/test_decode_paths.py \
+    tests/unit/model/test_op_count.py tests/unit/model/test_kv_cache.py tests/integration/test_decode_paths.py \
     tests/integration/test_engine.py tests/integration/test_memory.py tests/integration/test_text_families.py
 stage attention_paths "$PY" -m benchmarks.attention_paths --levels 1 16 --device cuda --threads 0
 stage decode "$PY" -m benchmarks.decode --levels 1 4 16 --dtype float32

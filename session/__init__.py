@@ -1,5 +1,16 @@
 """Resident: a session-resident serving engine for vision-language models.
 
-This package never imports TorchServe; ``handlers/`` adapts it to TorchServe and
-``session.front`` to plain HTTP.
+The sub-packages are layers; each may import only the layers below it (``make lint`` checks):
+
+    front/      the routing front (its own process): pins sessions to backends, SageMaker paths
+    serving/    one HTTP-level request in, an answer out: the wire protocol and the chat service
+    engine/     the loop thread that owns every session: admission, scheduling, steps, outputs
+    speculative/ draft-and-verify decoding: the acceptance maths, the controller, the decoder
+    state/      what a session holds and where: state, store, memory tiers, embeddings, journal
+    model/      the one owner of weights and forward passes: runner, KV cache, attention, LoRA
+    families/   what each model family is: its classes, image geometry, positions, support check
+
+At the top, used by every layer: ``config`` (the one typed config), ``errors`` (the exception
+family, mapped to HTTP status) and ``types`` (the value types the layers pass to each other).
+Nothing here imports TorchServe; ``handlers/`` adapts ``serving`` to it.
 """

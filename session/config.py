@@ -28,7 +28,7 @@ class EngineConfig:
     model_path: str = "models/llava-tiny"
     device: str = "auto"  # "auto" -> cuda if available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" -> float32 on cpu, bfloat16 on cuda; or float32/bfloat16/float16
-    pack_weights: bool = True  # CPU: the language model's linears prepacked for oneDNN (session/packed_linear.py)
+    pack_weights: bool = True  # CPU: the language model's linears prepacked for oneDNN (session/model/cpu/packed_linear.py)
     cpu_kernels: bool = True  # CPU: our kernels (attention, linears, the decode step), built at start-up
     kv_dtype: str = "auto"  # KV cache and attention: "auto" = dtype; or float32 (more precise, twice the KV bytes)
     session_ttl_s: float = 1200.0  # idle sessions expire after this many seconds
@@ -41,7 +41,7 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests per worker before 503
     kv_block_tokens: int = 256  # KV blocks of this many tokens (FlashAttention's paged kernel: a multiple of 256)
     attention: str = "auto"  # decode: auto (cuda_graphs on CUDA, per_row on CPU), batched, per_row, cuda_graphs
-    static_kv: bool = False  # fixed-capacity KV + bucketed shapes (session/static_shapes.py), as NeuronCores need
+    static_kv: bool = False  # fixed-capacity KV + bucketed shapes (session/model/static_shapes.py), as NeuronCores need
     compile: bool = False  # torch.compile the static-shape step functions (needs static_kv)
     compile_backend: str = "inductor"  # its backend: inductor, aot_eager, or neuron (NeuronCores, Neuron SDK)
     max_image_bytes: int = 6 * 1024 * 1024  # encoded image size (SageMaker's payload limit)
@@ -66,7 +66,7 @@ class EngineConfig:
     draft_model_path: str = ""  # a small causal LM with the target's tokenizer (speculative decoding)
     num_speculative_tokens: int = 4  # the most proposals per step; adapted to the observed acceptance
     speculative_max_batch: int = 16  # speculate only while at most this many requests decode (batched)
-    threads: int = 0  # torch intra-op threads; 0 = auto: measured while serving on CPU (session/threads.py), torch's default on CUDA
+    threads: int = 0  # torch intra-op threads; 0 = auto: measured while serving on CPU (session/model/threads.py), torch's default on CUDA
     seed: int = 0  # default sampling seed when a request gives none
 
     @classmethod

@@ -84,7 +84,7 @@ class ServiceStopping(ResidentError):
         super().__init__(message, headers={"Retry-After": "1"})
 
 
-# ---------------------------------------------------------------- adapters (session/adapters.py)
+# ---------------------------------------------------------------- adapters (session/model/lora.py)
 
 
 class AdapterNotFound(ResidentError):
@@ -115,7 +115,7 @@ class ConfigError(ValueError):
     """A setting is wrong at start-up; the message says what to set."""
 
 
-# ---------------------------------------------------------------- the front (session/front.py)
+# ---------------------------------------------------------------- the front (session/front/server.py)
 
 
 class SessionBackendUnavailable(ResidentError):

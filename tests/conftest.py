@@ -20,7 +20,7 @@ TINY_MODEL = REPO / "models" / "llava-tiny"
 def test_dtype():
     """RESIDENT_TEST_DTYPE (the device check sets float32) is what dtype "auto" resolves to in every
     engine the tests build: on CUDA "auto" means bfloat16, and the token-exact references are float32."""
-    import session.model_runner as model_runner
+    import session.model.runner as model_runner
 
     name = os.environ.get("RESIDENT_TEST_DTYPE")
     original = model_runner.resolve_dtype

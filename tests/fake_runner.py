@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from session.kv_cache import BlockPool, KVCache
-from session.model_runner import ModelInfo
+from session.model.kv_cache import BlockPool, KVCache
+from session.model.runner import ModelInfo
 
 
 class InjectedFault(RuntimeError):

@@ -8,9 +8,9 @@ import hashlib
 import pytest
 
 from session.config import EngineConfig
-from session.engine import Engine, GenerationRequest
-from session.events import EventStream, Finished, Started
-from session.protocol import ImagePart, Message, SamplingParams, TextPart
+from session.engine.loop import Engine, GenerationRequest
+from session.engine.events import EventStream, Finished, Started
+from session.serving.protocol import ImagePart, Message, SamplingParams, TextPart
 from tests.conftest import png_bytes
 
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 import requests
 
-from session.protocol import ADAPTER_HEADER, SESSION_HEADER
+from session.serving.protocol import ADAPTER_HEADER, SESSION_HEADER
 from tests.conftest import REPO
 from tests.e2e.test_front import NEW_ID_RE, chat, running_cluster, sagemaker_client
 

@@ -17,8 +17,8 @@ import pytest
 import requests
 
 from launch.torchserve import REPO
-from session.front import BACKEND_HEADER
-from session.protocol import ADMIN_TOKEN_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
+from session.front.server import BACKEND_HEADER
+from session.serving.protocol import ADMIN_TOKEN_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 from tests.conftest import free_port, image_url
 
 pytestmark = pytest.mark.e2e

@@ -31,7 +31,7 @@ def expected_prompt_tokens(path, conversation: list[dict], sizes) -> int:
     """What the checkpoint's own processor expands the conversation to (the same images: seeds, sizes)."""
     from transformers import AutoProcessor
 
-    from session.qwen_vl import load_processor
+    from session.families.qwen_vl import load_processor
 
     processor = load_processor(path) if "qwen" in path.name else AutoProcessor.from_pretrained(path)
     text = processor.apply_chat_template(conversation, add_generation_prompt=True)

@@ -1,4 +1,4 @@
-"""bfloat16 decoding on CPU through our kernels (session/cpu_attention.py, session/cpu_linear.py), one
+"""bfloat16 decoding on CPU through our kernels (session/model/cpu/attention.py, session/model/cpu/linear.py), one
 attention call per layer for the batch, against transformers' own bfloat16 forward on every text family:
 grouped-query heads (Qwen2, Qwen3), Mistral's 16-key sliding window crossed, sessions whose blocks
 interleave in the pool. And a multi-token extend (speculative verification) as its decode steps, bit for
@@ -12,13 +12,14 @@ import torch
 from model_store import train_deep_pair
 from model_store.build_text_models import FAMILIES, ensure
 from model_store.train_pair import PAIR_DIR, eval_prompts
-from session import cpu_attention, fused_layer
+from session.model.cpu import attention as cpu_attention
+from session.model.cpu import fused_layer
 from session.config import EngineConfig
-from session.engine import Engine, GenerationRequest
-from session.events import EventStream, Finished
-from session.model_runner import ModelRunner, cpu_has_bf16
-from session.protocol import SamplingParams
-from session.speculative import SpeculativeDecoder
+from session.engine.loop import Engine, GenerationRequest
+from session.engine.events import EventStream, Finished
+from session.model.runner import ModelRunner, cpu_has_bf16
+from session.serving.protocol import SamplingParams
+from session.speculative.decoder import SpeculativeDecoder
 from tests.integration.test_speculative_batch import batched_greedy, random_rows
 from tests.integration.test_speculative_decode import new_kv, plain_answer
 
@@ -170,7 +171,7 @@ def test_bfloat16_speculation_answers_what_plain_decoding_answers(bf16_pair, bat
 
 
 # Random models of each family, wide enough (128 wide, 2 heads of 64, one kv head) that every linear runs
-# on our kernel, so the step runs the C++ layer (session/fused_layer.py): Qwen2's q/k/v biases, Qwen3's
+# on our kernel, so the step runs the C++ layer (session/model/cpu/fused_layer.py): Qwen2's q/k/v biases, Qwen3's
 # q/k norms, Mistral's 16-key window crossed.
 WIDE_FAMILIES = {"llama": {}, "mistral": {"sliding_window": 16}, "qwen2": {}, "qwen3": {}}
 
@@ -251,7 +252,7 @@ def churn_answers_as_alone(model_dir: str, tmp_path, dtype: str) -> None:
     import threading
     import time
 
-    from session.events import Cancelled
+    from session.engine.events import Cancelled
 
     import shutil
 
@@ -387,7 +388,7 @@ def lora_rows_in_the_cpp_step(model_dir: str, dtype: str) -> None:
     """Steps with LoRA rows run the one-call step with the deltas added in C++ by LoRALinear's own ATen
     calls: one adapter for every row, a mix of two adapters and the base, and the base alone give the
     Python layer's logits bit for bit, as does the per-layer C++ call (and the adapters change them)."""
-    from session.adapters import AdapterWeights, TARGETS
+    from session.model.lora import AdapterWeights, TARGETS
 
     def adapter(seed: int, rank: int, targets) -> AdapterWeights:
         generator = torch.Generator().manual_seed(seed)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from session.config import EngineConfig
-from session.engine import Engine, GenerationRequest
-from session.events import EventStream, Failed, Finished, Started, TextDelta
-from session.protocol import SamplingParams
-from session.vision import NO_IMAGES
+from session.engine.loop import Engine, GenerationRequest
+from session.engine.events import EventStream, Failed, Finished, Started, TextDelta
+from session.serving.protocol import SamplingParams
+from session.families.vision import NO_IMAGES
 from tests.conftest import make_image
 from tests.integration.test_engine import QUESTIONS, finished, turn
 
@@ -123,8 +123,8 @@ def test_compiled_static_path_has_one_graph_per_bucket_and_never_recompiles(tiny
     from torch._dynamo.utils import counters
 
     from session.config import EngineConfig
-    from session.events import EventStream, Finished
-    from session.protocol import SamplingParams
+    from session.engine.events import EventStream, Finished
+    from session.serving.protocol import SamplingParams
 
     config = EngineConfig(model_path=str(tiny_model_path), static_kv=True, compile=True, compile_backend="aot_eager",
                           max_batch_size=4, speculative="off", max_context_tokens=256)
@@ -161,7 +161,7 @@ def test_fragmented_cache_prefill_and_verify_match_a_consecutive_one(family):
     attended run by run in place: a follow-up prefill and a multi-token verify (extend) give the logits
     they give over consecutive blocks (grouped-query heads, causal masks over several runs)."""
     from model_store.build_text_models import ensure
-    from session.model_runner import ModelRunner
+    from session.model.runner import ModelRunner
 
     runner = ModelRunner(str(ensure([family])[family]), device="cpu", dtype="float32")
     assert runner.info.num_heads != runner.info.num_kv_heads

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from session.events import Finished
+from session.engine.events import Finished
 from tests.integration.test_engine import finished, run, turn
 from tests.integration.test_memory import engine_with, image_request
 
@@ -28,7 +28,7 @@ def test_a_journal_write_error_serves_the_turn_and_marks_the_session(tiny_model_
     try:
         calls = []
         setattr(engine.journal, what, _failing(code, calls))
-        with caplog.at_level(logging.WARNING, logger="session.sessions"):
+        with caplog.at_level(logging.WARNING, logger="session.state.sessions"):
             first = finished(run(engine, image_request(engine, "d", 1, "What is it?")))
             second = finished(turn(engine, "d", "And then?"))
         expected = [finished(run(reference, image_request(reference, "d", 1, "What is it?"))),

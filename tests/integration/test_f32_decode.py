@@ -1,5 +1,5 @@
 """float32 decoding on CPU through our kernels: the float32 linear kernel (oneDNN's bits), our float32
-decode attention, and the decode layer and whole step in C++ (session/fused_layer.py, csrc/decode_layer.h),
+decode attention, and the decode layer and whole step in C++ (session/model/cpu/fused_layer.py, csrc/decode_layer.h),
 on every text family wide enough that each linear is one oneDNN would take (float32 weights of 256 KiB
 and up; smaller ones keep MKL's product, transformers' own bits).
 
@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from session import cpu_attention, cpu_linear, fused_layer
-from session.model_runner import ModelRunner
+from session.model.cpu import attention as cpu_attention
+from session.model.cpu import linear as cpu_linear
+from session.model.cpu import fused_layer
+from session.model.runner import ModelRunner
 from tests.integration.test_bf16_decode import (STEPS, CountedStep, batch_sizes_share_the_workspace,
                                                churn_answers_as_alone, lora_rows_in_the_cpp_step, ours,
                                                transformers_steps)

@@ -9,7 +9,7 @@ import torch
 
 from session.config import EngineConfig
 from session.errors import ConfigError
-from session.model_runner import ModelRunner, cpu_has_bf16
+from session.model.runner import ModelRunner, cpu_has_bf16
 
 pytestmark = pytest.mark.skipif(not cpu_has_bf16(), reason="bfloat16 runs on CPUs with AVX512-BF16 or AMX only")
 

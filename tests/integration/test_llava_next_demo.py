@@ -1,7 +1,7 @@
 """The LLaVA-NeXT demo checkpoints are valid llava_next checkpoints (float32, transformers only).
 
 They load with LlavaNextForConditionalGeneration / AutoProcessor; a square, a wide and a tall image
-expand to different token counts, equal to session/anyres.py's and to the lengths of the model's own
+expand to different token counts, equal to session/families/anyres.py's and to the lengths of the model's own
 packed image features; and HF ``generate`` runs greedily with an image and agrees with an uncached
 greedy loop over ``forward``.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from session.anyres import AnyresGeometry, num_image_tokens
+from session.families.anyres import AnyresGeometry, num_image_tokens
 from tests.conftest import make_image
 
 # (width, height) as PIL takes them -> image tokens for one <image>, per checkpoint.

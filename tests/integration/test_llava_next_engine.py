@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from model_store.build_llava_next import ensure
-from session.memory import Tier
-from session.protocol import Message, TextPart
+from session.state.memory import Tier
+from session.serving.protocol import Message, TextPart
 from tests.conftest import make_image
 from tests.integration.test_engine import run
 from tests.vlm import MAX_TOKENS, answer, request, started_engine, user

@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 import pytest
 from PIL import Image
 
-import session.adapters
-import session.assembly
-from session.adapters import AdapterWeights
+import session.model.lora
+import session.engine.assembly
+from session.model.lora import AdapterWeights
 from session.config import EngineConfig
-from session.engine import CloseRequest, Engine, GenerationRequest
-from session.events import Cancelled, Closed, EventStream, Failed, Finished, Started, TERMINAL
-from session.memory import Tier
-from session.protocol import SamplingParams
+from session.engine.loop import CloseRequest, Engine, GenerationRequest
+from session.engine.events import Cancelled, Closed, EventStream, Failed, Finished, Started, TERMINAL
+from session.state.memory import Tier
+from session.serving.protocol import SamplingParams
 from tests.fake_runner import FakeRunner, cache_tokens, greedy_answer
 
 NUM_SCHEDULES = 500
@@ -71,7 +71,7 @@ class Faults:
 
 @pytest.fixture(scope="module")
 def processing(tiny_model_path):
-    return functools.lru_cache(maxsize=None)(session.assembly._load_processing)
+    return functools.lru_cache(maxsize=None)(session.engine.assembly._load_processing)
 
 
 def _png(seed: int) -> bytes:
@@ -239,13 +239,13 @@ def _collect(sent: list[Sent], sessions: dict[str, dict]) -> None:
 
 
 def test_random_schedules_keep_the_invariant(tiny_model_path, tmp_path, processing, monkeypatch):
-    monkeypatch.setattr(session.assembly, "_load_processing", processing)
+    monkeypatch.setattr(session.engine.assembly, "_load_processing", processing)
     def fake_load_adapter(name, path, shapes, max_rank):
         if CURRENT["faults"].take("adapter_load"):
             raise OSError(errno.EIO, "injected adapter load fault")
         return AdapterWeights(name=name, rank=1, weights={})
 
-    monkeypatch.setattr(session.adapters, "load_adapter", fake_load_adapter)
+    monkeypatch.setattr(session.model.lora, "load_adapter", fake_load_adapter)
     totals: dict[str, int] = {}
     num = int(os.environ.get("RESIDENT_TEST_SCHEDULES", NUM_SCHEDULES))
     for seed in range(num):

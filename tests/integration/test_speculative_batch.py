@@ -14,8 +14,8 @@ import torch
 
 from model_store import train_deep_pair
 from model_store.train_pair import PAIR_DIR, eval_prompts
-from session.model_runner import ModelRunner
-from session.speculative import SpecRow, SpeculativeDecoder
+from session.model.runner import ModelRunner
+from session.speculative.decoder import SpecRow, SpeculativeDecoder
 from tests.integration.test_speculative_decode import new_kv, plain_answer, prefill
 
 NUM_NEW = 40

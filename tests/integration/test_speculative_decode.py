@@ -11,9 +11,9 @@ import torch
 
 from model_store.train_pair import PAIR_DIR, eval_prompts
 from session.errors import ConfigError
-from session.kv_cache import KVCache
-from session.model_runner import ModelRunner
-from session.speculative import SpeculationController, SpeculativeDecoder, check_compatible
+from session.model.kv_cache import KVCache
+from session.model.runner import ModelRunner
+from session.speculative.decoder import SpeculationController, SpeculativeDecoder, check_compatible
 from tests.conftest import make_image
 
 NUM_NEW = 64
@@ -194,7 +194,7 @@ def test_llava_session_with_text_only_draft_equals_plain(spec_llava_path, draft,
 def test_session_with_a_lora_adapter_equals_plain(draft, prompts, tmp_path):
     """The adapter applies to the target's verify pass; the base-model draft still gives exact output."""
     from model_store.build_adapters import ALL_LINEAR, build_adapter
-    from session.adapters import load_adapter
+    from session.model.lora import load_adapter
 
     path = build_adapter(PAIR_DIR / "target", tmp_path, "domain", 8, 16, ALL_LINEAR, False, seed=5)
     adapted = load(PAIR_DIR / "target")

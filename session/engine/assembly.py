@@ -1,0 +1,219 @@
+"""Builds the engine's parts from the config, once, at start-up (docs/ENGINE.md lists them).
+
+Who calls this: ``Engine.__init__``. Everything that depends on the checkpoint or the device is
+decided here: the step implementation (dynamic or static shapes), the tokenizer and image
+processor, the device budget, adapters, the speculative decoder.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from session.engine import admin
+from session.config import EngineConfig
+from session.state.embeddings import EmbeddingCache
+from session.errors import BadRequest, ConfigError
+from session.engine.executor import Executor
+from session.state.journal import Journal
+from session.state.memory import MemoryManager
+from session.model.runner import ModelRunner
+from session.engine.outputs import OutputProcessor
+from session.engine.prompt import ChatFormatter
+from session.engine.scheduler import Scheduler
+from session.state.sessions import Sessions
+from session.state.store import SessionStore
+from session.families.vision import NO_IMAGES, ImagePreprocessor, Images
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Parts:
+    runner: ModelRunner
+    stepper: object  # the runner, or its fixed-shape twin (session/model/static_shapes.py)
+    max_context: int
+    tokenizer: object
+    image_processor: object | None
+    vision: ImagePreprocessor | None  # PIL images -> Images (pixels, sizes, token counts); None: text-only
+    formatter: ChatFormatter
+    store: SessionStore
+    embeddings: EmbeddingCache
+    memory: MemoryManager
+    journal: Journal | None
+    adapters: object | None  # AdapterRegistry
+    speculator: object | None  # SpeculativeDecoder
+    sessions: Sessions
+    scheduler: Scheduler
+    executor: Executor
+    outputs: OutputProcessor
+
+
+def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None) -> Parts:
+    import time
+
+    runner = runner or ModelRunner.from_config(config)
+    thread_tuner = _thread_tuner(config, runner)
+    info = runner.info
+    max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
+    tokenizer, image_processor = _load_processing(config.model_path, runner)
+    vision = ImagePreprocessor.for_runner(runner, image_processor) if image_processor is not None else None
+    if vision is not None:  # what one image may cost the KV budget (anyres, dynamic resolution: up to this)
+        logger.info("images: up to %d tokens each", vision.max_tokens_per_image)
+    formatter = ChatFormatter(
+        tokenizer, image_token=getattr(tokenizer, "image_token", None) if info.image_token_id else None,
+        image_token_id=info.image_token_id, eos_token_ids=info.eos_token_ids)
+    store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time)
+    embeddings = EmbeddingCache()
+    budget = device_budget(config, runner)
+    memory = MemoryManager(device_budget_bytes=budget, host_budget_bytes=config.host_budget_bytes, store=store)
+    journal = Journal(config.journal_dir, config.journal_max_bytes) if config.journal_dir else None
+    adapters = admin.build_adapter_registry(config, runner, journal)
+    speculator = _speculator(config, runner, tokenizer)
+    if not config.static_kv:
+        _configure_paged_kv(config, [runner] + ([speculator.draft] if speculator and speculator.draft else []),
+                            budget, max_context)
+
+    def new_kv():
+        return runner.new_kv_cache(block_tokens=config.kv_block_tokens, max_tokens=max_context,
+                                   static=config.static_kv)
+
+    def new_draft_kv():
+        if speculator is None:
+            return None
+        return speculator.new_draft_kv(block_tokens=config.kv_block_tokens, max_tokens=max_context)
+
+    def draft_text_tokens(token_ids: list[int]) -> int:
+        """Tokens the (text-only) draft holds for a transcript: the image placeholders are left out."""
+        return len(token_ids) - (token_ids.count(info.image_token_id) if info.image_token_id is not None else 0)
+
+    def images_from_bytes(raw: bytes) -> Images:
+        from session.families.image_decode import decode_bytes
+
+        return preprocess_images(vision, [decode_bytes(raw, max_pixels=config.max_image_pixels)])
+
+    sessions = Sessions(store=store, memory=memory, embeddings=embeddings, journal=journal, runner=runner,
+                        images_from_bytes=images_from_bytes, new_kv=new_kv, new_draft_kv=new_draft_kv,
+                        draft_text_tokens=draft_text_tokens)
+    stepper = _stepper(config, runner, max_context)
+    executor = Executor(runner=runner, stepper=stepper, formatter=formatter, sessions=sessions, adapters=adapters,
+                        speculator=speculator, config=config, max_context=max_context, thread_tuner=thread_tuner)
+    return Parts(runner=runner, stepper=stepper, max_context=max_context, tokenizer=tokenizer,
+                 image_processor=image_processor, vision=vision, formatter=formatter, store=store, embeddings=embeddings,
+                 memory=memory, journal=journal, adapters=adapters, speculator=speculator, sessions=sessions,
+                 scheduler=Scheduler(max_batch_size=config.max_batch_size), executor=executor,
+                 outputs=OutputProcessor(tokenizer, info.eos_token_ids))
+
+
+def preprocess_images(vision: ImagePreprocessor | None, images: list) -> Images:
+    """PIL images -> Images (CPU work, no model)."""
+    if not images:
+        return NO_IMAGES
+    if vision is None:
+        raise BadRequest("this model is text-only; remove the image_url parts")
+    return vision.preprocess(images)
+
+
+def _thread_tuner(config: EngineConfig, runner: ModelRunner):
+    """RESIDENT_THREADS=N: N intra-op threads. 0 (auto): on CPU the count is measured while serving
+    (session/model/threads.py: two threads win on a quiet machine, one when a core is busy elsewhere), but
+    fixed at 1 for compiled graphs (dynamo guards on it); on CUDA torch's default."""
+    if config.threads > 0 or (config.compile and runner.device.type == "cpu"):
+        # torch.compile guards on the thread count: every change would recompile each graph
+        torch.set_num_threads(config.threads or 1)
+        return None
+    if runner.device.type != "cpu":
+        return None
+    from session.model.threads import ThreadTuner, cpu_candidates
+
+    return ThreadTuner(cpu_candidates())
+
+
+def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):
+    if not config.static_kv:
+        return runner
+    if runner.mrope:
+        raise ConfigError("RESIDENT_STATIC_KV does not implement M-RoPE (Qwen2-VL / Qwen2.5-VL) yet: leave it off")
+    if any(w is not None for w in getattr(runner, "windows", ())):
+        raise ConfigError("RESIDENT_STATIC_KV does not implement sliding-window attention yet; this model has "
+                          "sliding-window layers: leave RESIDENT_STATIC_KV off")
+    from session.model.static_shapes import DEFAULT_BATCH_BUCKETS, StaticShapeRunner
+
+    size = config.max_batch_size
+    buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < size) + (size,)
+    return StaticShapeRunner(runner, max_context, batch_buckets=buckets, compile=config.compile,
+                             compile_backend=config.compile_backend)
+
+
+def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget: int, max_context: int) -> None:
+    """Decode attention per RESIDENT_ATTENTION, and the KV block pools reserved from the device budget
+    (target and draft in proportion to their bytes per token; no more than max_sessions full contexts),
+    so that a pool does not grow, and never copies itself, while sessions stay within the budget."""
+    from session.model.cuda_graphs import power_buckets
+
+    for runner in runners:
+        runner.configure_decode(config.attention, power_buckets(config.max_batch_size))
+    if budget <= 0:
+        return
+    pools = [runner.kv_pool(config.kv_block_tokens) for runner in runners]
+    token_nbytes = sum(pool.token_nbytes for pool in pools)
+    most_blocks = config.max_sessions * -(-max_context // config.kv_block_tokens)
+    for pool in pools:
+        share = budget * pool.token_nbytes // token_nbytes
+        pool.reserve(1 + min(share // pool.block_nbytes, most_blocks))  # + the padding block
+
+
+def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):
+    """A SpeculativeDecoder per RESIDENT_SPECULATIVE, or None. A draft with another vocabulary is
+    refused here, at start-up (ConfigError)."""
+    mode = config.speculative if config.speculative != "auto" else ("draft" if config.draft_model_path else "off")
+    if mode == "off":
+        return None
+    if runner.mrope:
+        raise ConfigError("speculative decoding does not implement M-RoPE (Qwen2-VL / Qwen2.5-VL) yet: "
+                          "set RESIDENT_SPECULATIVE=off")
+    from session.speculative.decoder import SpeculativeDecoder, check_compatible
+
+    draft = None
+    if mode == "draft":
+        draft = ModelRunner(config.draft_model_path, device=config.device, dtype=config.dtype,
+                            pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels)
+        from transformers import AutoTokenizer
+
+        check_compatible(tokenizer, AutoTokenizer.from_pretrained(config.draft_model_path))
+    logger.info("speculative decoding: %s, up to %d tokens per step", mode, config.num_speculative_tokens)
+    return SpeculativeDecoder(runner, draft)
+
+
+DEFAULT_CUDA_BUDGET_FRACTION = 0.9  # of the memory free after loading, when no budget is configured
+
+
+def device_budget(config: EngineConfig, runner) -> int:
+    """The device bytes sessions' KV may hold. On CUDA never unlimited: a full GPU must demote
+    sessions, not fail with an out-of-memory error (0.9 of what is free after loading, by default)."""
+    fraction = config.device_budget_fraction
+    if fraction <= 0 and (config.device_budget_bytes or runner.device.type != "cuda"):
+        return config.device_budget_bytes
+    if runner.device.type != "cuda":
+        raise ConfigError("RESIDENT_DEVICE_BUDGET_FRACTION needs a CUDA device; on CPU set "
+                          "RESIDENT_DEVICE_BUDGET_BYTES")
+    free, _ = torch.cuda.mem_get_info(runner.device)
+    return int(free * (fraction if fraction > 0 else DEFAULT_CUDA_BUDGET_FRACTION))
+
+
+def _load_processing(model_path: str, runner):
+    """The tokenizer and (for a vision-language model) the image processor shipped with the checkpoint.
+    Qwen-VL's processor is built without its video processor (which needs torchvision: session/families/qwen_vl.py)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    if runner.mrope:
+        from session.families.qwen_vl import load_processor
+
+        processor = load_processor(model_path)
+        return processor.tokenizer, processor.image_processor
+    if runner.is_multimodal:
+        processor = AutoProcessor.from_pretrained(model_path)
+        return processor.tokenizer, processor.image_processor
+    return AutoTokenizer.from_pretrained(model_path), None

@@ -1,0 +1,157 @@
+"""The executor: a step's model work. A turn's prefill (prompt in, first token out), one decode row
+for each running sequence, a speculative step. It keeps no bookkeeping of its own: the scheduler
+chose the sequences, the output processor records the tokens returned here.
+
+Who calls this: the engine loop thread, inside ``Engine.step``. Each method either returns its
+tokens or raises with the session left consistent (the engine rolls the turn back and fails the
+request).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from session.engine.admin import registry_or_404
+from session.errors import BadRequest, ContextLengthExceeded
+from session.model.sampling import make_generator, sample_rows
+from session.engine.requests import Sequence
+from session.state.sessions import Sessions
+from session.speculative.decoder import SpecRow, SpeculationController, StepCosts, batch_should_speculate
+
+
+class Executor:
+    def __init__(self, *, runner, stepper, formatter, sessions: Sessions, adapters, speculator, config,
+                 max_context: int, thread_tuner=None):
+        self.runner = runner  # embeddings, images, model info
+        self.stepper = runner if stepper is None else stepper  # prefill/decode: dynamic or static shapes
+        self.formatter = formatter
+        self.sessions = sessions
+        self.adapters = adapters  # AdapterRegistry or None
+        self.speculator = speculator  # SpeculativeDecoder or None
+        self.config = config
+        self.max_context = max_context
+        self.thread_tuner = thread_tuner  # ThreadTuner (CPU, RESIDENT_THREADS=0) or None
+        self.step_costs = StepCosts()  # decode-step costs by batch size, shared by the rows' controllers
+        self.num_prefilled_tokens = 0
+        self.num_cached_tokens = 0
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, seq: Sequence) -> int:
+        """Prefill the turn's uncached tokens and commit it to the transcript; returns the first token."""
+        request, session = seq.request, seq.session
+        new_ids = self._prompt(seq)
+        seq.prompt_tokens = len(session.token_ids) + len(new_ids)
+        self._check_length(seq)
+        seq.generator = make_generator(request.sampling, self.config.seed, self.runner.device)
+        digests = list(request.image_digests) or request.images.digests()
+        if session.adapter is not None:  # resident for as long as the request runs
+            seq.adapter_slot = registry_or_404(self.adapters, session.adapter).acquire(session.adapter)
+        embeds, positions = self.sessions.prepare_turn(seq, new_ids, digests,
+                                                       seq.prompt_tokens + request.sampling.max_tokens)
+        mrope = {} if positions is None else {"positions": positions}  # only M-RoPE models take positions
+        logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot, **mrope)
+        self.sessions.commit_turn(seq, new_ids)
+        self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
+        self.num_cached_tokens += seq.cached_tokens
+        if self.speculator is not None and request.speculative:
+            k = self.config.num_speculative_tokens
+            seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
+            self.speculator.sync_draft(session.token_ids, session.draft_kv)
+        return sample_rows(self._never_image(logits[None]), [request.sampling], [seq.generator])[0]
+
+    def _prompt(self, seq: Sequence) -> list[int]:
+        """The turn's new ids, each image placeholder expanded to that image's own count."""
+        request, session = seq.request, seq.session
+        images = request.images
+        if request.token_ids is not None:  # raw ids (tests, benchmarks): placeholders already expanded
+            image_id = self.runner.info.image_token_id
+            placeholders = 0 if image_id is None else request.token_ids.count(image_id)
+            if placeholders != sum(images.num_tokens):
+                raise BadRequest(f"the prompt has {placeholders} image placeholder tokens but its {len(images)} "
+                                 f"images expand to {sum(images.num_tokens)}")
+            return list(request.token_ids)
+        if session.num_turns == 0:
+            piece = self.formatter.opening(request.messages, images.num_tokens)
+        else:
+            piece = self.formatter.followup(request.messages, session.ended_with_eos, images.num_tokens)
+        return piece.token_ids
+
+    def _check_length(self, seq: Sequence) -> None:
+        prompt_tokens, max_tokens, session = seq.prompt_tokens, seq.request.sampling.max_tokens, seq.session
+        if prompt_tokens + max_tokens > self.max_context:
+            raise ContextLengthExceeded(
+                f"this turn needs {prompt_tokens} prompt tokens + max_tokens {max_tokens} = "
+                f"{prompt_tokens + max_tokens}, over the context window of {self.max_context}"
+                + (" (the session's history counts)" if session.num_turns else ""))
+        cap = self.config.max_session_tokens
+        if cap and not session.ephemeral and prompt_tokens + max_tokens > cap:
+            raise ContextLengthExceeded(
+                f"this session would hold {prompt_tokens + max_tokens} tokens (prompt {prompt_tokens} + max_tokens "
+                f"{max_tokens}), over the per-session cap of {cap}; close it and open a new one")
+
+    def _never_image(self, logits):
+        """logits [B, V] with the image placeholder made impossible: a generated placeholder would
+        read as an image position on the next turn (and break the recount on a recompute)."""
+        image_id = self.runner.info.image_token_id
+        if image_id is None:
+            return logits
+        return logits.index_fill(-1, torch.tensor([image_id], device=logits.device), float("-inf"))
+
+    # ------------------------------------------------------------------ decode
+
+    def speculating(self, rows: list[Sequence]) -> list[Sequence]:
+        """The rows that take a speculative step this time: every row with a controller, or none
+        (``batch_should_speculate``: the rows share the step's target pass). While any does, the whole
+        step is one batched speculative step (``speculate``); none: a plain batched ``decode``."""
+        chosen = [s for s in rows if s.controller is not None]
+        for seq in chosen:  # the costs it reads and records are this batch size's
+            seq.controller.batch_size = len(rows)
+        if len(rows) > self.config.speculative_max_batch:
+            return []
+        return chosen if batch_should_speculate([s.controller for s in chosen]) else []
+
+    def decode(self, rows: list[Sequence]) -> list[int]:
+        """One batched decode step: feeds each row's last token, returns each row's next token."""
+        if self.thread_tuner is not None:
+            self.thread_tuner.choose(len(rows))
+        began = time.perf_counter()
+        mrope = {"position_offsets": [s.session.rope_delta for s in rows]} if self.runner.mrope else {}
+        logits = self.stepper.decode([s.session.kv for s in rows], [s.next_token for s in rows],
+                                     adapter_slots=[s.adapter_slot for s in rows], **mrope)
+        if self.thread_tuner is not None:
+            self.thread_tuner.observe(len(rows), time.perf_counter() - began)
+        tokens = sample_rows(self._never_image(logits), [s.request.sampling for s in rows], [s.generator for s in rows])
+        step_s = time.perf_counter() - began  # the cost speculation has to beat, at this batch size
+        for seq in rows:
+            if seq.controller is not None:
+                seq.controller.observe_plain(step_s)
+        return tokens
+
+    def speculate(self, rows: list[Sequence], speculating: list[Sequence]) -> list[list[int]]:
+        """One speculative step for every row of the step, in one target pass: the rows in ``speculating``
+        draft (or look up) up to their k tokens, the others (requests that turned speculation off) ride
+        along as plain rows. Returns each row's accepted tokens; both caches of each row then hold its
+        transcript extended by them, but its last token. On failure every row's caches are rewound (the
+        error propagates: the rows fail)."""
+        chosen = {id(s) for s in speculating}
+        spec_rows = [SpecRow(s.session.token_ids, s.session.kv, s.session.draft_kv,
+                             s.controller.k if id(s) in chosen else 0,
+                             max_new=s.request.sampling.max_tokens - len(s.generated), sampling=s.request.sampling,
+                             generator=s.generator, adapter_slot=s.adapter_slot) for s in rows]
+        try:
+            results = self.speculator.step_batch(spec_rows, self.runner.info.eos_token_ids)
+        except BaseException:
+            for seq in rows:
+                self.rewind(seq)
+            raise
+        for seq, result in zip(rows, results):
+            if id(seq) in chosen:
+                seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
+        return [list(result.token_ids) for result in results]
+
+    def rewind(self, seq: Sequence) -> None:
+        """Tokens of a speculative run after the one that ended the request were dropped: crop the caches."""
+        self.speculator.rewind(seq.session.token_ids, seq.session.kv, seq.session.draft_kv)

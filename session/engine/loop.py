@@ -1,0 +1,319 @@
+"""The session engine: one loop thread that owns every session, tying the parts of docs/ENGINE.md.
+
+Callers (the TorchServe handler, tests, benchmarks) ``submit`` requests from any thread and read
+their events from the request's stream. The loop thread repeats ``step``:
+
+    admit what arrived (cancels, closes, admin, new turns)  ->  reap expired sessions
+    ->  plan = scheduler.schedule()  ->  executor: prefill / decode / speculate
+    ->  output processor: tokens -> text, stop strings, final events  ->  scheduler.complete(plan)
+
+The invariant (checked after every step with RESIDENT_CHECK_INVARIANTS): every admitted request
+gets exactly one final event (Finished, Failed or Cancelled) whatever fails; on the device a
+session's KV holds its transcript but at most the last sampled token; a session is busy exactly
+while a request on it is in flight. A failed or cancelled turn is rolled back, so the session is as
+it was before it and a retry answers the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+from session.engine.admission import Admission
+from session.engine.assembly import assemble, preprocess_images
+from session.config import EngineConfig
+from session.errors import CapacityExceeded, ResidentError, ServiceStopping
+from session.engine.events import Cancelled, EventStream, Failed, Finished, Started
+from session.model.runner import ModelRunner
+from session.serving.protocol import SamplingParams, new_session_id
+from session.engine.scheduler import StepPlan
+from session.engine.requests import (  # noqa: F401  (re-exported: callers build requests from here)
+    AdapterRequest, CancelRequest, CloseRequest, GenerationRequest, Sequence, SessionAdminRequest,
+)
+from session.engine.stats import EngineStats, snapshot
+from session.model.threads import ComputeThread, one_thread_here
+from session.families.vision import NO_IMAGES, Images
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.config = config
+        self.clock = clock
+        self._compute = ComputeThread("resident-engine")  # loads the model here, runs the loop later
+        try:
+            parts = self._compute.call(lambda: assemble(config, runner, clock))
+        except BaseException:
+            self._compute.close(timeout=1.0)
+            raise
+        # The parts by name (engine.store, engine.memory, ...): tests and benchmarks read them.
+        self.__dict__.update(vars(parts))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._num_submitted = 0  # submitted, not yet taken from the inbox; guarded by _submit_lock
+        self._num_waiting = 0  # admitted, not yet prefilled (published by the loop thread)
+        self._submit_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._next_reap = 0.0
+        self.heartbeat = time.monotonic()  # the loop's last iteration
+        self._heartbeat_written = 0.0
+        self.num_overloaded = 0  # requests failed 503 in the loop (no memory to free); loop thread only
+        self.num_queue_full = 0  # submissions refused 503 (queue full); under _submit_lock
+        self.num_cancelled = 0
+        self.num_failed = 0
+        self.num_invariant_violations = 0
+        self._stats: EngineStats | None = None
+        self.admission = Admission(self, on_barrier=self._publish_stats)
+        if self.journal is not None:
+            self._compute.call(lambda: self.sessions.restore_journal(self.clock()))
+        self._publish_stats()
+
+    # ------------------------------------------------------------------ caller side (any thread)
+
+    def start(self) -> "Engine":
+        self._compute.post(self._loop)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; every request still in flight or queued gets Failed(ServiceStopping)."""
+        self._stop.set()
+        self._inbox.put(None)
+        self._compute.close(timeout)
+
+    def submit(self, request) -> None:
+        """Queue a request; its events arrive on ``request.stream``. Raises CapacityExceeded when full."""
+        with self._submit_lock:
+            if self._stop.is_set():
+                raise ServiceStopping()
+            if isinstance(request, GenerationRequest) and \
+                    self._num_submitted + self._num_waiting >= self.config.max_queue:
+                self.num_queue_full += 1
+                raise CapacityExceeded(f"{self.config.max_queue} requests are already waiting", retry_after_s=1)
+            self._num_submitted += 1
+        self._inbox.put(request)
+
+    def cancel(self, request_id: str) -> EventStream:
+        """Cancel a generation by its request id (from any thread); the answer arrives on the returned
+        stream as AdminResult({"cancelled": bool})."""
+        stream = EventStream()
+        try:
+            self.submit(CancelRequest(target_request_id=request_id, stream=stream))
+        except ServiceStopping as exc:  # everything in flight is being failed anyway
+            stream.put(Failed(exc))
+        return stream
+
+    def warmup(self, timeout_s: float = 600.0) -> None:
+        """Run one small stateless request through the loop (first-call costs: kernels, allocator).
+
+        Called by the handler in ``initialize``, so the worker reports ready only when it is fast.
+        """
+        from PIL import Image
+
+        images = NO_IMAGES
+        token_ids = [self.tokenizer.bos_token_id or 0] * 4
+        if self.vision is not None:
+            images = self.preprocess_images([Image.new("RGB", (32, 32))])
+            token_ids += [self.runner.info.image_token_id] * images.num_tokens[0]
+        stream = EventStream()
+        self.submit(GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=2), stream=stream,
+                                      token_ids=token_ids, images=images, request_id="warmup"))
+        while not isinstance(event := stream.get(timeout=timeout_s), (Finished, Failed, Cancelled)):
+            pass
+        if isinstance(event, Failed):
+            raise event.error
+
+    def preprocess_images(self, images: list) -> Images:
+        """PIL images -> Images (pixels, original sizes, token counts). Runs in the caller's thread
+        (CPU work, no model), on that thread alone: a parallel operator here would give the caller an
+        OpenMP team beside the engine's, which slows every decode step after it (``one_thread_here``)."""
+        with one_thread_here():
+            return preprocess_images(self.vision, images)
+
+    def new_session_id(self) -> str:
+        return new_session_id(self.config.session_id_tag)
+
+    @property
+    def max_batch_seen(self) -> int:
+        return self.scheduler.max_batch_seen
+
+    @max_batch_seen.setter
+    def max_batch_seen(self, value: int) -> None:
+        self.scheduler.max_batch_seen = value
+
+    def stats(self) -> EngineStats:
+        """The snapshot the loop thread published last (at most 20 ms behind while busy). Any thread."""
+        return self._stats
+
+    def fresh_stats(self, timeout_s: float = 60.0) -> EngineStats:
+        """A snapshot taken after everything submitted before this call was admitted (tests)."""
+        self.cancel("").get(timeout=timeout_s)  # a no-op through the inbox: the loop publishes, then answers
+        return self._stats
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # never let the loop die; step() already ended the requests it touched
+                logger.exception("engine loop iteration failed")
+        self._fail_everything(ServiceStopping())
+
+    def step(self) -> None:
+        """One iteration: admit, reap, then schedule -> run -> process one step."""
+        scheduler = self.scheduler
+        self._admit_arrivals(block=not scheduler.active)
+        if self.clock() >= self._next_reap:
+            self.sessions.reap()
+            self._next_reap = self.clock() + self.config.reaper_interval_s
+        plan = scheduler.schedule()
+        ended: list[Sequence] = []
+        try:
+            for seq in plan.prefill:
+                self._run_prefill(seq, ended)
+            if plan.decode:
+                self._run_decode(plan.decode, ended)
+        except BaseException as exc:  # a fault outside the guarded calls: end what the plan holds
+            for seq in plan.prefill + plan.decode:
+                self.end(seq, Failed(exc))
+                ended.append(seq)
+            raise
+        finally:
+            scheduler.complete(plan, ended)
+            self._after_step(plan)
+
+    def _run_prefill(self, seq: Sequence, ended: list[Sequence]) -> None:
+        try:
+            token = self.executor.prefill(seq)
+        except Exception as exc:
+            if not isinstance(exc, ResidentError):
+                logger.exception("prefill of request %s (session %s) failed", seq.request_id, seq.session.session_id)
+            ended.append(seq)
+            self.end(seq, Failed(exc))
+            return
+        session = seq.session
+        self.outputs.start(seq)
+        seq.request.stream.put(Started(
+            session_id=None if session.ephemeral else session.session_id,
+            expires_at=None if session.ephemeral else session.expires_at,
+            prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens))
+        self._emit(seq, [token], ended)
+
+    def _run_decode(self, rows: list[Sequence], ended: list[Sequence]) -> None:
+        """One batched step for every decoding row: speculative (one target pass verifies every row's
+        proposals, plain rows ride along) when any row's controller wants it, else a plain decode."""
+        speculating = self.executor.speculating(rows)
+        try:
+            if speculating:
+                tokens = self.executor.speculate(rows, speculating)
+            else:
+                tokens = [[token] for token in self.executor.decode(rows)]
+        except Exception as exc:  # the caches are as before the step (rewound, or lengths not advanced)
+            logger.exception("decode step failed for %d requests", len(rows))
+            for seq in rows:
+                ended.append(seq)
+                self.end(seq, Failed(exc))
+            return
+        for seq, row_tokens in zip(rows, tokens):
+            self._emit(seq, row_tokens, ended)
+
+    def _emit(self, seq: Sequence, tokens: list[int], ended: list[Sequence]) -> None:
+        """Hand sampled tokens to the output processor; end the request when one finishes it."""
+        for index, token in enumerate(tokens):
+            finished = self.outputs.on_token(seq, token)
+            if finished is not None:
+                if index < len(tokens) - 1:  # a speculative run went past the end: forget the rest
+                    self.executor.rewind(seq)
+                ended.append(seq)
+                self.end(seq, finished)
+                return
+
+    def end(self, seq: Sequence, event: Finished | Failed | Cancelled) -> None:
+        """The one place a request ends: roll back a turn that did not finish, release what it held,
+        send its final event, and admit what waited behind it on the session. Idempotent."""
+        if seq.done:
+            return
+        seq.done = True
+        session = seq.session
+        if not isinstance(event, Finished):
+            self.sessions.rollback_turn(seq)
+            self.num_cancelled += isinstance(event, Cancelled)
+            self.num_failed += isinstance(event, Failed)
+            self.num_overloaded += isinstance(event, Failed) and isinstance(event.error, CapacityExceeded)
+        if seq.adapter_slot:
+            self.adapters.release(session.adapter)
+            seq.adapter_slot = 0
+        if self.store.peek(session.session_id) is session:
+            if session.ephemeral or (session.num_turns == 0 and seq.request.open_session):
+                self.sessions.forget(session, "closed")  # nobody can continue it
+            else:
+                self.store.touch(session)
+                if isinstance(event, Finished):
+                    request = seq.request
+                    self.sessions.journal_turn(session, dict(zip(request.image_digests, request.image_bytes)))
+        seq.request.stream.put(event)
+        self.admission.admit_next(self.scheduler.release(seq), session.session_id)
+
+    def _after_step(self, plan: StepPlan) -> None:
+        self._num_waiting = self.scheduler.num_waiting()
+        if self.config.check_invariants:
+            problems = self.scheduler.check() + self.sessions.check(self.scheduler.active)
+            for problem in problems:
+                logger.error("engine invariant violated: %s", problem)
+            self.num_invariant_violations += len(problems)
+        self._beat()
+        if not self.scheduler.active or time.monotonic() - self._stats_at >= 0.02:
+            self._publish_stats()
+
+    def _beat(self) -> None:
+        """The heartbeat: proof the loop turns, read out of band (a file's mtime) by the watchdog."""
+        now = time.monotonic()
+        self.heartbeat = now
+        path = self.config.heartbeat_file
+        if path and now - self._heartbeat_written >= 0.5:
+            try:
+                with open(path, "a"):
+                    os.utime(path)
+                self._heartbeat_written = now
+            except OSError as exc:
+                logger.warning("cannot touch the heartbeat file %s: %s", path, exc)
+
+    def _publish_stats(self) -> None:
+        self._stats_at = time.monotonic()
+        self._stats = snapshot(self)
+
+    # ------------------------------------------------------------------ admission (loop thread)
+
+    def _admit_arrivals(self, block: bool) -> None:
+        timeout = min(self.config.reaper_interval_s, 1.0) if block else None
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=timeout)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            with self._submit_lock:
+                self._num_submitted -= 1
+            self.admission.admit(item)
+
+    def _fail_everything(self, error: ResidentError) -> None:
+        """At stop: every request in flight, queued or not yet admitted gets its final event."""
+        for item in self.scheduler.pending_items():  # first, so that ending the active ones admits none
+            item.stream.put(Failed(error))
+        self.scheduler.pending.clear()
+        for seq in list(self.scheduler.sequences()):
+            self.end(seq, Failed(error))
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item.stream.put(Failed(error))

@@ -1,0 +1,122 @@
+"""The output processor: sampled tokens in, text deltas, stop strings, usage and final events out.
+
+Who calls this: the engine loop thread, once per sampled token of a sequence (``on_token``), in
+order. Detokenisation is incremental (``Detokenizer``): each token decodes a short window of the
+answer, never the whole answer again, so a 4,000-token answer costs 4,000 small decodes rather
+than 4,000 growing ones. Text that could be the start of a stop string, or a partial UTF-8
+character, is held back until it is known not to be.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from session.engine.events import Finished, TextDelta
+from session.serving.protocol import Usage
+from session.engine.requests import Sequence
+
+
+def text_of(tokenizer) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, straight to the Rust tokenizer where
+    transformers' wrapper adds nothing to it (its fast tokenizer's own ``_decode``, no clean-up of
+    spaces): the wrapper's argument handling cost more than the decode itself, twice per token."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its own decode
+        TokenizersBackend = None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and type(tokenizer)._decode is TokenizersBackend._decode
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False and hasattr(backend, "decode")):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Incremental decoding of one answer (the prefix-window method of TGI and vLLM).
+
+    ``prefix_offset .. read_offset`` are tokens already turned into text; they are decoded again with
+    each new token only as left context, so that tokenizers which drop a word's leading space at the
+    start of a string (SentencePiece) and byte-fallback pieces that complete a character later both
+    produce the same text as decoding the whole answer at once.
+    """
+
+    def __init__(self, tokenizer, decode: Callable[[list[int]], str] | None = None):
+        self.decode = decode or text_of(tokenizer)  # ``decode``: text_of(tokenizer), made once by the caller
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append a token; returns the new text it completes ("" while a character is incomplete)."""
+        self.token_ids.append(token_id)
+        prefix = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the answer: the text still held back (an incomplete character decodes as
+        U+FFFD, exactly as decoding the whole answer would)."""
+        prefix = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += full[len(prefix):]
+        return full[len(prefix):]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.decode = text_of(tokenizer)
+        self.num_generated_tokens = 0
+
+    def start(self, seq: Sequence) -> None:
+        """Called when the sequence's prefill committed, before its first token."""
+        seq.detokenizer = Detokenizer(self.tokenizer, self.decode)
+
+    def on_token(self, seq: Sequence, token: int) -> Finished | None:
+        """Record a sampled token in the sequence and its session's transcript; stream what became
+        final; return the Finished event when the request is complete (the engine sends it)."""
+        seq.generated.append(token)
+        seq.session.token_ids.append(token)
+        self.num_generated_tokens += 1
+        sampling, detok = seq.request.sampling, seq.detokenizer
+        is_eos = token in self.eos_token_ids
+        before = len(detok.text)
+        if not is_eos:
+            detok.add(token)
+        text, finish_reason = detok.text, None
+        stop_at = min((i for i in (text.find(stop, max(0, before - len(stop) + 1)) for stop in sampling.stop)
+                       if i >= 0), default=None)
+        if stop_at is not None:
+            text, finish_reason = text[:stop_at], "stop"
+        elif is_eos:
+            finish_reason = "stop"
+        elif len(seq.generated) >= sampling.max_tokens:
+            finish_reason = "length"
+        if finish_reason is not None and stop_at is None:
+            text = detok.text + detok.flush()
+        if finish_reason is None:
+            hold = max((len(s) - 1 for s in sampling.stop), default=0)
+            self._send(seq, text[: max(seq.num_text_sent, len(text) - hold)])
+            return None
+        self._send(seq, text)
+        seq.session.ended_with_eos = is_eos
+        usage = Usage(prompt_tokens=seq.prompt_tokens, completion_tokens=len(seq.generated),
+                      cached_tokens=seq.cached_tokens)
+        return Finished(session_id=None if seq.session.ephemeral else seq.session.session_id, text=text,
+                        token_ids=tuple(seq.generated), finish_reason=finish_reason, usage=usage)
+
+    @staticmethod
+    def _send(seq: Sequence, text: str) -> None:
+        if len(text) > seq.num_text_sent:
+            if seq.request.stream.deltas:  # else the consumer reads the whole text from Finished
+                seq.request.stream.put(TextDelta(text[seq.num_text_sent:]))
+            seq.num_text_sent = len(text)

@@ -1,0 +1,102 @@
+"""Turning chat messages into token ids, once for an opening turn and as a delta for follow-ups.
+
+A session's transcript is exactly the tokens the model saw and produced. A follow-up must
+append only what the chat template would add after the last assistant turn, so we render a
+probe conversation with and without the new messages and take the difference:
+
+    P = render([user, assistant])                     -> "...USER: u ASSISTANT: a</s>"
+    F = render([user, assistant] + new, gen_prompt)   -> P + " USER: q ASSISTANT:"
+    delta = F[len(P):]
+
+The text after the assistant content in P (``end_of_turn``, "</s>" here) is prepended when the
+model did not itself end its answer with EOS (it stopped on max_tokens or a stop string); when it
+did, only what the template puts after that EOS is (ChatML: the newline after <|im_end|>).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from session.errors import BadRequest
+from session.serving.protocol import ImagePart, Message
+
+_USER_PROBE = "\u2063probe-user\u2063"
+_ASSISTANT_PROBE = "\u2063probe-assistant\u2063"
+
+
+@dataclass(frozen=True)
+class PromptPiece:
+    token_ids: list[int]
+    num_images: int  # images in token_ids (each placeholder expanded to that image's count)
+
+
+class ChatFormatter:
+    def __init__(self, tokenizer, *, image_token: str | None, image_token_id: int | None,
+                 eos_token_ids: tuple[int, ...]):
+        if tokenizer.chat_template is None:
+            raise BadRequest("the model's tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        self.image_token = image_token
+        self.image_token_id = image_token_id
+        self.eos_token_ids = eos_token_ids
+        probe = [_message("user", _USER_PROBE), _message("assistant", _ASSISTANT_PROBE)]
+        self._probe = probe
+        self._probe_text = self._render(probe, generation_prompt=False)
+        self.end_of_turn = self._probe_text.split(_ASSISTANT_PROBE, 1)[1]
+        self._eos_texts = {tokenizer.convert_ids_to_tokens(i) for i in eos_token_ids}
+
+    def opening(self, messages: tuple[Message, ...], image_tokens: tuple[int, ...] = ()) -> PromptPiece:
+        """The whole prompt of a first turn (or a stateless request), with BOS. ``image_tokens``: the
+        placeholder count of each image of ``messages``, in order (``session.families.vision.Images.num_tokens``)."""
+        text = self._render([_template_message(m) for m in messages], generation_prompt=True)
+        return self._tokenize(text, messages, image_tokens, add_special_tokens=True)
+
+    def followup(self, messages: tuple[Message, ...], ended_with_eos: bool,
+                 image_tokens: tuple[int, ...] = ()) -> PromptPiece:
+        """Only the tokens a follow-up adds after the transcript so far."""
+        full = self._render(self._probe + [_template_message(m) for m in messages], generation_prompt=True)
+        if not full.startswith(self._probe_text):
+            raise BadRequest("this model's chat template cannot continue a conversation incrementally")
+        return self._tokenize(self._closing(ended_with_eos) + full[len(self._probe_text):], messages,
+                              image_tokens, add_special_tokens=False)
+
+    def _closing(self, ended_with_eos: bool) -> str:
+        """What closes the previous answer's turn: the template's end of turn, less the EOS the model
+        already wrote (ChatML's "<|im_end|>\n" after a model-written <|im_end|> is "\n")."""
+        end_of_turn = self.end_of_turn
+        if ended_with_eos:
+            stripped = end_of_turn.lstrip()
+            for eos_text in self._eos_texts:
+                if eos_text and stripped.startswith(eos_text):
+                    return stripped[len(eos_text):]
+        return end_of_turn
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    def _tokenize(self, text: str, messages: tuple[Message, ...], image_tokens: tuple[int, ...],
+                  add_special_tokens: bool) -> PromptPiece:
+        num_images = sum(isinstance(p, ImagePart) for m in messages for p in m.parts)
+        if num_images and self.image_token_id is None:
+            raise BadRequest("this model is text-only; remove the image_url parts")
+        if num_images != len(image_tokens):
+            raise BadRequest(f"the messages have {num_images} images but {len(image_tokens)} were given")
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if self.image_token_id is not None and ids.count(self.image_token_id) != num_images:
+            raise BadRequest(f"the prompt has {ids.count(self.image_token_id)} image placeholders for "
+                             f"{num_images} images; do not write {self.image_token!r} in text")
+        if num_images:
+            counts = iter(image_tokens)
+            expanded: list[int] = []
+            for token in ids:
+                expanded.extend([token] * next(counts) if token == self.image_token_id else [token])
+            ids = expanded
+        return PromptPiece(token_ids=ids, num_images=num_images)
+
+
+def _message(role: str, text: str) -> dict:
+    return {"role": role, "content": [{"type": "text", "text": text}]}
+
+
+def _template_message(message: Message) -> dict:
+    return {"role": message.role, "content": message.template_content()}

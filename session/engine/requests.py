@@ -1,0 +1,129 @@
+"""What crosses into the engine (requests) and what the engine tracks for each admitted one (Sequence).
+
+Callers build a request dataclass and hand it to ``Engine.submit``; the engine's loop thread turns a
+GenerationRequest into a ``Sequence`` when it admits it. A Sequence ends exactly once (``end``): with
+Finished, Failed or Cancelled (docs/ENGINE.md, "the invariant").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from session.engine.events import EventStream
+from session.serving.protocol import Message, SamplingParams
+from session.families.vision import NO_IMAGES, Images
+
+if TYPE_CHECKING:
+    from session.engine.outputs import Detokenizer
+    from session.state.session import SessionState
+
+
+@dataclass
+class GenerationRequest:
+    """One turn. ``session_id`` names an existing session, or the id to give a new one."""
+
+    messages: tuple[Message, ...]
+    sampling: SamplingParams
+    stream: EventStream
+    session_id: str | None = None
+    open_session: bool = False  # True: create session_id; False with session_id None: stateless
+    images: Images = NO_IMAGES  # preprocessed by the caller (``Engine.preprocess_images``), in prompt order
+    image_digests: tuple[str, ...] = ()  # sha256 of each image's encoded bytes (computed from pixels if absent)
+    image_bytes: tuple[bytes, ...] = ()  # the encoded images, for the journal (crash recovery)
+    request_id: str = ""  # also the key ``Engine.cancel`` takes
+    token_ids: list[int] | None = None  # raw prompt ids instead of messages (tests, benchmarks)
+    adapter: str | None = None  # LoRA adapter name; None: the session's own (or the base model)
+    speculative: bool = True  # False: never speculate for this request
+
+
+@dataclass
+class CloseRequest:
+    """Close a session. A request in flight on it is cancelled first (rolled back), then the close runs."""
+
+    session_id: str
+    stream: EventStream
+    request_id: str = ""
+
+
+@dataclass
+class CancelRequest:
+    """Cancel the generation submitted with ``target_request_id`` (answered with Cancelled on its own
+    stream, and with AdminResult({"cancelled": bool}) on this one)."""
+
+    target_request_id: str
+    stream: EventStream
+    request_id: str = ""
+    session_id: str | None = None
+
+
+@dataclass
+class AdapterRequest:
+    """Register, unregister or list adapters (admin); answered with an AdminResult event."""
+
+    action: str  # register | unregister | list
+    stream: EventStream
+    name: str | None = None
+    src: str | None = None
+    pinned: bool = False
+    dry_run: bool = False  # unregister: only check that it would succeed
+    request_id: str = ""
+    session_id: str | None = None
+
+
+@dataclass
+class SessionAdminRequest:
+    """List, export (and remove) or import sessions, for draining a backend; answered with AdminResult.
+    An export waits behind the session's request in flight, like a close."""
+
+    action: str  # list | export | import
+    stream: EventStream
+    session_id: str | None = None
+    exported: dict | None = None  # import: what an export returned
+    request_id: str = ""
+
+
+@dataclass
+class TurnMark:
+    """The session as it was before a turn began: what a rollback restores."""
+
+    num_tokens: int
+    num_images: int
+    num_turns: int
+    ended_with_eos: bool
+    rope_delta: int
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A generation request from admission until its one final event."""
+
+    request: GenerationRequest
+    session: "SessionState"
+    generator: torch.Generator | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    detokenizer: "Detokenizer | None" = None
+    num_text_sent: int = 0  # characters of the answer already streamed
+    adapter_slot: int = 0  # LoRA bank slot while running (0: base model)
+    controller: object | None = None  # SpeculationController while speculative decoding is allowed
+    mark: TurnMark | None = None  # set when the turn's prefill committed; None while waiting
+    images_acquired: tuple[str, ...] = ()  # embedding references this turn holds
+    next_rope_delta: int = 0  # M-RoPE: the session's rope delta once this turn's prefill commits
+    cancel_requested: bool = False
+    done: bool = False  # its final event was sent
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def next_token(self) -> int:
+        return self.generated[-1]
+
+    @property
+    def prefilled(self) -> bool:
+        return self.mark is not None

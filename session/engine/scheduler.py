@@ -1,0 +1,170 @@
+"""The scheduler: which request prefills and which decode, each step. Plain Python, no torch.
+
+Who calls this: the engine loop thread only (docs/ENGINE.md). The engine ``add``s every admitted
+generation, asks ``schedule()`` for a step's plan, runs it on the model, and reports back with
+``complete(plan, ended)``; ``remove`` takes a sequence out wherever it is (it ended early: failed,
+cancelled). Every admitted sequence is in exactly one place at any time:
+
+- ``pending[session_id]``: behind the request in flight on the same session, in arrival order
+  (requests on one session run one at a time; the items there are requests, not yet sequences);
+- ``waiting``: admitted, its turn not yet prefilled (first come, first served);
+- ``running``: decoding;
+- the plan of the step under way.
+
+Fairness: a step decodes at most ``max_batch_size`` rows, taken from the front of ``running``;
+the rows that did not end go to the back, so with more running requests than one step takes each
+one advances every ceil(running / max_batch_size) steps and none is ever dropped. One waiting
+request is prefilled per step, so decoding never stalls behind a burst of new prompts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+from session.engine.requests import Sequence
+
+
+@dataclass
+class StepPlan:
+    prefill: list[Sequence] = field(default_factory=list)  # prefilled this step (0 or 1)
+    decode: list[Sequence] = field(default_factory=list)  # one decode row (or speculative step) each
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+class Scheduler:
+    def __init__(self, *, max_batch_size: int, max_prefills_per_step: int = 1):
+        self.max_batch_size = max_batch_size
+        self.max_prefills_per_step = max_prefills_per_step
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.active: dict[str, Sequence] = {}  # session_id -> its one sequence in flight
+        self.pending: dict[str, deque] = {}  # session_id -> requests queued behind it, arrival order
+        self._plan: StepPlan | None = None  # the step under way
+        self.num_steps = 0
+        self.max_batch_seen = 0
+
+    # ------------------------------------------------------------------ admission
+
+    def is_busy(self, session_id: str) -> bool:
+        return session_id in self.active
+
+    def add(self, seq: Sequence) -> None:
+        """Admit a generation whose session has no request in flight (else use ``enqueue``)."""
+        session_id = seq.session.session_id
+        assert session_id not in self.active, f"session {session_id} already has a request in flight"
+        self.active[session_id] = seq
+        seq.session.busy = True
+        self.waiting.append(seq)
+
+    def enqueue(self, session_id: str, item: Any) -> None:
+        """Queue a request (generation, close, export) behind the session's request in flight."""
+        self.pending.setdefault(session_id, deque()).append(item)
+
+    def num_waiting(self) -> int:
+        """Requests admitted but not yet prefilled, counting those queued behind their session."""
+        return len(self.waiting) + sum(len(q) for q in self.pending.values())
+
+    # ------------------------------------------------------------------ steps
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan: up to ``max_prefills_per_step`` waiting turns, and the first
+        ``max_batch_size`` running rows."""
+        assert self._plan is None, "complete() the previous plan first"
+        plan = StepPlan()
+        while self.waiting and len(plan.prefill) < self.max_prefills_per_step:
+            plan.prefill.append(self.waiting.popleft())
+        for _ in range(min(self.max_batch_size, len(self.running))):
+            plan.decode.append(self.running.popleft())
+        self._plan = plan
+        if plan.decode:
+            self.num_steps += 1
+            self.max_batch_seen = max(self.max_batch_seen, len(plan.decode))
+        return plan
+
+    def complete(self, plan: StepPlan, ended: Iterable[Sequence]) -> None:
+        """The step is over: sequences that did not end decode on, at the back of the queue."""
+        assert plan is self._plan, "complete() takes the plan schedule() returned"
+        gone = {id(s) for s in ended}
+        self._plan = None
+        for seq in plan.decode + plan.prefill:
+            if id(seq) not in gone and not seq.done:
+                self.running.append(seq)
+
+    def release(self, seq: Sequence) -> Any | None:
+        """``seq`` ended: its session is free. Returns the next request queued on that session
+        (the caller admits it), or None. Who calls this: the engine, right after the final event."""
+        session_id = seq.session.session_id
+        if self.active.get(session_id) is seq:
+            del self.active[session_id]
+            seq.session.busy = False
+        self._discard(seq)
+        return self.next_pending(session_id)
+
+    def next_pending(self, session_id: str) -> Any | None:
+        queued = self.pending.get(session_id)
+        if not queued:
+            self.pending.pop(session_id, None)
+            return None
+        item = queued.popleft()
+        if not queued:
+            del self.pending[session_id]
+        return item
+
+    def _discard(self, seq: Sequence) -> None:
+        for queue in (self.waiting, self.running):
+            try:
+                queue.remove(seq)
+            except ValueError:
+                pass
+
+    # ------------------------------------------------------------------ lookups
+
+    def sequences(self) -> Iterator[Sequence]:
+        """Every sequence in flight (waiting, running, or in the step under way)."""
+        return iter(list(self.active.values()))
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in self.active.values() if s.request_id == request_id), None)
+
+    def take_pending(self, request_id: str) -> Any | None:
+        """Remove and return a queued (not yet admitted) request by id, or None."""
+        for session_id, queued in list(self.pending.items()):
+            for item in queued:
+                if getattr(item, "request_id", None) == request_id:
+                    queued.remove(item)
+                    if not queued:
+                        del self.pending[session_id]
+                    return item
+        return None
+
+    def pending_items(self) -> Iterator[Any]:
+        return iter([item for queued in self.pending.values() for item in queued])
+
+    # ------------------------------------------------------------------ invariant
+
+    def check(self) -> list[str]:
+        """Violations of the scheduler's invariant (none: []). Called by the engine between steps."""
+        problems = []
+        placed = list(self.waiting) + list(self.running)
+        if self._plan is not None:
+            problems.append("a plan is still under way between steps")
+        ids = [id(s) for s in placed]
+        if len(ids) != len(set(ids)):
+            problems.append("a sequence is queued twice")
+        active_ids = {id(s) for s in self.active.values()}
+        if set(ids) != active_ids:
+            problems.append(f"{len(active_ids)} sequences in flight but {len(set(ids))} queued "
+                            "(one is lost or ended without release)")
+        for session_id, seq in self.active.items():
+            if seq.session.session_id != session_id or not seq.session.busy:
+                problems.append(f"session {session_id}: in flight but not marked busy")
+            if seq.done:
+                problems.append(f"request {seq.request_id}: ended but still in flight")
+        for session_id in self.pending:
+            if session_id not in self.active:
+                problems.append(f"session {session_id}: requests queued behind nothing")
+        return problems

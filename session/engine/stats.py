@@ -1,0 +1,65 @@
+"""The engine's metrics snapshot. Built by the loop thread after every step (``snapshot``) and read
+by any thread (the handler's metrics, tests) without touching the engine's live dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from session.state.memory import Tier
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters are cumulative since start-up."""
+
+    live_sessions: int
+    sessions_by_tier: dict[str, int]  # tier -> sessions
+    resident_bytes: dict[str, int]  # "device" (KV), "host" (KV copies), "embeddings" (host), "journal" (disk/shm)
+    device_budget_bytes: int  # 0: unlimited
+    running_requests: int  # in flight: waiting for prefill or decoding
+    events: dict[str, int]  # event -> count
+    tokens: dict[str, int]  # "generated", "prefilled", "cached" -> count
+    speculation: dict[str, int]  # target_passes, proposed, accepted (speculative steps) -> count
+    requests: dict[str, int]  # "cancelled", "failed", "overloaded", "invariant_violations" -> count
+    not_recoverable_sessions: int  # live sessions whose journal entry could not be written
+
+
+def snapshot(engine) -> EngineStats:
+    """Called by the engine loop thread only (it owns what is read here)."""
+    by_tier = {tier.value: 0 for tier in Tier}
+    device = host = not_recoverable = 0
+    for session in engine.store.all_sessions():  # one pass: this runs after every step
+        device += session.device_bytes
+        host += session.host_bytes
+        if not session.ephemeral:
+            by_tier[session.tier.value] += 1
+            not_recoverable += not session.recoverable
+    memory, store, embeddings, sessions = engine.memory, engine.store, engine.embeddings, engine.sessions
+    journal = engine.journal
+    return EngineStats(
+        live_sessions=sum(by_tier.values()), sessions_by_tier=by_tier,
+        resident_bytes={"device": device, "host": host, "embeddings": embeddings.nbytes,
+                        "journal": journal.nbytes if journal is not None else 0},
+        device_budget_bytes=memory.device_budget_bytes, running_requests=len(engine.scheduler.active),
+        events={"opened": store.num_opened, "closed": store.num_closed, "expired": store.num_expired,
+                "demoted_to_host": memory.num_to_host, "dropped": memory.num_dropped,
+                "restored_from_host": memory.num_restored_from_host, "recomputed": memory.num_recomputed,
+                "restored_from_journal": sessions.num_journal_restored, "embedding_hits": embeddings.num_hits,
+                "embedding_misses": embeddings.num_misses,
+                "overloaded": engine.num_overloaded + engine.num_queue_full,
+                "journal_write_errors": sessions.num_journal_write_errors},
+        not_recoverable_sessions=not_recoverable,
+        tokens={"generated": engine.outputs.num_generated_tokens, "prefilled": engine.executor.num_prefilled_tokens,
+                "cached": engine.executor.num_cached_tokens},
+        speculation=_speculation(engine.speculator),
+        requests={"cancelled": engine.num_cancelled, "failed": engine.num_failed,
+                  "overloaded": engine.num_overloaded + engine.num_queue_full, "invariant_violations": engine.num_invariant_violations},
+    )
+
+
+def _speculation(spec) -> dict[str, int]:
+    if spec is None:
+        return {}
+    return {"target_passes": spec.num_steps, "proposed": spec.num_proposed, "accepted": spec.num_accepted,
+            "plain_steps": spec.num_plain_steps}

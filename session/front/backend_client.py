@@ -1,0 +1,137 @@
+"""Requests from the front to one backend that are not a client's: admin calls and cancels.
+
+Admin calls carry ``X-Resident-Admin-Token`` (the secret the front shares with its backends,
+``RESIDENT_ADMIN_TOKEN`` there) and a JSON body, and go to the backend's ``/predictions/<model>``:
+
+  {"adapters": "list" | "register" | "unregister", ...}   the front's /adapters API
+  {"sessions": "list"}                                    -> {"sessions": [{"session_id", "busy", "num_turns",
+                                                              "expires_at"}]}
+  {"sessions": "export", "session_id": id}                -> {"session": {...}}: waits until the session has no
+                                                              request in flight, then removes it there (404 if
+                                                              unknown; later requests for it there get 404)
+  {"sessions": "import", "session": {...}}                -> {"imported": id} (409 if live there already)
+
+A cancel is ``X-Resident-Cancel: <request id>`` with body ``{}``: the backend stops the request
+that carried ``X-Resident-Request-Id: <request id>`` at its next step and rolls its session's turn
+back; it answers ``{"cancelled": true|false}``.
+
+The front (``session/front/server.py``) and the migrator (``session/front/migration.py``) call these on the
+front's event loop. Never imports ``ts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+from session.errors import BackendError, ResidentError, SessionNotFound
+from session.serving.protocol import ADMIN_TOKEN_HEADER, CANCEL_HEADER
+from session.front.router import Backend
+
+logger = logging.getLogger(__name__)
+
+JSON_CONTENT_TYPE = "application/json"
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """One entry of a backend's ``{"sessions": "list"}`` answer."""
+
+    session_id: str
+    busy: bool  # a request of this session is in flight
+    num_turns: int
+    expires_at: float  # epoch seconds
+
+
+class AdminError(ResidentError):
+    """A backend refused an admin request; carries the backend's own status and error body."""
+
+    def __init__(self, status: int, error: dict):
+        super().__init__(error.get("message", "admin request failed"))
+        self.status = status
+        self.type = error.get("type", BackendError.type)
+
+
+class BackendAdmin:
+    """Admin requests and cancels to backends, over the front's kept-alive client session."""
+
+    def __init__(self, http: aiohttp.ClientSession, *, model_name: str, token: str, timeout_s: float,
+                 cancel_timeout_s: float):
+        self.http = http
+        self.model_name = model_name
+        self.token = token
+        self.timeout_s = timeout_s  # an admin call (an export waits for the session's request in flight)
+        self.cancel_timeout_s = cancel_timeout_s  # a cancel is best effort: short
+
+    @property
+    def enabled(self) -> bool:
+        """Admin calls need the shared token; without it the front cannot list or move sessions."""
+        return bool(self.token)
+
+    async def call(self, backend: Backend, payload: dict) -> tuple[int, dict]:
+        """One admin request: (status, JSON body; ``{"error": {...}}`` unless 200). Raises BackendError
+        when the backend cannot be reached or does not answer in time."""
+        headers = {"Content-Type": JSON_CONTENT_TYPE, ADMIN_TOKEN_HEADER: self.token}
+        try:
+            async with self.http.post(self._url(backend), data=json.dumps(payload).encode(), headers=headers,
+                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as response:
+                raw = await response.read()
+                return response.status, _json_body(response.status, raw)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise BackendError(f"backend {backend.index} did not answer an admin request: {exc!r}") from None
+
+    async def list_sessions(self, backend: Backend) -> list[SessionInfo]:
+        status, body = await self.call(backend, {"sessions": "list"})
+        if status != 200:
+            raise AdminError(status, body["error"])
+        return [SessionInfo(session_id=s["session_id"], busy=bool(s.get("busy")), num_turns=int(s.get("num_turns", 0)),
+                            expires_at=float(s.get("expires_at", 0.0))) for s in body["sessions"]]
+
+    async def export_session(self, backend: Backend, session_id: str) -> dict:
+        """The session's transcript, images and settings; it no longer lives on ``backend`` after this.
+        Raises SessionNotFound (closed or expired meanwhile) or AdminError."""
+        status, body = await self.call(backend, {"sessions": "export", "session_id": session_id})
+        if status == 404:
+            raise SessionNotFound(body["error"].get("message", f"session {session_id} is not on the backend"))
+        if status != 200:
+            raise AdminError(status, body["error"])
+        return body["session"]
+
+    async def import_session(self, backend: Backend, exported: dict) -> None:
+        status, body = await self.call(backend, {"sessions": "import", "session": exported})
+        if status != 200:
+            raise AdminError(status, body["error"])
+
+    async def cancel(self, backend: Backend, request_id: str) -> bool | None:
+        """Ask ``backend`` to stop request ``request_id``: whether it did, None when the cancel failed."""
+        headers = {"Content-Type": JSON_CONTENT_TYPE, CANCEL_HEADER: request_id}
+        try:
+            async with self.http.post(self._url(backend), data=b"{}", headers=headers,
+                                      timeout=aiohttp.ClientTimeout(total=self.cancel_timeout_s)) as response:
+                body = _json_body(response.status, await response.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            logger.warning("cancel of request %s on backend %d failed: %r", request_id, backend.index, exc)
+            return None
+        if response.status != 200:
+            logger.warning("backend %d refused to cancel request %s: %d %s", backend.index, request_id,
+                           response.status, body)
+            return None
+        return bool(body.get("cancelled"))
+
+    def _url(self, backend: Backend) -> str:
+        return f"{backend.url}/predictions/{self.model_name}"
+
+
+def _json_body(status: int, raw: bytes) -> dict:
+    """A JSON object body; a non-JSON or non-object answer becomes ``{"error": {...}}``."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        body = None
+    if isinstance(body, dict) and (status == 200 or isinstance(body.get("error"), dict)):
+        return body
+    return {"error": {"type": BackendError.type, "message": raw[:1000].decode("utf-8", "replace")}}

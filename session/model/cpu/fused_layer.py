@@ -1,0 +1,223 @@
+"""A decode step's layers on CPU as one C++ call each (and the whole step as one, ``stack``), in
+bfloat16 and float32 (csrc/decode_layer.h): the Python step's bits, minus Python.
+
+With our attention and linear kernels a one-session bfloat16 step on text-bench took 4.5 ms, of which
+the kernels took about 2.4; the rest was ~300 small torch operators a step (RMSNorm's eight, the
+rotary embedding's seven per tensor, residual adds, views) and the interpreter and ``nn.Module`` calls
+around them. ``csrc/decode_layer.cpp`` runs a layer in one call: our kernels through the dispatcher,
+RMSNorm, the rotary embedding and the residual adds written out with the ATen kernels' arithmetic,
+SiLU by ATen. Same bits (tests/integration/test_bf16_decode.py); the step took 3.1 ms with ATen's
+operators called from C++ and 2.35-2.57 ms with those written out.
+
+RMSNorm's mean is where the bits are fragile: ATen sums a row in vectors of 8 or 16 floats (its AVX2
+or AVX512 code; this torch build ran the 8-lane sum on an AVX-512 CPU), four vectors side by side,
+cascaded every 16. ``sum_lanes`` tries both widths against transformers' RMSNorm at load and the
+plan is dropped (the Python layer runs) where neither reproduces it.
+
+It applies where the layer is one it reproduces: transformers' Llama-family modules (Llama, Mistral,
+Qwen2, Qwen3 with its q/k norms; LLaVA's language model is a Llama), an RMSNorm of the Llama form, a
+SiLU MLP, and all seven linears on our kernel (session/model/cpu/linear.py). Anything else, or a step with
+LoRA adapter rows, runs the Python layer. Who calls this: ``ModelRunner._decode_pooled``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from session.model.cpu.linear import KernelLinear
+from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, CppKernel
+
+logger = logging.getLogger(__name__)
+
+KERNELS = {  # the linear tiles' instructions
+    torch.bfloat16: CppKernel("fused bfloat16 decode layer", "decode_layer.cpp", (AVX512_BF16,)),
+    torch.float32: CppKernel("fused float32 decode layer", "decode_layer_f32.cpp", (AVX512, AVX2)),
+}
+KERNEL = KERNELS[torch.bfloat16]
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the operators' names per dtype
+# The RMSNorm classes whose forward is LlamaRMSNorm's, operator for operator (weight * normed, not
+# Gemma's 1 + weight)
+NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUM_LANES = (8, 16)  # ATen's float vector widths (AVX2, AVX512) its sum kernel may run
+
+
+def load(dtype: torch.dtype = torch.bfloat16) -> bool:
+    return KERNELS[dtype].load()
+
+
+def op(name: str, dtype: torch.dtype):
+    """``torch.ops.resident.<name>_<bf16|f32>``: the C++ layer's operator for ``dtype``."""
+    return getattr(torch.ops.resident, f"{name}_{SUFFIX[dtype]}")
+
+
+def base_linear(module: nn.Module) -> nn.Module:
+    """A LoRA-wrapped linear's base (session/model/lora.py), else the module."""
+    return getattr(module, "base", module)
+
+
+def is_norm(module: nn.Module | None) -> bool:
+    return module is not None and type(module).__name__ in NORMS
+
+
+def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple | None:
+    """(weights, biases, sizes, floats) for ``decode_layer_bf16``, or None where the layer is not one
+    the C++ layer reproduces."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [base_linear(getattr(attn if i < 4 else mlp, name, None)) for i, name in enumerate(LINEARS)]
+    if not all(type(linear) is KernelLinear for linear in linears):
+        return None
+    if not (is_norm(layer.input_layernorm) and is_norm(layer.post_attention_layernorm)):
+        return None
+    if not isinstance(getattr(mlp, "act_fn", None), nn.SiLU) and type(getattr(mlp, "act_fn", None)).__name__ != "SiLUActivation":
+        return None
+    qk_norm = getattr(attn, "q_norm", None) is not None
+    if qk_norm and not (is_norm(attn.q_norm) and is_norm(attn.k_norm)):
+        return None
+    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(l.packed for l in linears)]
+    if qk_norm:
+        weights += [attn.q_norm.weight, attn.k_norm.weight]
+    sizes = [num_heads, num_kv_heads, head_dim, *(l.out_features for l in linears),
+             *(l.one_row_block for l in linears), int(qk_norm)]
+    floats = [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
+              attn.q_norm.variance_epsilon if qk_norm else 0.0, attn.scaling]
+    return [w.detach() for w in weights], [l.bias for l in linears], sizes, floats
+
+
+def sum_lanes(widths: set[int], dtype: torch.dtype = torch.bfloat16, rows: int = 256, seed: int = 0) -> int | None:
+    """The width (8 or 16) of the float vectors ATen's sum kernel runs here, found by comparing our
+    RMSNorm with transformers' on random rows of every width the layers normalize; None where neither
+    reproduces it (then the Python layer runs)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm  # NORMS' forward, the reference
+
+    generator = torch.Generator().manual_seed(seed)
+    for lanes in SUM_LANES:
+        for width in sorted(widths):
+            scales = torch.exp2(torch.randint(-8, 8, (rows, 1), generator=generator).float())
+            x = (torch.randn(rows, width, generator=generator) * scales).to(dtype)
+            reference = LlamaRMSNorm(width, eps=1e-6).to(dtype)
+            with torch.no_grad():
+                reference.weight.copy_(torch.randn(width, generator=generator))
+            if not torch.equal(op("rms_norm", dtype)(x, reference.weight, 1e-6, lanes), reference(x)):
+                break
+        else:
+            return lanes
+    return None
+
+
+def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: int) -> list[tuple] | None:
+    """Every layer's arguments, or None (with the reason logged) where any layer cannot be fused, the
+    library cannot be had, or our RMSNorm does not reproduce transformers' here."""
+    arguments = [layer_arguments(layer, num_heads, num_kv_heads, head_dim) for layer in layers]
+    if any(a is None for a in arguments):
+        logger.info("fused decode layers: a layer the C++ layer does not reproduce; the Python layer runs")
+        return None
+    dtype = arguments[0][0][0].dtype  # the input norm's weight
+    if dtype not in KERNELS or not load(dtype):
+        return None
+    widths = {weights[0].numel() for weights, *_ in arguments} | {weights[9].numel() for weights, *_ in arguments
+                                                                   if len(weights) > 9}  # hidden size, head dim
+    with torch.inference_mode():
+        lanes = sum_lanes(widths, dtype)
+    if lanes is None:
+        logger.info("fused decode layers: our RMSNorm does not reproduce ATen's sum here; the Python layer runs")
+        return None
+    for _, _, sizes, _ in arguments:
+        sizes.append(lanes)
+    return arguments
+
+
+def lanes(arguments: list[tuple]) -> int:
+    """The sum lanes ``plan`` found (the last of every layer's sizes)."""
+    return arguments[0][2][-1]
+
+
+def norm(h: torch.Tensor, module: nn.Module, lanes: int) -> torch.Tensor:
+    """``module`` (an RMSNorm of NORMS) applied to h [B, D] by the C++ layer's RMSNorm."""
+    return op("rms_norm", h.dtype)(h, module.weight, module.variance_epsilon, lanes)
+
+
+def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,
+        v_layer: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor,
+        ends: torch.Tensor, lora: list = (), mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer: h [B, D], cos/sin [B, hd], one layer of the head-major pool, slots [B] -> h [B, D].
+    ``lora``: this layer's 14 LoRA tensors (``lora_arguments``) or empty; ``mask``: a mix's row mask."""
+    weights, biases, sizes, floats = arguments
+    return op("decode_layer", h.dtype)(h, weights, biases, sizes, floats, cos, sin, k_layer, v_layer, slots, table,
+                                      starts, ends, list(lora), mask)
+
+
+def lora_arguments(bank, num_layers: int) -> tuple[list, torch.Tensor | None]:
+    """The LoRA deltas of a step with adapter rows (``bank``: session/model/lora.py's LoraBank, its rows
+    set), as LoRALinear computes them: per layer and linear (LINEARS' order) A^T [in, R] and B^T [R,
+    out], None and None where no adapter targets that linear, then the mix's row mask [B, 1, R] (None
+    where every row has one adapter). ([], None) for a step without adapter rows."""
+    if bank is None or (bank.single is None and bank.mixed is None) or not bank.at:
+        return [], None
+    tensors: list = []
+    for index in range(num_layers):
+        for name in LINEARS:
+            key = (index, name)
+            tensors += list(bank.factors(key)) if key in bank.at else [None, None]
+    return tensors, bank.row_mask
+
+
+ROPE_TABLE_POSITIONS = 32768  # at most; a step past them runs the layers one call each
+
+
+def rope_table(rotary: nn.Module, head_dim: int, max_positions: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos, sin [P, hd] for positions 0 .. P-1, computed by the model's rotary module itself; None where
+    a table cannot stand for it: a rope type that follows the sequence length, or a batch of positions
+    the module computes otherwise than the table's rows (its cos and sin run vectorized, with scalar
+    tails where B * hd is not a whole number of vectors; checked here on random batches)."""
+    if getattr(rotary, "rope_type", "default") != "default":
+        return None
+    count = min(max_positions, ROPE_TABLE_POSITIONS)
+    x = torch.zeros(1, 1, head_dim, dtype=dtype)  # the module reads only its device and dtype
+    cos, sin = (t[0].contiguous() for t in rotary(x, torch.arange(count)[None]))
+    if cos.shape != (count, head_dim) or cos.dtype != dtype:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    for batch in (1, 2, 3, 5, 7, 16, 33):
+        positions = torch.randint(0, count, (batch, 1), generator=generator)
+        positions[0, 0] = count - 1
+        step_cos, step_sin = rotary(x, positions)
+        if not (torch.equal(step_cos[:, 0], cos[positions[:, 0]]) and torch.equal(step_sin[:, 0], sin[positions[:, 0]])):
+            return None
+    return cos, sin
+
+
+@dataclass
+class Stack:
+    """A whole decode step in one C++ call (``DecodeStack``, ``DecodeStackF32``: csrc/decode_layer.h)."""
+    step: torch.ScriptObject
+    windows: list  # the distinct attention windows, in the order of run's ``starts`` rows
+    positions: int  # the rotary table's length: a step at a later position runs the layers one by one
+    head: bool  # the head is ours (run returns logits), else run returns the normed hidden state
+
+
+def stack(arguments: list[tuple], windows: list, embedding: nn.Module, rotary: nn.Module, final_norm: nn.Module,
+          head: nn.Module, head_dim: int, max_positions: int) -> Stack | None:
+    """The layers ``plan`` found, with the embedding, rotary table, final norm and head around them;
+    None (the layers run one call each) where those are not ones the step reproduces."""
+    if type(embedding) is not nn.Embedding or not is_norm(final_norm):
+        return None
+    weight = embedding.weight.detach()
+    table = rope_table(rotary, head_dim, max_positions, weight.dtype)
+    if table is None:
+        logger.info("decode stack: the rotary module is not a table of positions here; layers run one call each")
+        return None
+    distinct = list(dict.fromkeys(windows))
+    step = (torch.classes.resident.DecodeStack if weight.dtype == torch.bfloat16 else torch.classes.resident.DecodeStackF32)()
+    for (weights, biases, sizes, floats), window in zip(arguments, windows):
+        step.add_layer(weights, biases, sizes, floats, distinct.index(window))
+    ours = type(head) is KernelLinear
+    step.set_ends(weight, *table, final_norm.weight.detach(), final_norm.variance_epsilon,
+                  head.packed if ours else None, head.bias if ours else None,
+                  head.out_features if ours else 0, head.one_row_block if ours else 0)
+    return Stack(step, distinct, len(table[0]), ours)

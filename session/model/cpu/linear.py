@@ -1,0 +1,206 @@
+"""Linears on CPU by our kernel: oneDNN's bits, a decode batch's rows each as if alone. bfloat16 below;
+float32 (``linear_f32``) takes the linears oneDNN would (256 KiB and up), in oneDNN's float32 order
+(an FMA per input, in blocks of 512), probed the same way against oneDNN's own reordered weights.
+
+torch runs a bfloat16 ``F.linear`` on CPU through oneDNN. For the few rows of a decode step, that
+costs a fixed ~20 us per call (a 512x512 weight took 25 us from cache), about as much as streaming
+the weight. ``csrc/linear_bf16.cpp`` reads weights packed once at load for VDPBF16PS (16 outputs by
+2 inputs per 64-byte line) and costs a few microseconds per call. Over one tiny Llama's 57 linears
+(``python -m benchmarks.cpu_linear``, 2 threads, oneDNN on its own packed weights beside ours):
+
+  one row:   2.0-2.4 ms against 3.3-4.0 (1.65-1.75x), 24-30 GB/s: the memory bandwidth measured here
+  16 rows:   3.8-3.9 ms against 4.4-5.0 (1.15-1.26x)
+  600 rows:  86.8-95.9 ms against 82.5-86.6 (0.90-0.95x: a long prefill is a little slower)
+
+Same bits as oneDNN. Its kernel adds, per output, the products pair after pair in input order, in
+blocks of inputs whose sums are then added; the block size is its choice, and on this project's CPU
+(AMD, AVX512-BF16, no AMX) it depends on the number of rows: 512 inputs for one row, 1024 for more
+(where K > 512). ``probe`` finds those sizes at start-up with inputs whose sum cancels (any other
+order of additions changes many outputs: tests/unit/model/cpu/test_cpu_linear.py) and ours takes them:
+
+- a decode step ([B, 1, K]: one new token per sequence) uses the one-row size for every row, so
+  each row computes exactly what transformers' batch-of-one decode does, whatever else is in the
+  batch (oneDNN would switch sizes at two rows: a session's bits changed with the batch);
+- several tokens of a sequence ([B, T, K], T > 1: prefill, extend, verify) use the several-row size,
+  as transformers' prefill does.
+
+Where the probe finds no size that reproduces torch (another CPU: an Intel one with AMX takes other
+kernels; for products under about 16^3 multiply-adds torch takes its own), those linears stay on oneDNN's
+packed weights (session/model/cpu/packed_linear.py), and where the kernel cannot be built (session/model/cpu/kernels.py)
+all do, with the reason logged: slower, same tokens.
+
+Who calls this: ``ModelRunner`` at load (probe, pack), then its forward passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, CppKernel
+from session.model.cpu.packed_linear import swap_weight, worth_packing
+
+KERNELS = {
+    torch.bfloat16: CppKernel("bfloat16 linear", "linear_bf16.cpp", (AVX512_BF16,)),
+    torch.float32: CppKernel("float32 linear", "linear_f32.cpp", (AVX512, AVX2)),
+}
+KERNEL = KERNELS[torch.bfloat16]
+LANES = 16  # outputs per packed block: one float32 lane each
+INPUTS = {torch.bfloat16: 2, torch.float32: 1}  # inputs per packed line of 16 outputs (64 bytes)
+CANDIDATE_BLOCKS = (512, 1024, 256, 2048, 4096)  # input block sizes the probe tries, in this order
+PROBE_ROWS = (2, 9, 64)  # row counts whose block size must agree for the several-row size
+PROBE_WEIGHTS = 3  # cancelling weights per shape, each of which must agree
+PROBE_OUTPUTS = 1024  # at most this many outputs per probe product (see probe)
+# Narrower weights stay on oneDNN: too few outputs for the probe to tell orders apart, and oneDNN splits
+# their inputs over threads (another order); none of a real model's linears is that narrow.
+MIN_OUTPUTS = 64
+
+
+def load(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Make ``torch.ops.resident.linear_bf16`` (or ``linear_f32``) available (building it if needed);
+    False, with the reason logged, where it cannot be."""
+    return KERNELS[dtype].load()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [n, K] -> per block of 16 outputs, its lines of 64 bytes: bfloat16 [ceil(n / 16), ceil(K / 2),
+    32], per pair of inputs the 32 weights one VDPBF16PS takes (W[o, 2p], W[o, 2p+1] for o in the
+    block); float32 [ceil(n / 16), K, 16], per input the block's 16 weights. Zero past n and K."""
+    n, k = weight.shape
+    inputs = INPUTS[weight.dtype]
+    blocks, steps = -(-n // LANES), -(-k // inputs)
+    padded = weight.new_zeros(blocks * LANES, steps * inputs)
+    padded[:n, :k] = weight
+    return padded.view(blocks, LANES, steps, inputs).permute(0, 2, 1, 3).contiguous().view(blocks, steps, inputs * LANES)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k_block: int) -> torch.Tensor:
+    """x [..., K] -> [..., n] by the kernel, inputs summed in blocks of ``k_block``."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    op = torch.ops.resident.linear_bf16 if packed.dtype == torch.bfloat16 else torch.ops.resident.linear_f32
+    return op(rows, packed, bias, n, k_block).view(*x.shape[:-1], n)
+
+
+def reference(dtype: torch.dtype):
+    """The product ours reproduces, (x, W) -> x W^T: torch's ``F.linear`` in bfloat16 (oneDNN), and in
+    float32 oneDNN on its own reordered weight (session/model/cpu/packed_linear.py: what float32 ran on before)."""
+    if dtype == torch.bfloat16:
+        return F.linear
+
+    def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+    return onednn
+
+
+def cancelling(rows: int, n: int, k: int, generator: torch.Generator,
+               dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K], W [n, K] (of ``dtype``, values exact in bfloat16) whose products cancel: per output, K/8 large weights (2^20 to
+    2^27) and their negatives among small ones; row r of x is 2^(r mod 8) everywhere, so a row's sums
+    are row 0's scaled exactly (a row mixed up shows). The exact sum is small, and how much of it
+    survives depends on the order of additions: another order changes most outputs."""
+    x = torch.exp2(torch.arange(rows) % 8).float()[:, None].expand(rows, k).to(dtype)
+    w = torch.randn(n, k, generator=generator)
+    count = max(1, k // 8)
+    order = torch.rand(n, k, generator=generator).argsort(dim=1)
+    big = torch.exp2(torch.randint(20, 27, (n, count), generator=generator).float())
+    big = big * (1 + torch.randint(0, 127, (n, count), generator=generator).float() / 128)
+    w.scatter_(1, order[:, :count], big)
+    w.scatter_(1, order[:, count: 2 * count], -big)
+    return x, w.to(torch.bfloat16).to(dtype)
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """The input block sizes oneDNN sums in for one row and for several, for one weight shape."""
+
+    one_row: int
+    rows: int
+
+
+def probe_shape(n: int, k: int, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> Blocking | None:
+    """The block sizes with which ours equals ``reference(dtype)`` bit for bit for an [n, K] weight,
+    on PROBE_WEIGHTS cancelling weights: for one row, and for each of PROBE_ROWS rows at once; None
+    where no candidate does (torch takes another kernel for small products, and oneDNN splits the
+    inputs of a product too narrow to split its outputs over threads)."""
+    single, several = list(CANDIDATE_BLOCKS), list(CANDIDATE_BLOCKS)
+    product = reference(dtype)
+    for _ in range(PROBE_WEIGHTS):
+        x, w = cancelling(max(PROBE_ROWS), n, k, generator, dtype)
+        packed = pack(w)
+
+        def matches(block: int, rows: torch.Tensor) -> bool:
+            return torch.equal(linear(rows, packed, None, n, block), product(rows, w))
+
+        single = [block for block in single if matches(block, x[:1])]
+        several = [block for block in several if all(matches(block, x[:count]) for count in PROBE_ROWS)]
+    return Blocking(single[0], several[0]) if single and several else None
+
+
+def probe(shapes: set[tuple[int, int]], seed: int = 0,
+          dtype: torch.dtype = torch.bfloat16) -> dict[tuple[int, int], Blocking]:
+    """Per weight shape (n, K): the sizes ``probe_shape`` finds, at min(n, PROBE_OUTPUTS) outputs
+    (wider products always took oneDNN's kernel); shapes none reproduces are left out."""
+    generator = torch.Generator().manual_seed(seed)
+    probed: dict[tuple[int, int], Blocking | None] = {}  # per probed (capped) shape, once
+    with torch.inference_mode():
+        for n, k in sorted(shapes):
+            capped = (min(n, PROBE_OUTPUTS), k)
+            if capped not in probed:
+                probed[capped] = probe_shape(*capped, generator, dtype)
+    return {(n, k): probed[(min(n, PROBE_OUTPUTS), k)] for n, k in shapes
+            if probed[(min(n, PROBE_OUTPUTS), k)] is not None}
+
+
+class KernelLinear(nn.Linear):
+    """An ``nn.Linear`` whose bfloat16 weight is packed for our kernel (``packed``). Only forward works.
+    One token per sequence (x [..., 1, K]) sums in the one-row blocks, several in the several-row ones."""
+
+    packed: torch.Tensor
+    one_row_block: int
+    rows_block: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one = x.dim() < 2 or x.shape[-2] == 1
+        return linear(x, self.packed, self.bias, self.out_features, self.one_row_block if one else self.rows_block)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", packed=resident (blocks {self.one_row_block}/{self.rows_block})"
+
+
+def kernel_linears(modules: list[nn.Module], dtype: torch.dtype = torch.bfloat16) -> list[nn.Linear]:
+    """The plain ``nn.Linear`` modules of ``dtype`` inside ``modules`` with at least MIN_OUTPUTS outputs
+    that oneDNN would take (session/model/cpu/packed_linear.py: float32 weights of MIN_FLOAT32_BYTES and up; the
+    smaller ones run MKL's product, transformers' own bits), each once."""
+    found: dict[int, nn.Linear] = {}
+    for root in modules:
+        for module in root.modules():
+            if (worth_packing(module) and module.weight.dtype == dtype
+                    and module.out_features >= MIN_OUTPUTS):
+                found[id(module)] = module
+    return list(found.values())
+
+
+def pack_linears(modules: list[nn.Module], dtype: torch.dtype = torch.bfloat16) -> tuple[int, str]:
+    """Turn the linears of ``dtype`` inside ``modules`` whose shape the probe matched into KernelLinears,
+    in place (the dense weight is dropped): (how many, why the others were not, or "")."""
+    linears = kernel_linears(modules, dtype)
+    if not linears:
+        return 0, f"no {dtype} linears oneDNN would take"
+    if not load(dtype):
+        return 0, "the kernel could not be built (see the log)"
+    shapes = {(module.out_features, module.in_features) for module in linears}
+    blocking = probe(shapes, dtype=dtype)
+    for module in linears:
+        shape = (module.out_features, module.in_features)
+        if shape in blocking:
+            swap_weight(module, KernelLinear, pack(module.weight.detach()))
+            module.one_row_block = blocking[shape].one_row
+            module.rows_block = blocking[shape].rows
+    unmatched = sorted(shapes - set(blocking))
+    why = f"no input block size reproduces torch's product for [out, in] = {unmatched}" if unmatched else ""
+    return sum(type(module) is KernelLinear for module in linears), why

@@ -1,0 +1,112 @@
+"""CUDA graphs of the batched decode step: one per (batch bucket, block-table bucket).
+
+A decode step on a GPU is hundreds of small kernels; launched one by one from Python their launch
+overhead, not the GPU, sets the step time at small batches. A captured graph replays them all with
+one launch. Capture needs fixed shapes and addresses, so a step is padded to buckets:
+- rows to the next batch bucket (padding rows write into and read from the pool's padding block);
+- block tables to the next power of two of blocks (up to the sessions' context window), so short
+  contexts do not pay for the longest one.
+The inputs of a step (token ids, positions, slots, lengths, block tables) are one int64 ``plan``
+buffer per graph: a step copies one host tensor into it and replays. Activations live in one
+memory pool shared by all graphs, so nothing is allocated on the device per step but the [B, V]
+logits handed back (a copy: the graph's output buffer is overwritten by the next replay).
+
+Graphs hold the base model: a step with LoRA rows runs eagerly (the adapter mix is host state).
+A pool that grew (session/model/kv_cache.py; not on CUDA, where the pool is reserved from the budget)
+moved its tensors, so every graph is captured again.
+
+Who calls this: ``ModelRunner.decode`` on the engine loop thread, CUDA only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from session.model.attention import columns, pad_row, plan_rows, to_batch
+from session.model.kv_cache import BlockPool, PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+
+def power_buckets(limit: int) -> tuple[int, ...]:
+    """Powers of two below ``limit``, then ``limit`` itself (batch sizes, block-table widths)."""
+    buckets, size = [], 1
+    while size < limit:
+        buckets.append(size)
+        size *= 2
+    return tuple(buckets) + (limit,)
+
+
+def bucket_for(size: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds ``size``, or None when none does."""
+    return next((b for b in buckets if b >= size), None)
+
+
+def graph_key(kvs: list[PagedKVCache], batch_buckets: tuple[int, ...]) -> tuple[int, int] | None:
+    """(rows, blocks) of the graph a decode step of ``kvs`` replays, or None when it has none
+    (more rows than the largest bucket)."""
+    rows = bucket_for(len(kvs), batch_buckets)
+    if rows is None:
+        return None
+    block_tokens = kvs[0].block_tokens
+    most = max(-(-kv.max_tokens // block_tokens) for kv in kvs)  # widest table a session can have
+    needed = max(-(-(kv.length + 1) // block_tokens) for kv in kvs)
+    return rows, bucket_for(needed, power_buckets(most))
+
+
+@dataclass
+class Captured:
+    graph: "torch.cuda.CUDAGraph"
+    plan: torch.Tensor  # [rows, 3 + blocks] int64: token id, then plan_rows' row (T = 1)
+    logits: torch.Tensor  # [rows, V]: written by each replay
+
+
+class DecodeGraphs:
+    def __init__(self, runner, batch_buckets: tuple[int, ...]):
+        self.runner = runner
+        self.batch_buckets = tuple(batch_buckets)
+        self.graphs: dict[tuple[int, int], Captured] = {}
+        self.memory = torch.cuda.graph_pool_handle()
+        self.pool_address = None  # the pool tensors the graphs were captured over
+
+    def fits(self, kvs: list[PagedKVCache]) -> bool:
+        return graph_key(kvs, self.batch_buckets) is not None
+
+    def run(self, kvs: list[PagedKVCache], token_ids: list[int]) -> torch.Tensor:
+        """Decode one token for each row (caches already sized) by replaying the step's graph; logits [B, V]."""
+        pool = kvs[0].pool
+        if pool.k.data_ptr() != self.pool_address:
+            self.graphs.clear()
+            self.pool_address = pool.k.data_ptr()
+        key = graph_key(kvs, self.batch_buckets)
+        captured = self.graphs.get(key)
+        if captured is None:
+            captured = self.graphs[key] = self._capture(pool, *key)
+        num_rows, num_blocks = key
+        rows = [[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1, num_blocks))]
+        rows += [[0, *pad_row(1, num_blocks, pool.block_tokens)]] * (num_rows - len(kvs))
+        captured.plan.copy_(torch.tensor(rows))
+        captured.graph.replay()
+        return captured.logits[: len(kvs)].clone()
+
+    def _capture(self, pool: BlockPool, num_rows: int, num_blocks: int) -> Captured:
+        logger.info("capturing the decode step as a CUDA graph: %d rows, %d blocks of %d tokens", num_rows,
+                    num_blocks, pool.block_tokens)
+        runner = self.runner
+        plan = torch.tensor([[0, *pad_row(1, num_blocks, pool.block_tokens)]] * num_rows, device=runner.device)
+
+        def step() -> torch.Tensor:
+            return runner.forward_paged(pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1))[:, 0]
+
+        side = torch.cuda.Stream(runner.device)
+        side.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(side):
+            step()  # warm-up outside the capture: lazy initialisation (cuBLAS workspaces, kernel choice)
+        torch.cuda.current_stream(runner.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory):
+            logits = step()
+        return Captured(graph, plan, logits)

@@ -1,0 +1,230 @@
+"""The invocation service: one HTTP-level request in, status + headers + body (or chunks) out.
+
+Shared by every front door (the TorchServe handler, tests): parse, decode images off the
+event loop, hand the turn to the engine, wait for its events, shape the OpenAI-style
+answer and the SageMaker session headers. Errors become JSON bodies here, in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Mapping
+
+from session.engine.loop import (
+    AdapterRequest, CancelRequest, CloseRequest, Engine, GenerationRequest, SessionAdminRequest,
+)
+from session.errors import BadRequest, RequestCancelled, ResidentError
+from session.engine.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started, TextDelta
+from session.families.image_decode import decode_data_url
+from session.serving.protocol import (
+    ADMIN_TOKEN_HEADER, CANCEL_HEADER, CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, REQUEST_ID_RE,
+    SESSION_HEADER, WORKER_HEADER, ChatRequest, CompletionIds, ImagePart, chunk_body, completion_body, header,
+    load_json_object, new_session_header_value, parse_request, sse,
+)
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
+
+
+@dataclass
+class ApiResponse:
+    status: int
+    body: dict | None = None  # a JSON body, or None when ``chunks`` streams the answer
+    headers: dict[str, str] = field(default_factory=dict)
+    chunks: AsyncIterator[str] | None = None  # server-sent events, for "stream": true
+    kind: str = "error"  # first | followup | stateless | close | error: for latency metrics
+
+    @property
+    def content_type(self) -> str:
+        return EVENT_STREAM if self.chunks is not None else JSON
+
+
+def _request_id(headers: Mapping[str, str]) -> str | None:
+    """The caller's ``X-Resident-Request-Id`` (the front sets one on every request), checked."""
+    value = header(headers, REQUEST_ID_HEADER)
+    if value is None:
+        return None
+    if not REQUEST_ID_RE.fullmatch(value.strip()):
+        raise BadRequest(f"{REQUEST_ID_HEADER} must match {REQUEST_ID_RE.pattern}")
+    return value.strip()
+
+
+def error_response(exc: Exception, request_id: str = "", session_id: str | None = None) -> ApiResponse:
+    if isinstance(exc, ResidentError):
+        return ApiResponse(status=exc.status, body=exc.to_body(), headers=dict(exc.headers))
+    logger.error("request %s (session %s) failed", request_id, session_id, exc_info=exc)
+    return ApiResponse(status=500, body={"error": {"type": "internal_error",
+                                                   "message": f"internal error; request id {request_id}"}})
+
+
+class ChatService:
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+
+    async def invoke(self, headers: Mapping[str, str], body) -> ApiResponse:
+        """Called once per HTTP request by a front door, on its event loop."""
+        response = await self._invoke(headers, body)
+        response.headers[WORKER_HEADER] = self.worker_id
+        return response
+
+    async def _invoke(self, headers: Mapping[str, str], body) -> ApiResponse:
+        request_id = uuid.uuid4().hex
+        session_id = None
+        try:
+            config = self.engine.config
+            request_id = _request_id(headers) or request_id
+            if header(headers, CANCEL_HEADER) is not None:
+                return await self._cancel(header(headers, CANCEL_HEADER).strip())
+            if header(headers, ADMIN_TOKEN_HEADER) is not None:
+                return await self._admin(header(headers, ADMIN_TOKEN_HEADER), body, request_id)
+            request = parse_request(body, headers, default_max_tokens=config.default_max_tokens,
+                                    max_new_tokens=config.max_new_tokens)
+            session_id = request.session_id
+            if request.closes_session:
+                return await self._close(request, request_id)
+            return await self._generate(request, request_id)
+        except Exception as exc:
+            return error_response(exc, request_id, session_id)
+
+    async def _admin(self, token: str, body, request_id: str) -> ApiResponse:
+        """Adapter administration, sent by the front to every backend: {"adapters": action, ...}."""
+        import hmac
+
+        expected = self.engine.config.admin_token
+        if not expected or not hmac.compare_digest(token, expected):
+            return ApiResponse(status=403, body={"error": {"type": "forbidden", "message": "bad admin token"}})
+        data = body if isinstance(body, dict) else load_json_object(body)
+        stream = EventStream(asyncio.get_running_loop())
+        if "sessions" in data:
+            unknown = set(data) - {"sessions", "session_id", "session"}
+            if unknown:
+                raise BadRequest(f"unknown admin field(s) {sorted(unknown)}")
+            self.engine.submit(SessionAdminRequest(action=data["sessions"], stream=stream,
+                                                   session_id=data.get("session_id"), exported=data.get("session"),
+                                                   request_id=request_id))
+        else:
+            unknown = set(data) - {"adapters", "name", "src", "pinned", "dry_run"}
+            if unknown:
+                raise BadRequest(f"unknown admin field(s) {sorted(unknown)}")
+            self.engine.submit(AdapterRequest(action=data.get("adapters"), stream=stream, name=data.get("name"),
+                                              src=data.get("src"), pinned=bool(data.get("pinned", False)),
+                                              dry_run=bool(data.get("dry_run", False)), request_id=request_id))
+        event = await stream.aget()
+        if isinstance(event, Failed):
+            raise event.error
+        assert isinstance(event, AdminResult)
+        return ApiResponse(status=200, body=event.body, kind="admin")
+
+    async def _cancel(self, target: str) -> ApiResponse:
+        """``X-Resident-Cancel: <request id>``: no token needed, the id itself is the secret."""
+        if not REQUEST_ID_RE.fullmatch(target):
+            raise BadRequest(f"{CANCEL_HEADER} must name a request id ({REQUEST_ID_RE.pattern})")
+        stream = EventStream(asyncio.get_running_loop())
+        self.engine.submit(CancelRequest(target_request_id=target, stream=stream))
+        event = await stream.aget()
+        if isinstance(event, Failed):
+            raise event.error
+        return ApiResponse(status=200, body=event.body, kind="cancel")
+
+    def _adapter(self, request: ChatRequest) -> str | None:
+        """Header first; else the body's "model" when it names something other than the base model."""
+        if request.adapter:
+            return request.adapter
+        if request.model and request.model != self.model_name:
+            return request.model
+        return None
+
+    async def _close(self, request: ChatRequest, request_id: str) -> ApiResponse:
+        stream = EventStream(asyncio.get_running_loop())
+        self.engine.submit(CloseRequest(session_id=request.session_id, stream=stream, request_id=request_id))
+        event = await stream.aget()
+        if isinstance(event, Failed):
+            raise event.error
+        assert isinstance(event, Closed)
+        return ApiResponse(status=200, body={"session_id": event.session_id, "closed": True},
+                           headers={CLOSED_SESSION_HEADER: event.session_id}, kind="close")
+
+    async def _generate(self, request: ChatRequest, request_id: str) -> ApiResponse:
+        loop = asyncio.get_running_loop()
+        images = [p for m in request.messages for p in m.parts if isinstance(p, ImagePart)]
+        if len(images) > self.engine.config.max_images_per_request:
+            raise BadRequest(f"at most {self.engine.config.max_images_per_request} images per request")
+        decoded, prepared = await loop.run_in_executor(None, self._prepare_images, images)
+        opens = request.opens_session
+        stream = EventStream(loop, deltas=request.stream)  # a plain request reads Finished's text
+        self.engine.submit(GenerationRequest(
+            messages=request.messages, sampling=request.sampling, stream=stream,
+            session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
+            images=prepared, image_digests=tuple(d.digest for d in decoded),
+            image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=self._adapter(request),
+            speculative=request.speculative,
+        ))
+        started = await self._next_event(stream, request_id)
+        if isinstance(started, Failed):
+            raise started.error
+        assert isinstance(started, Started)
+        headers = {}
+        if opens:
+            headers[NEW_SESSION_HEADER] = new_session_header_value(started.session_id, started.expires_at)
+        elif started.session_id is not None:
+            headers[SESSION_HEADER] = started.session_id
+        ids = CompletionIds(model=request.model or self.model_name)
+        kind = "first" if opens else ("followup" if started.session_id else "stateless")
+        if request.stream:
+            return ApiResponse(status=200, headers=headers, chunks=self._chunks(stream, ids, request_id), kind=kind)
+        while True:
+            event = await self._next_event(stream, request_id)
+            if isinstance(event, Finished):
+                body = completion_body(ids, event.text, event.finish_reason, event.usage, event.session_id)
+                return ApiResponse(status=200, body=body, headers=headers, kind=kind)
+            if isinstance(event, Failed):
+                raise event.error
+
+    def _prepare_images(self, images: list[ImagePart]):
+        config = self.engine.config
+        decoded = [decode_data_url(p.url, max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels)
+                   for p in images]
+        return decoded, self.engine.preprocess_images([d.image for d in decoded])
+
+    async def _chunks(self, stream: EventStream, ids: CompletionIds, request_id: str) -> AsyncIterator[str]:
+        finished = False
+        try:
+            yield sse(chunk_body(ids, {"role": "assistant", "content": ""}))
+            while True:
+                event = await self._next_event(stream, request_id)
+                if isinstance(event, TextDelta):
+                    yield sse(chunk_body(ids, {"content": event.text}))
+                elif isinstance(event, Finished):
+                    finished = True
+                    yield sse(chunk_body(ids, {}, finish_reason=event.finish_reason, usage=event.usage))
+                    yield sse("[DONE]")
+                    return
+                elif isinstance(event, Failed):
+                    finished = True
+                    yield sse(error_response(event.error).body)
+                    return
+        finally:
+            if not finished:  # the consumer stopped reading (a disconnect): stop generating
+                self.engine.cancel(request_id)
+
+    async def _next_event(self, stream: EventStream, request_id: str):
+        """The request's next event; Cancelled becomes Failed(RequestCancelled). If the caller's task is
+        cancelled (its client went away), the generation is cancelled too."""
+        try:
+            event = await stream.aget()
+        except asyncio.CancelledError:
+            self.engine.cancel(request_id)
+            raise
+        if isinstance(event, Cancelled):
+            return Failed(RequestCancelled(f"request {request_id} was cancelled ({event.reason}); "
+                                           "its turn was rolled back"))
+        return event

@@ -1,0 +1,10 @@
+"""What each session holds, and where it lives.
+
+``session`` is ``SessionState`` and its memory ``Tier``; ``sessions`` the one owner and writer of
+session state (open, forget, restore, roll back a turn); ``store`` ids, expiry and byte counts;
+``memory`` the tiers under the device budget; ``embeddings`` image embeddings shared by digest;
+``journal`` crash recovery on disk.
+
+May import: ``model`` (KV caches), ``families`` and the top modules. Never ``engine``, ``serving``
+or ``front``.
+"""

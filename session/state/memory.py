@@ -1,0 +1,127 @@
+"""Session memory tiers under a device byte budget.
+
+Tiers, best first: DEVICE (the KV cache is on the accelerator, ready), HOST (a compact copy of
+the KV in host memory; restored by one copy), DROPPED (no KV; restored by recomputing the
+transcript). A session's transcript and image references are never dropped while it lives, so
+every tier answers exactly the same tokens, only at different speed (DESIGN §4.1, §4.3).
+
+Who calls this: the engine loop thread, before it grows or restores a session's KV
+(``reserve``), and when a session needs its KV back (``restore_from_host``). Sessions in a
+request are never demoted under it. The manager moves KV tensors between tiers; it is the
+one place that decides what stays on the device.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Iterable
+
+from session.errors import CapacityExceeded
+from session.state.session import SessionState
+from session.state.store import SessionStore
+
+logger = logging.getLogger(__name__)
+
+
+class Tier(str, enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DROPPED = "dropped"
+
+
+class MemoryManager:
+    def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, store: "SessionStore"):
+        self.device_budget_bytes = device_budget_bytes  # 0: unlimited
+        self.host_budget_bytes = host_budget_bytes  # 0: no host tier (demotion drops)
+        self.store = store
+        self.num_to_host = 0
+        self.num_dropped = 0
+        self.num_restored_from_host = 0
+        self.num_recomputed = 0
+        self.peak_device_bytes = 0
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(s.device_bytes for s in self.store.all_sessions())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.host_bytes for s in self.store.all_sessions())
+
+    def reserve(self, session: SessionState, num_bytes: int) -> None:
+        """Make room for ``num_bytes`` more device bytes for ``session`` by demoting idle sessions,
+        least recently used first. Raises CapacityExceeded (503) when not enough can be freed."""
+        if self.device_budget_bytes <= 0:
+            return
+        if num_bytes > self.device_budget_bytes:
+            raise CapacityExceeded(f"this turn needs {num_bytes} bytes of KV cache; the device budget is "
+                                   f"{self.device_budget_bytes}", retry_after_s=5)
+        used = self.device_bytes
+        while used + num_bytes > self.device_budget_bytes:
+            victim = _least_recent(s for s in self.store.all_sessions()
+                                   if s is not session and s.tier is Tier.DEVICE and not s.busy and s.device_bytes)
+            if victim is None:
+                raise CapacityExceeded("device memory for sessions is full and every resident session is in a "
+                                       "request; retry shortly", retry_after_s=1)
+            used -= victim.device_bytes
+            self.demote(victim)
+
+    def note_usage(self) -> None:
+        """Called after the device holdings changed; keeps the peak for tests and metrics."""
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    def demote(self, session: SessionState) -> Tier:
+        """DEVICE -> HOST when the host tier has room (making it by dropping older host copies), else DROPPED."""
+        kv = session.kv
+        if session.draft_kv is not None:  # the draft re-reads the transcript lazily: not worth a host copy
+            session.draft_kv.release()
+        host_need = kv.length * kv.token_nbytes
+        if self.host_budget_bytes > 0 and self._make_host_room(host_need, session):
+            session.host_kv = kv.to_host()
+            session.host_length = kv.length
+            kv.release()
+            session.tier = Tier.HOST
+            self.num_to_host += 1
+        else:
+            self.drop(session)
+        logger.debug("session %s demoted to %s", session.session_id, session.tier.value)
+        return session.tier
+
+    def drop(self, session: SessionState) -> None:
+        session.kv.release()
+        if session.draft_kv is not None:
+            session.draft_kv.release()
+        session.host_kv = None
+        session.host_length = 0
+        session.tier = Tier.DROPPED
+        self.num_dropped += 1
+
+    def _make_host_room(self, num_bytes: int, session: SessionState) -> bool:
+        if num_bytes > self.host_budget_bytes:
+            return False
+        used = self.host_bytes
+        while used + num_bytes > self.host_budget_bytes:
+            victim = _least_recent(s for s in self.store.all_sessions() if s is not session and s.tier is Tier.HOST)
+            if victim is None:
+                return False
+            used -= victim.host_bytes
+            self.drop(victim)
+        return True
+
+    def restore_from_host(self, session: SessionState) -> None:
+        """HOST -> DEVICE: copy the compact KV back into the session's (already sized) device cache."""
+        session.kv.load(*session.host_kv)
+        session.host_kv = None
+        session.host_length = 0
+        session.tier = Tier.DEVICE
+        self.num_restored_from_host += 1
+
+
+def _least_recent(candidates: Iterable[SessionState]) -> SessionState | None:
+    return min(candidates, key=lambda s: s.last_used_at, default=None)
+
+
+def kv_bytes(kv, num_tokens: int) -> int:
+    """Device bytes a KV cache of ``kv``'s shape holds once sized for ``num_tokens``."""
+    return kv.capacity_for(num_tokens) * kv.token_nbytes

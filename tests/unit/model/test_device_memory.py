@@ -1,0 +1,63 @@
+"""Device memory defaults: on CUDA the session budget is never unlimited; an unused adapter bank
+holds no device memory."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from session.model.lora import AdapterWeights, LoraBank
+from session.engine.assembly import DEFAULT_CUDA_BUDGET_FRACTION, device_budget
+from session.config import EngineConfig
+from session.errors import ConfigError
+
+
+def runner_on(kind: str):
+    return SimpleNamespace(device=torch.device(kind))
+
+
+@pytest.fixture
+def free_gib(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
+
+
+def test_cuda_budget_defaults_to_a_fraction_of_free_memory(free_gib):
+    config = EngineConfig()
+    assert device_budget(config, runner_on("cuda")) == int((10 << 30) * DEFAULT_CUDA_BUDGET_FRACTION)
+
+
+def test_cuda_budget_follows_the_settings(free_gib):
+    assert device_budget(EngineConfig(device_budget_fraction=0.5), runner_on("cuda")) == 5 << 30
+    assert device_budget(EngineConfig(device_budget_bytes=123), runner_on("cuda")) == 123
+
+
+def test_cpu_budget_is_the_bytes_setting():
+    assert device_budget(EngineConfig(), runner_on("cpu")) == 0  # unlimited on CPU unless set
+    assert device_budget(EngineConfig(device_budget_bytes=4096), runner_on("cpu")) == 4096
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        device_budget(EngineConfig(device_budget_fraction=0.5), runner_on("cpu"))
+
+
+def test_an_adapter_bank_nobody_uses_holds_no_memory():
+    shapes = {(0, "q_proj"): (64, 64), (0, "v_proj"): (64, 32)}
+    bank = LoraBank(shapes, num_slots=8, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
+    assert bank.nbytes == 0
+    bank.set_rows([0, 0, 0])  # base-model batches never touch it
+    assert bank.single is None and bank.mixed is None
+    weights = {(0, "q_proj"): (torch.ones(4, 64), torch.ones(64, 4))}
+    bank.load(1, AdapterWeights(name="a", rank=4, weights=weights))
+    assert bank.nbytes == 9 * 16 * (64 + 64 + 64 + 32) * 4  # allocated on the first load, all slots
+
+
+def test_bfloat16_on_cpu_only_where_the_cpu_has_it(monkeypatch):
+    import session.model.runner as model_runner
+
+    cpu = torch.device("cpu")
+    assert model_runner.resolve_dtype("auto", cpu) is torch.float32  # what the equivalence tests pin
+    assert model_runner.resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    monkeypatch.setattr(model_runner, "cpu_has_bf16", lambda: True)
+    assert model_runner.resolve_dtype("bfloat16", cpu) is torch.bfloat16
+    monkeypatch.setattr(model_runner, "cpu_has_bf16", lambda: False)
+    assert model_runner.resolve_dtype("bfloat16", cpu) is torch.float32  # no native bf16: float32 is faster

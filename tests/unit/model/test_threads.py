@@ -1,0 +1,211 @@
+"""ThreadTuner on a simulated machine: it settles on the faster thread count, per batch bucket, follows
+a change of load within its refresh window, is not fooled by the slow first step after a switch, ends
+a re-measure at a far slower step, and starts a new batch size from its neighbour's verdict. And the
+ComputeThread an engine loads and loops on."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from session.model.threads import ComputeThread, ThreadTuner, bucket_of
+
+QUIET = {1: 0.0161, 2: 0.0150}  # seconds per step, measured on 2 cores (one session)
+BUSY = {1: 0.0160, 2: 0.0363}  # one core kept busy by another process
+
+
+def serve(tuner: ThreadTuner, steps: int, cost, batch=lambda step: 1, start: int = 0) -> list[int]:
+    """Run ``steps`` decode steps; returns the thread count each ran with."""
+    used = []
+    for step in range(start, start + steps):
+        rows = batch(step)
+        threads = tuner.choose(rows)
+        tuner.observe(rows, cost(threads, rows, step))
+        used.append(threads)
+    return used
+
+
+def test_buckets():
+    assert [bucket_of(b) for b in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+
+
+def test_settles_on_the_faster_count_and_sets_it():
+    calls = []
+    tuner = ThreadTuner((1, 2), refresh_steps=64, max_refresh_steps=512, set_threads=calls.append)
+    used = serve(tuner, 3000, lambda threads, rows, step: QUIET[threads])
+    # re-measuring 1 thread costs 5 steps per refresh, ever rarer: after 64, 128, 256, then every 512
+    assert 0 < used[1000:].count(1) <= 5 * 4
+    assert used.count(1) <= 5 + 5 * (1 + 2 + 4 + 8 + 3000 // 512)
+    assert calls[0] == 2 and calls[-1] == 2 and tuner.threads == 2  # starts with all cores
+    assert tuner.figures()[1] == {1: QUIET[1], 2: QUIET[2]}
+
+
+def test_follows_a_change_of_load():
+    tuner = ThreadTuner((1, 2), refresh_steps=64, max_refresh_steps=512, set_threads=lambda n: None)
+    serve(tuner, 2000, lambda threads, rows, step: QUIET[threads])
+    assert tuner.threads == 2
+    # A neighbour arrives: two threads slow down, the running figure shows it within a few steps.
+    used = serve(tuner, 2000, lambda threads, rows, step: BUSY[threads], start=2000)
+    switched = used.index(1)
+    assert switched <= 10
+    assert used[switched:].count(2) <= 5 * (1 + 2 + 4 + 8 + 2000 // 512)
+    # It leaves: two threads are only re-measured, so it is noticed within the longest interval.
+    used = serve(tuner, 2000, lambda threads, rows, step: QUIET[threads], start=4000)
+    assert used.index(2) <= 512 + 1
+    assert used[512 + 10:].count(2) >= 0.97 * len(used[512 + 10:])
+
+
+def test_the_first_step_after_a_switch_is_not_counted():
+    """Resizing the OpenMP pool makes one step slow; counted, it would make the faster count look slow."""
+    last = {"threads": None}
+
+    def cost(threads, rows, step):
+        first = last["threads"] != threads
+        last["threads"] = threads
+        return QUIET[threads] * (100 if first else 1)
+
+    tuner = ThreadTuner((1, 2), refresh_steps=64, set_threads=lambda n: None)
+    used = serve(tuner, 600, cost)
+    assert used[100:].count(2) >= 0.9 * 500  # 5 of every ~69 steps re-measure one thread
+    assert tuner.figures()[1] == {1: QUIET[1], 2: QUIET[2]}
+
+
+def test_each_batch_bucket_keeps_its_own_choice():
+    """One thread wins at batch 1, two at batch 16 (a compute-bound step): each bucket gets its own."""
+    costs = {1: {1: 0.010, 2: 0.012}, 16: {1: 0.060, 2: 0.040}}
+    tuner = ThreadTuner((1, 2), refresh_steps=256, set_threads=lambda n: None)
+    used = serve(tuner, 2000, lambda threads, rows, step: costs[rows][threads],
+                 batch=lambda step: 1 if (step // 7) % 2 else 16)
+    by_batch = {1: [], 16: []}
+    for step, threads in enumerate(used[200:], start=200):
+        by_batch[1 if (step // 7) % 2 else 16].append(threads)
+    assert by_batch[1].count(1) >= 0.95 * len(by_batch[1])
+    assert by_batch[16].count(2) >= 0.95 * len(by_batch[16])
+
+
+def test_a_single_candidate_never_switches():
+    calls = []
+    tuner = ThreadTuner((1,), set_threads=calls.append)
+    assert set(serve(tuner, 50, lambda threads, rows, step: 0.01)) == {1}
+    assert calls == [1] and tuner.num_switches == 0
+
+
+def test_a_far_slower_count_costs_one_measured_step_per_probe():
+    costs = {1: 0.016, 2: 0.070}  # two threads beside a busy neighbour: 4x slower
+    tuner = ThreadTuner((1, 2), first_probe_after=8, refresh_steps=64, max_refresh_steps=1024,
+                        set_threads=lambda n: None)
+    used = serve(tuner, 2000, lambda threads, rows, step: costs[threads])
+    assert used[:8] == [2] * 8 and used[8] == 1  # all cores first, until the first measure of one thread
+    used = used[8:]
+    probes = sum(1 for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1)
+    assert used.count(2) == 2 * probes  # the discarded step after the switch, and one measured step
+    assert probes <= 1 + 6  # first probe after 8 steps, then intervals 128, 256, 512, 1024, 1024
+
+
+def test_a_new_batch_size_starts_from_its_neighbours_verdict():
+    """Batch 1 found two threads far slower; batches 2, 4, 8, 16 (a ramp as requests join) run one
+    thread from their first step instead of each re-trying two."""
+    costs = {1: 0.016, 2: 0.070}
+    tuner = ThreadTuner((1, 2), first_probe_after=8, refresh_steps=256, set_threads=lambda n: None)
+    serve(tuner, 100, lambda threads, rows, step: costs[threads])
+    ramp = serve(tuner, 5 * 20, lambda threads, rows, step: costs[threads] * rows,
+                 batch=lambda step: (2, 4, 8, 16, 16)[(step - 100) // 20], start=100)
+    assert ramp == [1] * 100
+
+
+def test_compute_thread_runs_everything_on_one_other_thread_in_order():
+    compute = ComputeThread("test-compute")
+    seen = []
+    first = compute.call(threading.get_ident)
+    futures = [compute.post(lambda i=i: seen.append((i, threading.get_ident()))) for i in range(5)]
+    assert compute.call(lambda: compute.call(threading.get_ident)) == first  # a nested call runs inline
+    for future in futures:
+        assert future.result(timeout=5) is None
+    assert first != threading.get_ident()
+    assert seen == [(i, first) for i in range(5)]
+    compute.close(timeout=5)
+    assert not compute._thread.is_alive()
+
+
+def test_compute_thread_hands_exceptions_to_the_caller_and_keeps_serving():
+    compute = ComputeThread("test-compute")
+
+    def fail():
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        compute.call(fail)
+    assert compute.call(lambda: 6 * 7) == 42
+    compute.close(timeout=5)
+
+
+def test_engine_loads_and_decodes_on_its_loop_thread(monkeypatch, tiny_model_path):
+    """One OpenMP team: the model is loaded (assemble) on the thread that later runs the loop."""
+    import session.engine.loop as engine_module
+    from session.config import EngineConfig
+    from session.engine.loop import Engine, GenerationRequest
+    from session.engine.events import EventStream, Finished
+    from session.serving.protocol import SamplingParams
+
+    threads = {}
+    assemble = engine_module.assemble
+
+    def recording_assemble(*args):
+        threads["load"] = threading.get_ident()
+        return assemble(*args)
+
+    monkeypatch.setattr(engine_module, "assemble", recording_assemble)
+    engine = Engine(EngineConfig(model_path=str(tiny_model_path), max_device_adapters=0)).start()
+    try:
+        decode = engine.runner.decode
+
+        def recording_decode(*args, **kwargs):
+            threads["decode"] = threading.get_ident()
+            return decode(*args, **kwargs)
+
+        engine.runner.decode = recording_decode
+        stream = EventStream()
+        engine.submit(GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=3), stream=stream,
+                                        token_ids=[1, 5, 6, 7]))
+        while not isinstance(event := stream.get(timeout=60), Finished):
+            assert not hasattr(event, "error"), event
+        assert len(event.token_ids) == 3
+    finally:
+        engine.stop()
+    assert threads["decode"] == threads["load"] != threading.get_ident()
+
+
+def test_images_are_preprocessed_without_an_openmp_team_of_the_callers(monkeypatch, tiny_model_path):
+    """A parallel operator on a thread that stays (the handler's executor threads) would give it an
+    OpenMP team beside the engine's, slowing every later decode step: the engine runs preprocessing on
+    the caller's thread alone, and gives the thread its own count back."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    import session.engine.loop as engine_module
+    from session.config import EngineConfig
+    from session.engine.loop import Engine
+
+    seen = {}
+
+    def parallel_preprocess(vision, images):  # as a processor that runs torch's parallel operators would
+        seen["threads"] = torch.get_num_threads()
+        seen["sum"] = float(torch.ones(1 << 24).sum())
+        return "images"
+
+    monkeypatch.setattr(engine_module, "preprocess_images", parallel_preprocess)
+    engine = Engine(EngineConfig(model_path=str(tiny_model_path), max_device_adapters=0)).start()
+    pool = ThreadPoolExecutor(1)
+    try:
+        pool.submit(torch.set_num_threads, 2).result()  # the caller's own count, before any operator
+        before = len(os.listdir("/proc/self/task"))
+        assert pool.submit(engine.preprocess_images, ["an image"]).result() == "images"
+        assert seen == {"threads": 1, "sum": float(1 << 24)}
+        assert len(os.listdir("/proc/self/task")) == before  # no team's worker started
+        assert pool.submit(torch.get_num_threads).result() == 2
+    finally:
+        pool.shutdown()
+        engine.stop()
