@@ -52,10 +52,14 @@ bench-all: bench
 device-check:
 	VENV=$(VENV) scripts/device_check.sh
 
-# The images cannot be built here (no Docker engine): lint them and the entrypoint instead.
+# ruff (pyproject.toml's rule set), the layers of session/ as import contracts (pyproject.toml,
+# [tool.importlinter]), and, since the images cannot be built here (no Docker engine), the
+# Dockerfiles and the shell entrypoints.
 lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint docker/Dockerfile.cuda docker/Dockerfile.neuron
-	$(VENV)/bin/shellcheck docker/serve
+	$(VENV)/bin/shellcheck docker/serve scripts/device_check.sh
 
 clean:
 	rm -rf build models benchmarks/results

@@ -27,9 +27,9 @@ MIX = ["tone", "domain", "customer", "terse"]
 
 def run_batch(engine, adapters: list[str | None], new_tokens: int, concurrency: int, prompts) -> dict:
     """Send one request per entry of ``adapters`` (None: base), ``concurrency`` at a time."""
-    from session.engine.loop import GenerationRequest
     from session.engine.events import EventStream, Failed, Finished
-    from session.serving.protocol import SamplingParams
+    from session.engine.loop import GenerationRequest
+    from session.types import SamplingParams
 
     latencies: list[float] = []
     gate = threading.Semaphore(concurrency)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _question(i: int):
-    from session.serving.protocol import Message, TextPart
+    from session.types import Message, TextPart
 
     return (Message("user", (TextPart(f"Question {i}: explain what a context manager does in Python."),)),)
 

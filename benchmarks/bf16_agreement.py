@@ -31,9 +31,9 @@ def agreement(model_path: str, dtype: str, num_prompts: int, new_tokens: int, kv
     from transformers import AutoModelForCausalLM
 
     from session.config import EngineConfig
-    from session.engine.loop import Engine, GenerationRequest
     from session.engine.events import EventStream, Finished
-    from session.serving.protocol import SamplingParams
+    from session.engine.loop import Engine, GenerationRequest
+    from session.types import SamplingParams
 
     engine = Engine(EngineConfig(model_path=model_path, dtype=dtype, kv_dtype=kv_dtype, speculative="off",
                                  max_device_adapters=0, max_new_tokens=new_tokens)).start()

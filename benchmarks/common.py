@@ -12,8 +12,8 @@ import json
 import math
 import random
 import socket
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from launch.torchserve import REPO, ensure_demo_models, start_torchserve
 

@@ -43,8 +43,8 @@ TEXT_BENCH_MODEL = REPO / "models" / "text-bench"  # llava-bench's language mode
 def prompts(engine, count: int):
     """(token ids with one image's placeholders, its Images) per session; distinct images. A text-only
     model gets a ~500-token document per session instead, all cut to one length (generate batches them)."""
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     from session.families.vision import NO_IMAGES
 
@@ -66,7 +66,7 @@ def prompts(engine, count: int):
 
 
 def _user_with_image(text: str, image: bool = True):
-    from session.serving.protocol import ImagePart, Message, TextPart
+    from session.types import ImagePart, Message, TextPart
 
     return (Message("user", ((ImagePart("data:,"),) if image else ()) + (TextPart(text),)),)
 
@@ -76,9 +76,9 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
     follow-ups are submitted at once and timed. A reader thread per request stamps its events."""
     import threading
 
-    from session.engine.loop import CloseRequest, GenerationRequest
     from session.engine.events import EventStream, Failed, Finished, Started
-    from session.serving.protocol import Message, SamplingParams, TextPart
+    from session.engine.loop import CloseRequest, GenerationRequest
+    from session.types import Message, SamplingParams, TextPart
 
     def wait(request):
         while not isinstance(event := request.stream.get(timeout=600), (Finished, Failed)):
@@ -307,10 +307,10 @@ def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
     from benchmarks.common import image_data_url
     from benchmarks.first_vs_followup import FIRST_QUESTION, FOLLOWUP_QUESTIONS, WARMUP_SEED, opening_message
     from benchmarks.vllm_peer import FOLLOWUP_SEED_BASE
-    from session.engine.loop import CloseRequest, GenerationRequest
     from session.engine.events import EventStream, Failed, Finished
+    from session.engine.loop import CloseRequest, GenerationRequest
     from session.families.image_decode import decode_data_url
-    from session.serving.protocol import ImagePart, Message, SamplingParams, TextPart
+    from session.types import ImagePart, Message, SamplingParams, TextPart
 
     def turn(sid, messages, images, opens) -> tuple[float, Finished]:
         start = time.perf_counter()  # image decoding and preprocessing count, as in vLLM's turn

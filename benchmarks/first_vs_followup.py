@@ -35,7 +35,15 @@ import requests
 from tqdm import tqdm
 
 from benchmarks.common import (
-    BENCH_MODEL, bar_chart, format_table, image_data_url, mean, median, percentile, server_url, write_json,
+    BENCH_MODEL,
+    bar_chart,
+    format_table,
+    image_data_url,
+    mean,
+    median,
+    percentile,
+    server_url,
+    write_json,
 )
 
 SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"

@@ -44,7 +44,7 @@ class MethodStats:
     num_accepted: int = 0
     num_identical: int = 0  # prompts whose output equals plain's
 
-    def row(self, plain: "MethodStats") -> dict:
+    def row(self, plain: MethodStats) -> dict:
         decode = sum(self.decode_s)
         return {
             "method": self.name,

@@ -36,9 +36,9 @@ from benchmarks.common import format_table, median, write_json
 from model_store import train_deep_pair
 from model_store.train_pair import PAIR_DIR, eval_prompts
 from session.config import EngineConfig
-from session.engine.loop import Engine, GenerationRequest
 from session.engine.events import EventStream, Failed, Finished
-from session.serving.protocol import SamplingParams
+from session.engine.loop import Engine, GenerationRequest
+from session.types import SamplingParams
 
 HF_METHODS = ("hf generate", "hf assisted")
 

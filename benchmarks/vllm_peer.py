@@ -36,9 +36,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks.*` importable f
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import format_table, median, percentile, write_json  # noqa: E402
-from benchmarks.first_vs_followup import (  # noqa: E402
-    FOLLOWUP_QUESTIONS, WARMUP_SEED, has_vision, opening_message, user_message,
-)
+from benchmarks.first_vs_followup import FOLLOWUP_QUESTIONS, WARMUP_SEED, has_vision, opening_message, user_message  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FOLLOWUP_SEED_BASE = 1_000  # turn-1 images of the follow-up test; distinct from the decode batches' seeds

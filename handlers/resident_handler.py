@@ -18,10 +18,10 @@ import time
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.metrics.metric_type_enum import MetricTypes
 
-from session.serving.api import ApiResponse, ChatService, error_response
 from session.config import EngineConfig
-from session.serving.protocol import form_body_error, header
 from session.engine.loop import Engine
+from session.serving.api import ApiResponse, ChatService, error_response
+from session.serving.protocol import form_body_error, header
 
 logger = logging.getLogger(__name__)
 

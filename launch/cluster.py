@@ -43,10 +43,10 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 from launch.torchserve import DEFAULT_MODEL, MODEL_NAME, REPO, TorchServe, ensure_demo_models, start_torchserve
 from launch.watchdog import watch

@@ -36,7 +36,7 @@ class Watchdog:
         self._restarting = threading.Lock()  # held while the server is replaced: stop() waits for it
         self._thread = threading.Thread(target=self._run, name="resident-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread.start()
         return self
 

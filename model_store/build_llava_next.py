@@ -70,8 +70,7 @@ def checkpoint_name(variant: str) -> str:
 
 def build_tokenizer(spec: NextSpec):
     """The LM's tokenizer with ``<image>`` as a special token (``tokenizer.image_token``) and the chat template."""
-    from model_store.build_models import CHAT_TEMPLATE
-    from model_store.build_models import build_tokenizer as bpe_tokenizer
+    from model_store.build_models import CHAT_TEMPLATE, build_tokenizer as bpe_tokenizer
     from model_store.build_text_models import mistral_tokenizer
 
     if spec.language_model == "llama":

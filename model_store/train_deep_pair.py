@@ -36,8 +36,19 @@ import torch
 import torch.nn.functional as F
 
 from model_store.build_models import build_tokenizer
-from model_store.train_pair import (EVAL_FILES, TRAIN_FILES, VOCAB_SIZE, LlamaSpec, TrainSpec, corpus_ids, fit,
-                                    heldout_loss, make_model, save, windows)
+from model_store.train_pair import (
+    EVAL_FILES,
+    TRAIN_FILES,
+    VOCAB_SIZE,
+    LlamaSpec,
+    TrainSpec,
+    corpus_ids,
+    fit,
+    heldout_loss,
+    make_model,
+    save,
+    windows,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 DEEP_PAIR_DIR = Path(__file__).resolve().parent / "deep_pair"

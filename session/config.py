@@ -11,9 +11,10 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from session.errors import ConfigError
 
@@ -73,7 +74,7 @@ class EngineConfig:
     def from_sources(
         cls, yaml_section: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
         base_dir: str | None = None,
-    ) -> "EngineConfig":
+    ) -> EngineConfig:
         """Called once at start-up by the handler (and by tests) to build the config."""
         known = {f.name: f for f in fields(cls)}
         values: dict[str, Any] = {}

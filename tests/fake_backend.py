@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from session.serving.protocol import (
-    ADMIN_TOKEN_HEADER, CANCEL_HEADER, CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, SESSION_HEADER,
+    ADMIN_TOKEN_HEADER,
+    CANCEL_HEADER,
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION_HEADER,
+    REQUEST_ID_HEADER,
+    SESSION_HEADER,
 )
 
 TOKEN = "secret-admin-token"

@@ -8,11 +8,10 @@ import hashlib
 import pytest
 
 from session.config import EngineConfig
-from session.engine.loop import Engine, GenerationRequest
 from session.engine.events import EventStream, Finished, Started
-from session.serving.protocol import ImagePart, Message, SamplingParams, TextPart
+from session.engine.loop import Engine, GenerationRequest
+from session.types import ImagePart, Message, SamplingParams, TextPart
 from tests.conftest import png_bytes
-
 
 MAX_TOKENS = 10  # new tokens per answer in these tests
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 
+from session.engine.requests import AdapterRequest, SessionAdminRequest
 from session.errors import AdapterNotFound, BadRequest, ResidentError
 from session.state.journal import Journal
-from session.engine.requests import AdapterRequest, SessionAdminRequest
 from session.state.sessions import Sessions
 
 logger = logging.getLogger(__name__)

@@ -9,15 +9,20 @@ admitted in arrival order, one in flight at a time.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from session.engine import admin
-from session.errors import AdapterMismatch, BadRequest, ResidentError, SessionNotFound
 from session.engine.events import AdminResult, Cancelled, Closed, Failed
-from session.serving.protocol import new_session_id
 from session.engine.requests import (
-    AdapterRequest, CancelRequest, CloseRequest, GenerationRequest, Sequence, SessionAdminRequest,
+    AdapterRequest,
+    CancelRequest,
+    CloseRequest,
+    GenerationRequest,
+    Sequence,
+    SessionAdminRequest,
 )
+from session.errors import AdapterMismatch, BadRequest, ResidentError, SessionNotFound
+from session.types import new_session_id
 
 logger = logging.getLogger(__name__)
 

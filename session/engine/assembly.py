@@ -12,20 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
-from session.engine import admin
 from session.config import EngineConfig
-from session.state.embeddings import EmbeddingCache
-from session.errors import BadRequest, ConfigError
+from session.engine import admin
 from session.engine.executor import Executor
-from session.state.journal import Journal
-from session.state.memory import MemoryManager
-from session.model.runner import ModelRunner
 from session.engine.outputs import OutputProcessor
 from session.engine.prompt import ChatFormatter
 from session.engine.scheduler import Scheduler
+from session.errors import BadRequest, ConfigError
+from session.families.vision import NO_IMAGES, ImagePreprocessor, Images
+from session.model.runner import ModelRunner
+from session.state.embeddings import EmbeddingCache
+from session.state.journal import Journal
+from session.state.memory import MemoryManager
 from session.state.sessions import Sessions
 from session.state.store import SessionStore
-from session.families.vision import NO_IMAGES, ImagePreprocessor, Images
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import asyncio
 import queue
 from dataclasses import dataclass
 
-from session.serving.protocol import Usage
+from session.types import Usage
 
 
 @dataclass(frozen=True)

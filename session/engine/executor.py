@@ -14,11 +14,11 @@ import time
 import torch
 
 from session.engine.admin import registry_or_404
+from session.engine.requests import Sequence
 from session.errors import BadRequest, ContextLengthExceeded
 from session.model.sampling import make_generator, sample_rows
-from session.engine.requests import Sequence
-from session.state.sessions import Sessions
 from session.speculative.decoder import SpecRow, SpeculationController, StepCosts, batch_should_speculate
+from session.state.sessions import Sessions
 
 
 class Executor:
@@ -49,11 +49,11 @@ class Executor:
         digests = list(request.image_digests) or request.images.digests()
         if session.adapter is not None:  # resident for as long as the request runs
             seq.adapter_slot = registry_or_404(self.adapters, session.adapter).acquire(session.adapter)
-        embeds, positions = self.sessions.prepare_turn(seq, new_ids, digests,
+        embeds, positions = self.sessions.prepare_turn(seq.turn, new_ids, digests,
                                                        seq.prompt_tokens + request.sampling.max_tokens)
         mrope = {} if positions is None else {"positions": positions}  # only M-RoPE models take positions
         logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot, **mrope)
-        self.sessions.commit_turn(seq, new_ids)
+        self.sessions.commit_turn(seq.turn, new_ids)
         self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
         self.num_cached_tokens += seq.cached_tokens
         if self.speculator is not None and request.speculative:

@@ -21,22 +21,27 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
+from session.config import EngineConfig
 from session.engine.admission import Admission
 from session.engine.assembly import assemble, preprocess_images
-from session.config import EngineConfig
-from session.errors import CapacityExceeded, ResidentError, ServiceStopping
 from session.engine.events import Cancelled, EventStream, Failed, Finished, Started
-from session.model.runner import ModelRunner
-from session.serving.protocol import SamplingParams, new_session_id
-from session.engine.scheduler import StepPlan
 from session.engine.requests import (  # noqa: F401  (re-exported: callers build requests from here)
-    AdapterRequest, CancelRequest, CloseRequest, GenerationRequest, Sequence, SessionAdminRequest,
+    AdapterRequest,
+    CancelRequest,
+    CloseRequest,
+    GenerationRequest,
+    Sequence,
+    SessionAdminRequest,
 )
+from session.engine.scheduler import StepPlan
 from session.engine.stats import EngineStats, snapshot
-from session.model.threads import ComputeThread, one_thread_here
+from session.errors import CapacityExceeded, ResidentError, ServiceStopping
 from session.families.vision import NO_IMAGES, Images
+from session.model.runner import ModelRunner
+from session.model.threads import ComputeThread, one_thread_here
+from session.types import SamplingParams, new_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +80,7 @@ class Engine:
 
     # ------------------------------------------------------------------ caller side (any thread)
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         self._compute.post(self._loop)
         return self
 
@@ -241,7 +246,7 @@ class Engine:
         seq.done = True
         session = seq.session
         if not isinstance(event, Finished):
-            self.sessions.rollback_turn(seq)
+            self.sessions.rollback_turn(seq.turn)
             self.num_cancelled += isinstance(event, Cancelled)
             self.num_failed += isinstance(event, Failed)
             self.num_overloaded += isinstance(event, Failed) and isinstance(event.error, CapacityExceeded)

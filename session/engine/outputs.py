@@ -9,11 +9,11 @@ character, is held back until it is known not to be.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from session.engine.events import Finished, TextDelta
-from session.serving.protocol import Usage
 from session.engine.requests import Sequence
+from session.types import Usage
 
 
 def text_of(tokenizer) -> Callable[[list[int]], str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from session.errors import BadRequest
-from session.serving.protocol import ImagePart, Message
+from session.types import ImagePart, Message
 
 _USER_PROBE = "\u2063probe-user\u2063"
 _ASSISTANT_PROBE = "\u2063probe-assistant\u2063"

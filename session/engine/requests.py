@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from session.engine.events import EventStream
-from session.serving.protocol import Message, SamplingParams
 from session.families.vision import NO_IMAGES, Images
+from session.state.session import SessionState, Turn
+from session.types import Message, SamplingParams
 
 if TYPE_CHECKING:
     from session.engine.outputs import Detokenizer
-    from session.state.session import SessionState
 
 
 @dataclass
@@ -85,36 +85,24 @@ class SessionAdminRequest:
     request_id: str = ""
 
 
-@dataclass
-class TurnMark:
-    """The session as it was before a turn began: what a rollback restores."""
-
-    num_tokens: int
-    num_images: int
-    num_turns: int
-    ended_with_eos: bool
-    rope_delta: int
-
-
 @dataclass(eq=False)
 class Sequence:
     """A generation request from admission until its one final event."""
 
     request: GenerationRequest
-    session: "SessionState"
+    session: SessionState
     generator: torch.Generator | None = None
     prompt_tokens: int = 0
-    cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
-    detokenizer: "Detokenizer | None" = None
+    detokenizer: Detokenizer | None = None
     num_text_sent: int = 0  # characters of the answer already streamed
     adapter_slot: int = 0  # LoRA bank slot while running (0: base model)
     controller: object | None = None  # SpeculationController while speculative decoding is allowed
-    mark: TurnMark | None = None  # set when the turn's prefill committed; None while waiting
-    images_acquired: tuple[str, ...] = ()  # embedding references this turn holds
-    next_rope_delta: int = 0  # M-RoPE: the session's rope delta once this turn's prefill commits
-    cancel_requested: bool = False
     done: bool = False  # its final event was sent
+    turn: Turn = field(init=False)  # its hold on the session (written by Sessions)
+
+    def __post_init__(self) -> None:
+        self.turn = Turn(session=self.session, images=self.request.images)
 
     @property
     def request_id(self) -> str:
@@ -126,4 +114,8 @@ class Sequence:
 
     @property
     def prefilled(self) -> bool:
-        return self.mark is not None
+        return self.turn.mark is not None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.turn.cached_tokens

@@ -20,8 +20,9 @@ request is prefilled per step, so decoding never stalls behind a burst of new pr
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from session.engine.requests import Sequence
 

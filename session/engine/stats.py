@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from session.state.memory import Tier
+from session.state.session import Tier
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class AnyresGeometry:
         return self.tile_size // self.patch_size
 
     @classmethod
-    def from_hf_config(cls, hf_config) -> "AnyresGeometry":
+    def from_hf_config(cls, hf_config) -> AnyresGeometry:
         """From a LlavaNextConfig (config.json); the engine has this before any processor is loaded.
         num_additional_image_tokens stays 1: the CLS of the CLIP tower, the only tower session/families/support.py
         admits (config.json does not record it; processor_config.json does)."""
@@ -57,7 +57,7 @@ class AnyresGeometry:
                    select_strategy=hf_config.vision_feature_select_strategy)
 
     @classmethod
-    def from_processor(cls, processor) -> "AnyresGeometry":
+    def from_processor(cls, processor) -> AnyresGeometry:
         """From a LlavaNextProcessor: the values its own token expansion reads (it takes the tile size from
         the processed ``pixel_values``, i.e. the crop size)."""
         image_processor = processor.image_processor

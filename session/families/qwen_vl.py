@@ -32,7 +32,7 @@ class QwenVLGeometry:
     max_pixels: int
 
     @classmethod
-    def from_image_processor(cls, image_processor) -> "QwenVLGeometry":
+    def from_image_processor(cls, image_processor) -> QwenVLGeometry:
         size = image_processor.size  # {"shortest_edge": min_pixels, "longest_edge": max_pixels}
         return cls(image_processor.patch_size, image_processor.merge_size, size["shortest_edge"],
                    size["longest_edge"])

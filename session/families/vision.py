@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from session.families.anyres import AnyresGeometry, image_layout, max_num_image_tokens
 from session.errors import InvalidImage
+from session.families.anyres import AnyresGeometry, image_layout, max_num_image_tokens
 from session.families.qwen_vl import QwenVLGeometry, image_token_count
 
 
@@ -45,13 +45,13 @@ class Images:
     def __len__(self) -> int:
         return len(self.pixels)
 
-    def select(self, index: int) -> "Images":
+    def select(self, index: int) -> Images:
         """The one image at ``index``."""
         return Images((self.pixels[index],), (self.sizes[index],), (self.num_tokens[index],),
                       self.grids[index:index + 1])
 
     @staticmethod
-    def join(parts) -> "Images":
+    def join(parts) -> Images:
         """Several ``Images`` as one, in order."""
         parts = list(parts)
         return Images(*(tuple(x for p in parts for x in getattr(p, name)) for name in
@@ -90,7 +90,7 @@ class ImagePreprocessor:
             self.max_tokens_per_image = fixed_tokens or max_num_image_tokens(geometry)
 
     @classmethod
-    def for_runner(cls, runner, image_processor) -> "ImagePreprocessor":
+    def for_runner(cls, runner, image_processor) -> ImagePreprocessor:
         if runner.mrope:
             return cls(image_processor, qwen_geometry=QwenVLGeometry.from_image_processor(image_processor))
         if runner.info.num_image_tokens:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from session.errors import BackendError, ResidentError, SessionNotFound
-from session.serving.protocol import ADMIN_TOKEN_HEADER, CANCEL_HEADER
 from session.front.router import Backend
+from session.serving.protocol import ADMIN_TOKEN_HEADER, CANCEL_HEADER
 
 logger = logging.getLogger(__name__)
 

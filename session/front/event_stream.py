@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from typing import Mapping
+from collections.abc import Mapping
 
 CONTENT_TYPE = "application/vnd.amazon.eventstream"
 PAYLOAD_CONTENT_TYPE = "application/octet-stream"  # PayloadPart.Bytes is a blob payload

@@ -22,8 +22,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from session.front.backend_client import AdminError, BackendAdmin
 from session.errors import BackendError, BackendUnavailable, SessionNotFound
+from session.front.backend_client import AdminError, BackendAdmin
 from session.front.router import Backend, Router
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class Migrator:
             await self.admin.import_session(source, exported)
         except (AdminError, BackendError) as exc:
             logger.error("session %s is lost: no backend took it back (%s)", exported["session_id"], exc.message)
-            raise AdminError(exc.status, {"type": exc.type, "message": f"lost: no backend took it ({exc.message})"})
+            raise AdminError(exc.status, {"type": exc.type, "message": f"lost: no backend took it ({exc.message})"}) from exc
         logger.warning("no other backend took session %s; it stays on backend %d", exported["session_id"],
                        source.index)
         return source

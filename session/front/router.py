@@ -32,9 +32,9 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable, Iterable, Mapping
 
 from session.errors import BackendUnavailable, SessionBackendUnavailable, SessionNotFound
 from session.serving.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, header

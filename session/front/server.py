@@ -52,27 +52,42 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from multidict import CIMultiDict
 
-from session.front.backend_client import BackendAdmin
 from session.errors import (
-    BackendError, BackendTimeout, BadRequest, ConfigError, PayloadTooLarge, ResidentError, SessionBackendUnavailable,
+    BackendError,
+    BackendTimeout,
+    BadRequest,
+    ConfigError,
+    PayloadTooLarge,
+    ResidentError,
+    SessionBackendUnavailable,
     SessionNotFound,
 )
+from session.front.backend_client import BackendAdmin
 from session.front.event_stream import CONTENT_TYPE as EVENT_STREAM, model_stream_error, payload_part
 from session.front.locator import SessionLocator
 from session.front.migration import Migrator
-from session.serving.protocol import (
-    ADMIN_TOKEN_HEADER, NEW_SESSION, NEW_SESSION_HEADER, REQUEST_ID_HEADER, REQUEST_ID_RE, SESSION_HEADER, header,
-    load_json_object, sse, validate_session_id,
-)
 from session.front.router import Backend, Router
+from session.serving.protocol import (
+    ADMIN_TOKEN_HEADER,
+    NEW_SESSION,
+    NEW_SESSION_HEADER,
+    REQUEST_ID_HEADER,
+    REQUEST_ID_RE,
+    SESSION_HEADER,
+    header,
+    load_json_object,
+    sse,
+)
+from session.types import validate_session_id
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("resident.front.access")
@@ -115,7 +130,7 @@ class FrontConfig:
     cancel_timeout_s: float = 2.0  # a cancel sent to a backend (best effort)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "FrontConfig":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> FrontConfig:
         """Called once at start-up by the launcher (and by tests): environment, then overrides."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}

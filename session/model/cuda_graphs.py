@@ -59,7 +59,7 @@ def graph_key(kvs: list[PagedKVCache], batch_buckets: tuple[int, ...]) -> tuple[
 
 @dataclass
 class Captured:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     plan: torch.Tensor  # [rows, 3 + blocks] int64: token id, then plan_rows' row (T = 1)
     logits: torch.Tensor  # [rows, V]: written by each replay
 

@@ -81,7 +81,7 @@ class BlockPool:
     def block_nbytes(self) -> int:
         return self.block_tokens * self.token_nbytes
 
-    def new_cache(self, max_tokens: int) -> "PagedKVCache":
+    def new_cache(self, max_tokens: int) -> PagedKVCache:
         return PagedKVCache(self, max_tokens=max_tokens)
 
     def allocate(self, num_blocks: int) -> list[int]:

@@ -12,23 +12,21 @@ Who calls this: the engine loop thread only. Nothing here is thread-safe.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from session.model.cpu import attention as cpu_attention
-from session.model.cpu import linear as cpu_linear
-from session.model.cpu import fused_layer
-from session.model.attention import PagedAttention, PagedBatch, choose_backend, columns, plan_rows, to_batch
 from session.config import EngineConfig
 from session.errors import ConfigError
-from session.model.cpu.kernels import cpu_flags
-from session.model.kv_cache import PAD_BLOCK, BlockPool, KVCache, PagedKVCache, StaticKVCache
-from session.model.cpu.packed_linear import can_pack, pack_linears
 from session.families.support import check_supported
+from session.model.attention import PagedAttention, PagedBatch, choose_backend, columns, plan_rows, to_batch
+from session.model.cpu import attention as cpu_attention, fused_layer, linear as cpu_linear
+from session.model.cpu.kernels import cpu_flags
+from session.model.cpu.packed_linear import can_pack, pack_linears
+from session.model.kv_cache import PAD_BLOCK, BlockPool, KVCache, PagedKVCache, StaticKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +208,7 @@ class ModelRunner:
             self.lora.set_rows(slots)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "ModelRunner":
+    def from_config(cls, config: EngineConfig) -> ModelRunner:
         # compiled graphs (RESIDENT_COMPILE) trace dense weights: dynamo does not take oneDNN's opaque tensors
         return cls(config.model_path, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
                    pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels)

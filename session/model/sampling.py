@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from session.serving.protocol import SamplingParams
+from session.types import SamplingParams
 
 
 def make_generator(params: SamplingParams, default_seed: int, device: torch.device) -> torch.Generator | None:

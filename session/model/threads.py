@@ -30,10 +30,10 @@ import os
 import queue
 import statistics
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 

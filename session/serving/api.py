@@ -12,20 +12,40 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Mapping
 
+from session.engine.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.engine.loop import (
-    AdapterRequest, CancelRequest, CloseRequest, Engine, GenerationRequest, SessionAdminRequest,
+    AdapterRequest,
+    CancelRequest,
+    CloseRequest,
+    Engine,
+    GenerationRequest,
+    SessionAdminRequest,
 )
 from session.errors import BadRequest, RequestCancelled, ResidentError
-from session.engine.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.families.image_decode import decode_data_url
 from session.serving.protocol import (
-    ADMIN_TOKEN_HEADER, CANCEL_HEADER, CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, REQUEST_ID_RE,
-    SESSION_HEADER, WORKER_HEADER, ChatRequest, CompletionIds, ImagePart, chunk_body, completion_body, header,
-    load_json_object, new_session_header_value, parse_request, sse,
+    ADMIN_TOKEN_HEADER,
+    CANCEL_HEADER,
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION_HEADER,
+    REQUEST_ID_HEADER,
+    REQUEST_ID_RE,
+    SESSION_HEADER,
+    WORKER_HEADER,
+    ChatRequest,
+    CompletionIds,
+    chunk_body,
+    completion_body,
+    header,
+    load_json_object,
+    new_session_header_value,
+    parse_request,
+    sse,
 )
+from session.types import ImagePart
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,13 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any
 
-from session.errors import BadRequest, InvalidSessionId
+from session.errors import BadRequest
+from session.types import SEED_RANGE, ImagePart, Message, SamplingParams, TextPart, Usage, validate_session_id
 
 SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
@@ -29,25 +31,6 @@ CANCEL_HEADER = "X-Resident-Cancel"  # a request carrying it cancels the request
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 NEW_SESSION = "NEW_SESSION"
 CLOSE = "CLOSE"
-
-SESSION_ID_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
-MAX_SESSION_ID_LEN = 256
-
-
-def new_session_id(tag: str = "") -> str:
-    """A uuid4, then ``-<tag>`` when given (the backend's routing tag): matches SageMaker's id pattern
-    (token_urlsafe would not: it has underscores) and stays unguessable."""
-    return f"{uuid.uuid4()}-{tag}" if tag else str(uuid.uuid4())
-
-
-def validate_session_id(session_id: str) -> str:
-    if len(session_id) > MAX_SESSION_ID_LEN or not SESSION_ID_RE.fullmatch(session_id):
-        raise InvalidSessionId(
-            f"invalid session id {session_id[:64]!r}: must match {SESSION_ID_RE.pattern} "
-            f"and be at most {MAX_SESSION_ID_LEN} characters"
-        )
-    return session_id
-
 
 def format_expiry(epoch_s: float) -> str:
     """UTC, whole seconds, trailing Z: 2026-11-30T09:19:49Z."""
@@ -68,45 +51,6 @@ def header(headers: Mapping[str, str], name: str) -> str | None:
 
 
 # ---------------------------------------------------------------- requests
-
-
-@dataclass(frozen=True)
-class ImagePart:
-    url: str  # a data: URL (data:image/png;base64,...)
-
-
-@dataclass(frozen=True)
-class TextPart:
-    text: str
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str  # system | user | assistant
-    parts: tuple[TextPart | ImagePart, ...]
-
-    def template_content(self) -> list[dict]:
-        """The content list a Hugging Face chat template expects (images as placeholders)."""
-        return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
-                for p in self.parts]
-
-
-MIN_SAMPLING_TEMPERATURE = 1e-4
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 0.0  # 0 -> greedy
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        # Below this the sampled distribution is the argmax anyway, and logits / T would overflow.
-        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -207,7 +151,7 @@ def form_body_error(content_type: str | None) -> BadRequest | None:
     cluster, the container) forwards every body as JSON, so this only happens talking to TorchServe
     directly.
     """
-    if not content_type or not content_type.split(";")[0].strip().lower() in FORM_CONTENT_TYPES:
+    if not content_type or content_type.split(";")[0].strip().lower() not in FORM_CONTENT_TYPES:
         return None
     return BadRequest(f"the body was sent as a form (Content-Type: {content_type.split(';')[0].strip()}; curl -d "
                       "does that), which TorchServe decodes into form fields, losing the JSON; send it with "
@@ -289,18 +233,6 @@ def _parse_content(content: Any, i: int) -> tuple[TextPart | ImagePart, ...]:
 
 
 # ---------------------------------------------------------------- responses
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens served from the session's KV instead of recomputed
-
-    def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 @dataclass

@@ -28,15 +28,16 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from session.errors import ConfigError
 from session.model.kv_cache import KVCache
-from session.serving.protocol import SamplingParams
 from session.model.sampling import warp_probs
+from session.types import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the pure functions need no model code
     from session.model.runner import ModelRunner

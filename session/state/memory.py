@@ -13,25 +13,18 @@ one place that decides what stays on the device.
 
 from __future__ import annotations
 
-import enum
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from session.errors import CapacityExceeded
-from session.state.session import SessionState
+from session.state.session import SessionState, Tier
 from session.state.store import SessionStore
 
 logger = logging.getLogger(__name__)
 
 
-class Tier(str, enum.Enum):
-    DEVICE = "device"
-    HOST = "host"
-    DROPPED = "dropped"
-
-
 class MemoryManager:
-    def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, store: "SessionStore"):
+    def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, store: SessionStore):
         self.device_budget_bytes = device_budget_bytes  # 0: unlimited
         self.host_budget_bytes = host_budget_bytes  # 0: no host tier (demotion drops)
         self.store = store

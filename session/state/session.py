@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from session.families.vision import Images
 from session.model.kv_cache import KVCache
 
-if TYPE_CHECKING:
-    from session.state.memory import Tier
+
+class Tier(str, enum.Enum):
+    """Where a session's KV is (session/state/memory.py moves it): best first."""
+
+    DEVICE = "device"  # on the accelerator, ready
+    HOST = "host"  # a compact copy in host memory; restored by one copy
+    DROPPED = "dropped"  # none; restored by recomputing the transcript
 
 
 @dataclass
@@ -19,7 +25,7 @@ class SessionState:
     kv: KVCache
     created_at: float
     expires_at: float
-    tier: "Tier"
+    tier: Tier
     ephemeral: bool = False  # a stateless request's session: freed when its request ends
     adapter: str | None = None  # the LoRA adapter it was opened with; its KV is never reused under another
     token_ids: list[int] = field(default_factory=list)  # the transcript; kv.length <= len(token_ids)
@@ -43,3 +49,29 @@ class SessionState:
         if self.host_kv is None:
             return 0
         return sum(t.numel() * t.element_size() for t in self.host_kv)
+
+
+@dataclass
+class TurnMark:
+    """The session as it was before a turn began: what a rollback restores."""
+
+    num_tokens: int
+    num_images: int
+    num_turns: int
+    ended_with_eos: bool
+    rope_delta: int
+
+
+@dataclass(eq=False)
+class Turn:
+    """One request's hold on its session, from admission until it commits or rolls back.
+
+    Written by ``Sessions`` only (prepare, commit, roll back); the engine's ``Sequence`` carries it.
+    """
+
+    session: SessionState
+    images: Images  # the turn's new images, in order
+    cached_tokens: int = 0  # transcript tokens already in the KV when its prefill began
+    mark: TurnMark | None = None  # set when the turn's prefill committed; None while waiting
+    images_acquired: tuple[str, ...] = ()  # embedding references this turn holds
+    next_rope_delta: int = 0  # M-RoPE: the session's rope delta once this turn's prefill commits

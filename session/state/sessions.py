@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from session.state.embeddings import EmbeddingCache
 from session.errors import BadRequest, SessionExists, SessionNotFound
-from session.state.journal import Journal, JournalEntry
-from session.state.memory import MemoryManager, Tier, kv_bytes
 from session.families.mrope import segment_positions
-from session.serving.protocol import validate_session_id
-from session.engine.requests import Sequence, TurnMark
-from session.state.session import SessionState
-from session.state.store import SessionStore
 from session.families.vision import Images
+from session.state.embeddings import EmbeddingCache
+from session.state.journal import Journal, JournalEntry
+from session.state.memory import MemoryManager, kv_bytes
+from session.state.session import SessionState, Tier, Turn, TurnMark
+from session.state.store import SessionStore
+from session.types import validate_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -80,17 +79,17 @@ class Sessions:
 
     # ------------------------------------------------------------------ a turn
 
-    def prepare_turn(self, seq: Sequence, new_ids: list[int], digests: list[str],
+    def prepare_turn(self, turn: Turn, new_ids: list[int], digests: list[str],
                      total_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Take the turn's image references, bring the session's KV to the device sized for
         ``total_tokens`` (restoring or recomputing it), and embed what it has not cached.
         Returns the embeddings to prefill [T, D] and, for an M-RoPE model, their positions [3, T]
-        (else None); sets ``seq.cached_tokens`` (and ``seq.next_rope_delta``). On an exception the
-        image references are given back (``seq.images_acquired`` empty) and the transcript is untouched."""
-        session = seq.session
+        (else None); sets ``turn.cached_tokens`` (and ``turn.next_rope_delta``). On an exception the
+        image references are given back (``turn.images_acquired`` empty) and the transcript is untouched."""
+        session = turn.session
         for digest in digests:
             self.embeddings.acquire(digest)
-        seq.images_acquired = tuple(digests)
+        turn.images_acquired = tuple(digests)
         try:
             kv = session.kv
             held = kv.nbytes if session.tier is Tier.DEVICE else 0
@@ -108,46 +107,46 @@ class Sessions:
             elif session.tier is Tier.DROPPED:
                 session.tier = Tier.DEVICE  # kv.length is 0: the whole transcript is recomputed below
                 self.memory.num_recomputed += 1
-            seq.cached_tokens = kv.length
+            turn.cached_tokens = kv.length
             # The transcript's unfed tail: normally the previous answer's last token; all of it after a drop.
             old_digests = session.image_digests if kv.length == 0 else []
-            images = self._image_embeddings(old_digests, digests, seq.request.images)
+            images = self._image_embeddings(old_digests, digests, turn.images)
             segment = session.token_ids[kv.length:] + new_ids
-            return self.runner.embed(segment, images), self._positions(seq, segment, old_digests + digests)
+            return self.runner.embed(segment, images), self._positions(turn, segment, old_digests + digests)
         except BaseException:
-            self.release_images(seq)
+            self.release_images(turn)
             raise
 
-    def _positions(self, seq: Sequence, segment: list[int], digests: list[str]) -> torch.Tensor | None:
+    def _positions(self, turn: Turn, segment: list[int], digests: list[str]) -> torch.Tensor | None:
         """M-RoPE positions of a prefill segment (None for other models): it starts at the session's
         next position (0 when its whole transcript is recomputed), its images laid out by their grids."""
         if not self.runner.mrope:
             return None
-        session, cached = seq.session, seq.session.kv.length
+        session, cached = turn.session, turn.session.kv.length
         start = cached + session.rope_delta if cached else 0
         grids = [self.embeddings.get(d).grid for d in digests]
         positions, next_position = segment_positions(segment, self.runner.info.image_token_id, grids,
                                                      self.runner.merge_size, start)
-        seq.next_rope_delta = next_position - (cached + len(segment))
+        turn.next_rope_delta = next_position - (cached + len(segment))
         return positions
 
-    def commit_turn(self, seq: Sequence, new_ids: list[int]) -> None:
+    def commit_turn(self, turn: Turn, new_ids: list[int]) -> None:
         """The turn's prefill ran: its prompt joins the transcript (until a rollback)."""
-        session = seq.session
-        seq.mark = TurnMark(num_tokens=len(session.token_ids), num_images=len(session.image_digests),
+        session = turn.session
+        turn.mark = TurnMark(num_tokens=len(session.token_ids), num_images=len(session.image_digests),
                             num_turns=session.num_turns, ended_with_eos=session.ended_with_eos,
                             rope_delta=session.rope_delta)
-        session.rope_delta = seq.next_rope_delta
+        session.rope_delta = turn.next_rope_delta
         session.token_ids.extend(new_ids)
-        session.image_digests.extend(seq.images_acquired)
+        session.image_digests.extend(turn.images_acquired)
         session.num_turns += 1
-        seq.images_acquired = ()  # now the session's references
+        turn.images_acquired = ()  # now the session's references
         self.memory.note_usage()
 
-    def rollback_turn(self, seq: Sequence) -> None:
+    def rollback_turn(self, turn: Turn) -> None:
         """Undo a committed turn (cancelled or failed): transcript, images and KV as before it."""
-        session, mark = seq.session, seq.mark
-        self.release_images(seq)
+        session, mark = turn.session, turn.mark
+        self.release_images(turn)
         if mark is None:  # not committed; the KV may have run ahead of the transcript
             self._crop_to_transcript(session)
             return
@@ -158,7 +157,7 @@ class Sessions:
         session.num_turns, session.ended_with_eos = mark.num_turns, mark.ended_with_eos
         session.rope_delta = mark.rope_delta
         self._crop_to_transcript(session)
-        seq.mark = None
+        turn.mark = None
 
     def _crop_to_transcript(self, session: SessionState) -> None:
         session.kv.crop(len(session.token_ids))
@@ -167,10 +166,10 @@ class Sessions:
         elif session.draft_kv is not None:
             session.draft_kv.crop(max(0, self.draft_text_tokens(session.token_ids) - 1))
 
-    def release_images(self, seq: Sequence) -> None:
-        for digest in seq.images_acquired:
+    def release_images(self, turn: Turn) -> None:
+        for digest in turn.images_acquired:
             self._release_image(digest)
-        seq.images_acquired = ()
+        turn.images_acquired = ()
 
     def _release_image(self, digest: str) -> None:
         if self.embeddings.release(digest) and self.journal is not None:

@@ -6,7 +6,7 @@ read-only counters, which are safe to read from any thread.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from cachetools import LRUCache
 

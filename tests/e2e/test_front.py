@@ -36,7 +36,7 @@ class FrontThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="front", daemon=True)
 
-    def start(self, port: int) -> "FrontThread":
+    def start(self, port: int) -> FrontThread:
         self.thread.start()
         self.call(self.front.start("127.0.0.1", port))
         return self

@@ -75,8 +75,9 @@ def _ports_free(port: int, count: int) -> bool:
 def _traffic(url: str, num_sessions: int = 8, num_turns: int = 3) -> None:
     """Real traffic first: sessions with several turns, concurrently (a light test did not reproduce
     TorchServe outliving the launcher)."""
-    import requests
     from concurrent.futures import ThreadPoolExecutor
+
+    import requests
 
     def converse(i: int) -> int:
         headers = {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION", "Content-Type": "application/json"}

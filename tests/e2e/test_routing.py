@@ -23,11 +23,11 @@ import openai
 import pytest
 import requests
 
+from launch.nginx import render_main, site_from_config
 from launch.torchserve import REPO, start_torchserve
 from session.front.server import BACKEND_HEADER, FrontConfig
 from session.serving.protocol import ADMIN_TOKEN_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, SESSION_HEADER
 from tests.conftest import free_port, image_url
-from launch.nginx import render_main, site_from_config
 from tests.e2e.test_front import FrontThread
 from tests.e2e.test_nginx import running_nginx
 
@@ -56,7 +56,7 @@ class FrontProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "FrontProcess":
+    def start(self) -> FrontProcess:
         log = open(self.log_path, "a")
         self.process = subprocess.Popen([sys.executable, "-m", "launch", "front"], cwd=REPO, env=self.env,
                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -259,7 +259,7 @@ def test_drain_moves_every_session_and_backend_0_stops_with_none_lost(cluster):
             assert (answer, prompt) == (expected[seed][t][0], expected[seed][t][2])  # as if never moved
             assert backend == "1"
     backends[0].stop()
-    for session_id, seed, _ in sessions:
+    for session_id, _seed, _ in sessions:
         assert turn(front_b.url, session_id, "And now?")[2] == "1"
     new_id, opened = open_session(front_a.url, 74)
     assert opened.headers[BACKEND_HEADER] == "1" and new_id.endswith("-b1")

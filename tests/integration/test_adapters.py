@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from session.errors import AdapterInUse, AdapterMismatch, AdapterNotFound, InvalidAdapter
 from session.config import EngineConfig
-from session.engine.loop import AdapterRequest, Engine, GenerationRequest
 from session.engine.events import AdminResult, EventStream, Failed, Finished
-from session.serving.protocol import SamplingParams
+from session.engine.loop import AdapterRequest, Engine, GenerationRequest
+from session.errors import AdapterInUse, AdapterMismatch, AdapterNotFound, InvalidAdapter
+from session.types import SamplingParams
 from tests.conftest import REPO, make_image
 from tests.integration.test_engine import QUESTIONS, finished, run, turn, user
 

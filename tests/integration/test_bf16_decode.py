@@ -12,14 +12,13 @@ import torch
 from model_store import train_deep_pair
 from model_store.build_text_models import FAMILIES, ensure
 from model_store.train_pair import PAIR_DIR, eval_prompts
-from session.model.cpu import attention as cpu_attention
-from session.model.cpu import fused_layer
 from session.config import EngineConfig
-from session.engine.loop import Engine, GenerationRequest
 from session.engine.events import EventStream, Finished
+from session.engine.loop import Engine, GenerationRequest
+from session.model.cpu import attention as cpu_attention, fused_layer
 from session.model.runner import ModelRunner, cpu_has_bf16
-from session.serving.protocol import SamplingParams
 from session.speculative.decoder import SpeculativeDecoder
+from session.types import SamplingParams
 from tests.integration.test_speculative_batch import batched_greedy, random_rows
 from tests.integration.test_speculative_decode import new_kv, plain_answer
 
@@ -249,12 +248,11 @@ def churn_answers_as_alone(model_dir: str, tmp_path, dtype: str) -> None:
     every finished answer is token for token the one its prompt gets decoded alone (each row of a
     batch computes as if alone, bit for bit)."""
     import random
+    import shutil
     import threading
     import time
 
     from session.engine.events import Cancelled
-
-    import shutil
 
     path = tmp_path / "llama"  # the random model with a tokenizer (the deep pair's: ids < 512 are in it)
     shutil.copytree(model_dir, path)
@@ -388,7 +386,7 @@ def lora_rows_in_the_cpp_step(model_dir: str, dtype: str) -> None:
     """Steps with LoRA rows run the one-call step with the deltas added in C++ by LoRALinear's own ATen
     calls: one adapter for every row, a mix of two adapters and the base, and the base alone give the
     Python layer's logits bit for bit, as does the per-layer C++ call (and the adapters change them)."""
-    from session.model.lora import AdapterWeights, TARGETS
+    from session.model.lora import TARGETS, AdapterWeights
 
     def adapter(seed: int, rank: int, targets) -> AdapterWeights:
         generator = torch.Generator().manual_seed(seed)

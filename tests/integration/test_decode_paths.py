@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from session.config import EngineConfig
-from session.engine.loop import Engine, GenerationRequest
 from session.engine.events import EventStream, Failed, Finished, Started, TextDelta
-from session.serving.protocol import SamplingParams
+from session.engine.loop import Engine, GenerationRequest
 from session.families.vision import NO_IMAGES
+from session.types import SamplingParams
 from tests.conftest import make_image
 from tests.integration.test_engine import QUESTIONS, finished, turn
 
@@ -124,7 +124,7 @@ def test_compiled_static_path_has_one_graph_per_bucket_and_never_recompiles(tiny
 
     from session.config import EngineConfig
     from session.engine.events import EventStream, Finished
-    from session.serving.protocol import SamplingParams
+    from session.types import SamplingParams
 
     config = EngineConfig(model_path=str(tiny_model_path), static_kv=True, compile=True, compile_backend="aot_eager",
                           max_batch_size=4, speculative="off", max_context_tokens=256)

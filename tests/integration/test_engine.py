@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from session.config import EngineConfig
+from session.engine.events import TERMINAL, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.engine.loop import CloseRequest, Engine, GenerationRequest
 from session.errors import ContextLengthExceeded, SessionNotFound
-from session.engine.events import TERMINAL, Closed, EventStream, Failed, Finished, Started, TextDelta
-from session.serving.protocol import ImagePart, Message, SamplingParams, TextPart
 from session.families.vision import NO_IMAGES
+from session.types import ImagePart, Message, SamplingParams, TextPart
 from tests.conftest import make_image
 
 QUESTIONS = ["What is in the picture?", "What colour is it?", "Why is it there?", "Describe it in one line."]

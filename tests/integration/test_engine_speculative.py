@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from session.config import EngineConfig
+from session.engine.events import Cancelled, EventStream, Failed, Finished
 from session.engine.loop import Engine, GenerationRequest
 from session.errors import ConfigError
-from session.engine.events import Cancelled, EventStream, Failed, Finished
-from session.serving.protocol import SamplingParams
+from session.types import SamplingParams
 from tests.conftest import REPO
 from tests.integration.test_engine import finished, run, user
 

@@ -12,13 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from session.model.cpu import attention as cpu_attention
-from session.model.cpu import linear as cpu_linear
-from session.model.cpu import fused_layer
+from session.model.cpu import attention as cpu_attention, fused_layer, linear as cpu_linear
 from session.model.runner import ModelRunner
-from tests.integration.test_bf16_decode import (STEPS, CountedStep, batch_sizes_share_the_workspace,
-                                               churn_answers_as_alone, lora_rows_in_the_cpp_step, ours,
-                                               transformers_steps)
+from tests.integration.test_bf16_decode import (
+    STEPS,
+    CountedStep,
+    batch_sizes_share_the_workspace,
+    churn_answers_as_alone,
+    lora_rows_in_the_cpp_step,
+    ours,
+    transformers_steps,
+)
 
 pytestmark = pytest.mark.skipif(not (fused_layer.load(torch.float32) and cpu_attention.load()),
                                 reason="needs AVX-512 and the kernels built (a C++ compiler)")

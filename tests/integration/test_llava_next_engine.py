@@ -12,13 +12,12 @@ float32, on both demos (a Llama LM with byte-level BPE; a Mistral LM with Mistra
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from model_store.build_llava_next import ensure
-from session.state.memory import Tier
-from session.serving.protocol import Message, TextPart
+from session.state.session import Tier
+from session.types import Message, TextPart
 from tests.conftest import make_image
 from tests.integration.test_engine import run
 from tests.vlm import MAX_TOKENS, answer, request, started_engine, user

@@ -8,11 +8,11 @@ import time
 import pytest
 
 from session.config import EngineConfig
+from session.engine.events import EventStream, Failed, Finished
 from session.engine.loop import CloseRequest, Engine, GenerationRequest
 from session.errors import CapacityExceeded, ContextLengthExceeded
-from session.engine.events import EventStream, Failed, Finished
-from session.state.memory import Tier
-from session.serving.protocol import SamplingParams
+from session.state.session import Tier
+from session.types import SamplingParams
 from tests.conftest import make_image, png_bytes
 from tests.integration.test_engine import QUESTIONS, FakeClock, finished, run, turn
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from model_store.build_qwen_vl import FAMILIES, MAX_PIXELS, MIN_PIXELS, ensure
-from session.families.mrope import rope_delta, segment_positions
 from session.engine.prompt import ChatFormatter
-from session.serving.protocol import ImagePart, Message, TextPart
-from session.model.runner import ModelRunner
+from session.families.mrope import rope_delta, segment_positions
 from session.families.qwen_vl import QwenVLGeometry, image_grid, image_token_count, load_processor
+from session.model.runner import ModelRunner
+from session.types import ImagePart, Message, TextPart
 from tests.conftest import image_url, make_image
 
 # (width, height) as PIL takes them -> <|image_pad|> tokens: 28 px per merged token on each side.

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from model_store.build_qwen_vl import FAMILIES, ensure
-from session.state.memory import Tier
-from session.serving.protocol import Message, TextPart
 from session.families.qwen_vl import load_processor
+from session.state.session import Tier
+from session.types import Message, TextPart
 from tests.conftest import make_image
 from tests.integration.test_engine import run
 from tests.vlm import MAX_TOKENS, answer, request, started_engine, user

@@ -20,22 +20,22 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
-import os
 import io
+import os
 import random
 from dataclasses import dataclass, field
 
 import pytest
 from PIL import Image
 
-import session.model.lora
 import session.engine.assembly
-from session.model.lora import AdapterWeights
+import session.model.lora
 from session.config import EngineConfig
+from session.engine.events import TERMINAL, Cancelled, Closed, EventStream, Failed, Finished, Started
 from session.engine.loop import CloseRequest, Engine, GenerationRequest
-from session.engine.events import Cancelled, Closed, EventStream, Failed, Finished, Started, TERMINAL
-from session.state.memory import Tier
-from session.serving.protocol import SamplingParams
+from session.model.lora import AdapterWeights
+from session.state.session import Tier
+from session.types import SamplingParams
 from tests.fake_runner import FakeRunner, cache_tokens, greedy_answer
 
 NUM_SCHEDULES = 500

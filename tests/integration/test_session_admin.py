@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from session.engine.events import AdminResult, EventStream, Failed
 from session.engine.loop import SessionAdminRequest
 from session.errors import BadRequest, InvalidSessionId, SessionExists, SessionNotFound
-from session.engine.events import AdminResult, EventStream, Failed
 from tests.integration.test_engine import finished, run, turn
 from tests.integration.test_memory import engine_with, image_request
 

@@ -123,7 +123,7 @@ def batched_greedy(decoder: SpeculativeDecoder, prompts: list[list[int]], budget
         for i, row in running:
             row.max_new = budgets[i] - (len(row.token_ids) - len(prompts[i]))
         results = decoder.step_batch([row for _, row in running])
-        for (i, row), result in zip(running, results):
+        for (_, row), result in zip(running, results):
             row.token_ids += result.token_ids
             assert row.target_kv.length == len(row.token_ids) - 1
     return [row.token_ids[len(prompt):] for row, prompt in zip(rows, prompts)]

@@ -185,7 +185,7 @@ def test_llava_session_with_text_only_draft_equals_plain(spec_llava_path, draft,
     for proposer in (draft, None):
         decoder = SpeculativeDecoder(llava, proposer)
         draft_kv = decoder.new_draft_kv(block_tokens=64, max_tokens=1024)
-        assert session(lambda kv, ids: speculative(decoder, kv, draft_kv, ids, 48)) == expected
+        assert session(lambda kv, ids, decoder=decoder, draft_kv=draft_kv: speculative(decoder, kv, draft_kv, ids, 48)) == expected
         if proposer is not None:  # the draft saw the text only: 64 placeholders fewer than the target
             assert draft_kv.length <= len(expected) - 64 - 1
             assert decoder.num_accepted > 0

@@ -10,9 +10,9 @@ import torch
 
 from model_store.build_text_models import FAMILIES, MISTRAL_WINDOW, ensure
 from session.config import EngineConfig
-from session.engine.loop import Engine
 from session.engine.events import Finished, Started
-from session.serving.protocol import Message, TextPart
+from session.engine.loop import Engine
+from session.types import Message, TextPart
 from tests.integration.test_engine import run, turn
 
 QUESTIONS = ["Write a function that adds two numbers.", "Now make it subtract instead.",
@@ -63,9 +63,9 @@ def test_stateless_multi_turn_equals_generate(family):
     name, engine, reference, tokenizer = family
     messages = (Message("user", (TextPart(QUESTIONS[0]),)), Message("assistant", (TextPart("def add(a, b): ..."),)),
                 Message("user", (TextPart(QUESTIONS[1]),)))
-    from session.engine.loop import GenerationRequest
     from session.engine.events import EventStream
-    from session.serving.protocol import SamplingParams
+    from session.engine.loop import GenerationRequest
+    from session.types import SamplingParams
 
     events = run(engine, GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=16),
                                            stream=EventStream()))

@@ -7,9 +7,7 @@ import os
 import pytest
 
 from launch import cluster
-from launch.cluster import (
-    Devices, backend_base_port, backend_env, num_backends, session_id_tag, write_admin_token,
-)
+from launch.cluster import Devices, backend_base_port, backend_env, num_backends, session_id_tag, write_admin_token
 from session.errors import ConfigError
 
 CUDA, NEURON, CPU = Devices("cuda", 2), Devices("neuron", 4), Devices("cpu", 1)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from session.model.cpu.linear import KernelLinear
 from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, CppKernel
+from session.model.cpu.linear import KernelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +78,14 @@ def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_di
     qk_norm = getattr(attn, "q_norm", None) is not None
     if qk_norm and not (is_norm(attn.q_norm) and is_norm(attn.k_norm)):
         return None
-    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(l.packed for l in linears)]
+    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(lin.packed for lin in linears)]
     if qk_norm:
         weights += [attn.q_norm.weight, attn.k_norm.weight]
-    sizes = [num_heads, num_kv_heads, head_dim, *(l.out_features for l in linears),
-             *(l.one_row_block for l in linears), int(qk_norm)]
+    sizes = [num_heads, num_kv_heads, head_dim, *(lin.out_features for lin in linears),
+             *(lin.one_row_block for lin in linears), int(qk_norm)]
     floats = [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
               attn.q_norm.variance_epsilon if qk_norm else 0.0, attn.scaling]
-    return [w.detach() for w in weights], [l.bias for l in linears], sizes, floats
+    return [w.detach() for w in weights], [lin.bias for lin in linears], sizes, floats
 
 
 def sum_lanes(widths: set[int], dtype: torch.dtype = torch.bfloat16, rows: int = 256, seed: int = 0) -> int | None:

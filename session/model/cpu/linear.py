@@ -133,7 +133,7 @@ def probe_shape(n: int, k: int, generator: torch.Generator, dtype: torch.dtype =
         x, w = cancelling(max(PROBE_ROWS), n, k, generator, dtype)
         packed = pack(w)
 
-        def matches(block: int, rows: torch.Tensor) -> bool:
+        def matches(block: int, rows: torch.Tensor, packed=packed, w=w) -> bool:
             return torch.equal(linear(rows, packed, None, n, block), product(rows, w))
 
         single = [block for block in single if matches(block, x[:1])]

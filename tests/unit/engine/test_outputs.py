@@ -10,8 +10,9 @@ import pytest
 
 from session.engine.events import Finished, TextDelta
 from session.engine.outputs import Detokenizer, OutputProcessor, text_of
-from session.serving.protocol import SamplingParams
 from session.engine.requests import Sequence
+from session.families.vision import NO_IMAGES
+from session.types import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,11 @@ class Stream:
 
 def make_seq(max_tokens=64, stop=()):
     request = SimpleNamespace(sampling=SamplingParams(max_tokens=max_tokens, stop=tuple(stop)), stream=Stream(),
-                              request_id="r")
+                              request_id="r", images=NO_IMAGES)
     session = SimpleNamespace(token_ids=[], ephemeral=False, session_id="s", ended_with_eos=False)
-    return Sequence(request=request, session=session, prompt_tokens=7, cached_tokens=3)
+    seq = Sequence(request=request, session=session, prompt_tokens=7)
+    seq.turn.cached_tokens = 3
+    return seq
 
 
 def test_incremental_text_equals_decoding_the_whole_answer(tokenizer):

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-from session.errors import BadRequest
 from session.engine.prompt import ChatFormatter
-from session.serving.protocol import ImagePart, Message, TextPart
+from session.errors import BadRequest
+from session.types import ImagePart, Message, TextPart
 
 REPO = Path(__file__).resolve().parents[3]
 IMAGE = ImagePart("data:image/png;base64,iVBORw0KGgo=")  # never decoded here

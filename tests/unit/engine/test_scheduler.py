@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from session.engine.scheduler import Scheduler
 from session.engine.requests import Sequence
+from session.engine.scheduler import Scheduler
+from session.families.vision import NO_IMAGES
 
 
 class FakeSession:
@@ -19,7 +20,7 @@ class FakeSession:
 def seq(session_id: str, request_id: str | None = None) -> Sequence:
     from types import SimpleNamespace
 
-    request = SimpleNamespace(request_id=request_id or f"r-{session_id}")
+    request = SimpleNamespace(request_id=request_id or f"r-{session_id}", images=NO_IMAGES)
     return Sequence(request=request, session=FakeSession(session_id))
 
 

@@ -10,8 +10,13 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from session.families.anyres import (AnyresGeometry, image_layout, max_num_image_tokens, num_image_tokens,
-                            select_best_resolution)
+from session.families.anyres import (
+    AnyresGeometry,
+    image_layout,
+    max_num_image_tokens,
+    num_image_tokens,
+    select_best_resolution,
+)
 
 VICUNA = AnyresGeometry(56, 14, ((56, 56), (56, 112), (112, 56), (112, 112), (168, 56), (56, 168)))
 MISTRAL = AnyresGeometry(84, 14, ((84, 168), (168, 84), (168, 168), (252, 84), (84, 252)))

@@ -74,7 +74,8 @@ def test_valid_png_decodes_to_rgb_with_size_and_digest():
 
 def test_same_bytes_give_the_same_digest_and_different_bytes_differ():
     a, b = png_bytes(4, 4, color=(1, 2, 3)), png_bytes(4, 4, color=(1, 2, 4))
-    decode = lambda raw: decode_data_url(data_url(raw), max_bytes=MAX_BYTES, max_pixels=MAX_PIXELS).digest
+    def decode(raw):
+        return decode_data_url(data_url(raw), max_bytes=MAX_BYTES, max_pixels=MAX_PIXELS).digest
     assert decode(a) == decode(a)
     assert decode(a) != decode(b)
 

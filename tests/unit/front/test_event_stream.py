@@ -13,9 +13,7 @@ from botocore.eventstream import ChecksumMismatch, EventStream, EventStreamBuffe
 from botocore.exceptions import EventStreamError
 from botocore.parsers import EventStreamJSONParser
 
-from session.front.event_stream import (
-    CONTENT_TYPE, MAX_PAYLOAD_BYTES, encode_message, model_stream_error, payload_part,
-)
+from session.front.event_stream import CONTENT_TYPE, MAX_PAYLOAD_BYTES, encode_message, model_stream_error, payload_part
 
 SSE_CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":" caf\xc3\xa9"}}]}\n\n'
 

@@ -10,7 +10,13 @@ import aiohttp
 import pytest
 
 from session.front.server import Front, FrontConfig
-from session.serving.protocol import ADMIN_TOKEN_HEADER, CANCEL_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, SESSION_HEADER
+from session.serving.protocol import (
+    ADMIN_TOKEN_HEADER,
+    CANCEL_HEADER,
+    NEW_SESSION_HEADER,
+    REQUEST_ID_HEADER,
+    SESSION_HEADER,
+)
 from tests.fake_backend import TOKEN, SessionBackend
 
 pytestmark = pytest.mark.asyncio
@@ -71,7 +77,7 @@ async def follow(client: aiohttp.ClientSession, session_id: str, text: str = "mo
 
 async def test_a_restarted_front_and_a_second_front_route_every_session_by_its_id():
     async with fake_backends(3) as backends:
-        async with fronts(backends) as [(first, client)]:
+        async with fronts(backends) as [(_, client)]:
             opened = [await open_session(client) for _ in range(6)]
         assert sorted(b for _, b in opened) == ["0", "0", "1", "1", "2", "2"]
         assert all(sid.endswith(f"-b{b}") for sid, b in opened)
@@ -87,7 +93,7 @@ async def test_a_restarted_front_and_a_second_front_route_every_session_by_its_i
 
 async def test_an_untagged_session_is_found_by_asking_the_backends():
     async with fake_backends(2, tag="") as backends:
-        async with fronts(backends) as [(first, client)]:
+        async with fronts(backends) as [(_, client)]:
             await open_session(client)
             sid, backend = await open_session(client)
         assert backend == "1" and len(sid) == 36  # a plain uuid4
@@ -105,7 +111,7 @@ async def test_an_untagged_session_is_found_by_asking_the_backends():
 
 async def test_drain_moves_every_session_and_any_front_follows_them():
     async with fake_backends(3) as backends:
-        async with fronts(backends, num_fronts=2) as [(a, client_a), (b, client_b)]:
+        async with fronts(backends, num_fronts=2) as [(_, client_a), (b, client_b)]:
             opened = [await open_session(client_a) for _ in range(6)]
             on_0 = [sid for sid, backend in opened if backend == "0"]
             denied = await client_a.post("/backends/0/drain")
@@ -138,7 +144,7 @@ async def test_drain_moves_every_session_and_any_front_follows_them():
 
 async def test_a_session_no_other_backend_takes_stays_on_its_source():
     async with fake_backends(2) as backends:
-        async with fronts(backends) as [(front, client)]:
+        async with fronts(backends) as [(_, client)]:
             sid, _ = await open_session(client)
             backends[1].refuse_imports = True
             report = await (await client.post("/backends/0/drain", headers={ADMIN_TOKEN_HEADER: TOKEN})).json()
@@ -186,7 +192,7 @@ async def test_a_drain_whose_client_leaves_still_finishes():
 
 async def test_a_session_whose_home_is_down_is_found_where_it_moved_else_410():
     async with fake_backends(2) as backends:
-        async with fronts(backends, num_fronts=2) as [(a, client_a), (b, client_b)]:
+        async with fronts(backends, num_fronts=2) as [(_, client_a), (b, client_b)]:
             moved, _ = await open_session(client_a)
             stranded, _ = await open_session(client_a)  # on backend 1
             await client_a.post("/backends/0/drain", headers={ADMIN_TOKEN_HEADER: TOKEN})
@@ -214,7 +220,7 @@ async def wait_for(condition, timeout_s: float = 5.0) -> None:
 
 async def test_every_invocation_carries_a_request_id_the_clients_when_valid():
     async with fake_backends(1) as backends:
-        async with fronts(backends) as [(front, client)]:
+        async with fronts(backends) as [(_, client)]:
             kept = await client.post("/invocations", json=chat("a"), headers={REQUEST_ID_HEADER: "trace-42"})
             fresh = await client.post("/invocations", json=chat("b"), headers={REQUEST_ID_HEADER: "bad id!"})
             assert kept.headers[REQUEST_ID_HEADER] == "trace-42"
@@ -246,7 +252,7 @@ async def test_a_client_that_disconnects_cancels_its_request():
 
 async def test_a_client_that_leaves_a_stream_cancels_it():
     async with fake_backends(1) as backends:
-        async with fronts(backends) as [(front, client)]:
+        async with fronts(backends) as [(_, client)]:
             sid, _ = await open_session(client)
             backends[0].release.set()
             backends[0].release = asyncio.Event()

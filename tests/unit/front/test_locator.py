@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from session.front.backend_client import SessionInfo
 from session.errors import BackendError
+from session.front.backend_client import SessionInfo
 from session.front.locator import SessionLocator
 from session.front.router import Backend
 

@@ -7,8 +7,8 @@ import calendar
 import pytest
 
 from session.errors import BackendUnavailable, SessionBackendUnavailable, SessionNotFound
-from session.serving.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, format_expiry, new_session_header_value
 from session.front.router import EXPIRY_GRACE_S, Backend, Router, parse_new_session_header, session_tag
+from session.serving.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, format_expiry, new_session_header_value
 
 T0 = 1_800_000_000.0  # a whole second, so that Expires (whole seconds) round-trips exactly
 TTL = 600.0

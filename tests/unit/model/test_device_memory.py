@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from session.model.lora import AdapterWeights, LoraBank
-from session.engine.assembly import DEFAULT_CUDA_BUDGET_FRACTION, device_budget
 from session.config import EngineConfig
+from session.engine.assembly import DEFAULT_CUDA_BUDGET_FRACTION, device_budget
 from session.errors import ConfigError
+from session.model.lora import AdapterWeights, LoraBank
 
 
 def runner_on(kind: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from session.model.kv_cache import PAD_BLOCK, BlockPool, PagedKVCache, StaticKVCache
+from session.model.kv_cache import PAD_BLOCK, BlockPool, StaticKVCache
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, MAX = 2, 3, 4, 8, 20
 LAYOUT = {"head_major": True}  # the layout make_pool builds (the autouse fixture runs every test in both)

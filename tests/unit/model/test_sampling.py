@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from session.errors import BadRequest
-from session.serving.protocol import SamplingParams, parse_request
 from session.model.sampling import make_generator, sample_one, sample_rows
+from session.serving.protocol import parse_request
+from session.types import SamplingParams
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=1)

@@ -144,9 +144,9 @@ def test_engine_loads_and_decodes_on_its_loop_thread(monkeypatch, tiny_model_pat
     """One OpenMP team: the model is loaded (assemble) on the thread that later runs the loop."""
     import session.engine.loop as engine_module
     from session.config import EngineConfig
-    from session.engine.loop import Engine, GenerationRequest
     from session.engine.events import EventStream, Finished
-    from session.serving.protocol import SamplingParams
+    from session.engine.loop import Engine, GenerationRequest
+    from session.types import SamplingParams
 
     threads = {}
     assemble = engine_module.assemble

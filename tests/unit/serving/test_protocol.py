@@ -16,20 +16,15 @@ from session.serving.protocol import (
     SESSION_HEADER,
     ChatRequest,
     CompletionIds,
-    ImagePart,
-    Message,
-    TextPart,
-    Usage,
     chunk_body,
     completion_body,
     format_expiry,
     header,
     new_session_header_value,
-    new_session_id,
     parse_request,
     sse,
-    validate_session_id,
 )
+from session.types import ImagePart, Message, TextPart, Usage, new_session_id, validate_session_id
 
 SAGEMAKER_ID_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
 PNG_URL = "data:image/png;base64,iVBORw0KGgo="

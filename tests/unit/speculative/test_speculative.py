@@ -11,14 +11,21 @@ import torch
 
 from session.errors import ConfigError
 from session.model.kv_cache import BlockPool, KVCache
-from session.serving.protocol import SamplingParams
-from session.model.sampling import sample_one
+from session.model.sampling import sample_one, warp_probs
 from session.speculative.decoder import (
     CATCH_UP_IN_STEP,
-    SpecRow, SpeculationController, SpeculativeDecoder, StepCosts, batch_should_speculate, check_compatible,
-    check_runners_compatible, greedy_accept, propose_ngram, sampling_accept,
+    SpecRow,
+    SpeculationController,
+    SpeculativeDecoder,
+    StepCosts,
+    batch_should_speculate,
+    check_compatible,
+    check_runners_compatible,
+    greedy_accept,
+    propose_ngram,
+    sampling_accept,
 )
-from session.model.sampling import warp_probs
+from session.types import SamplingParams
 
 V = 16
 

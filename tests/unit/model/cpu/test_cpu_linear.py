@@ -13,9 +13,8 @@ from torch import nn
 
 from session.model.cpu import linear as cpu_linear
 from session.model.cpu.linear import KernelLinear, cancelling, linear, pack
-from session.model.runner import ModelRunner, cpu_has_bf16
 from session.model.cpu.packed_linear import PackedLinear
-from tests.unit.model.cpu.test_packed_linear import llama_path  # noqa: F401  (a fixture: the tiny Llama)
+from session.model.runner import ModelRunner, cpu_has_bf16
 
 pytestmark = pytest.mark.skipif(not (cpu_has_bf16() and cpu_linear.load()),
                                 reason="needs AVX512-BF16 and the kernel built (a C++ compiler)")

@@ -7,19 +7,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from session.model.cpu.packed_linear import (
+    MIN_FLOAT32_BYTES,
+    PackedLinear,
+    can_pack,
+    pack_linear,
+    pack_linears,
+    worth_packing,
+)
 from session.model.runner import ModelRunner, cpu_has_bf16
-from session.model.cpu.packed_linear import MIN_FLOAT32_BYTES, PackedLinear, can_pack, pack_linear, pack_linears, worth_packing
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch built without oneDNN")
 needs_bf16 = pytest.mark.skipif(not (can_pack(torch.device("cpu"), torch.bfloat16) and cpu_has_bf16()),
                                 reason="no bfloat16 on this CPU (oneDNN's, or the runner's: it falls back to float32)")
-
-
-@pytest.fixture(scope="module")
-def llama_path() -> str:
-    from model_store.build_text_models import ensure
-
-    return str(ensure(["llama"])["llama"])
 
 
 def dense_and_packed(dtype: torch.dtype, bias: bool) -> tuple[nn.Linear, nn.Linear]:
