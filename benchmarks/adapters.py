@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(EngineConfig(model_path=args.model_path, adapters_dir=str(adapters_dir), dtype=args.dtype,
                                  max_batch_size=args.concurrency, max_context_tokens=1024)).start()
-    prompts = [engine.formatter.opening(_question(i)).token_ids for i in range(16)]
+    prompts = [engine.parts.formatter.opening(_question(i)).token_ids for i in range(16)]
     run_batch(engine, [None, "tone"], 4, 2, prompts)  # warm-up
     results = {}
     workloads = {"base": [None] * args.requests, "one adapter": ["domain"] * args.requests,
@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     pool_engine = Engine(EngineConfig(model_path=args.model_path, adapters_dir=str(pool_dir), max_device_adapters=8,
                                       dtype=args.dtype,
                                       max_host_adapters=32, max_batch_size=args.concurrency, max_context_tokens=1024),
-                         runner=engine.runner).start()
+                         runner=engine.parts.runner).start()
     rng = random.Random(0)
     names = [f"pool-{rng.randrange(args.pool):03d}" for _ in range(args.requests * 2)]
     results["100 adapters, 8 on device, random"] = run_batch(pool_engine, names, args.new_tokens, args.concurrency,
                                                               prompts)
-    registry = pool_engine.adapters
+    registry = pool_engine.parts.adapters
     loads = {"from_disk": registry.num_loads_from_disk, "to_device": registry.num_loads_to_device,
              "device_evictions": registry.num_device_evictions}
     pool_engine.stop()

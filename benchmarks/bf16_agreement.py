@@ -38,7 +38,7 @@ def agreement(model_path: str, dtype: str, num_prompts: int, new_tokens: int, kv
     engine = Engine(EngineConfig(model_path=model_path, dtype=dtype, kv_dtype=kv_dtype, speculative="off",
                                  max_device_adapters=0, max_new_tokens=new_tokens)).start()
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
-    tokenizer = engine.tokenizer
+    tokenizer = engine.parts.tokenizer
     same_answers = prefix_tokens = total = 0
     try:
         for prompt in (PROMPTS * 2)[:num_prompts]:

@@ -48,18 +48,18 @@ def prompts(engine, count: int):
 
     from session.families.vision import NO_IMAGES
 
-    if engine.vision is None:
+    if engine.parts.vision is None:
         from benchmarks.first_vs_followup import opening_message
 
         texts = [opening_message(i, images=False)["content"][0]["text"] for i in range(count)]
-        ids = [engine.formatter.opening(_user_with_image(text, image=False)).token_ids for text in texts]
+        ids = [engine.parts.formatter.opening(_user_with_image(text, image=False)).token_ids for text in texts]
         shortest = min(map(len, ids))
         return [(row[:1] + row[len(row) - shortest + 1:], NO_IMAGES) for row in ids]
     out = []
     for i in range(count):
         pixels = (np.random.RandomState(i).rand(336, 336, 3) * 255).astype(np.uint8)
         images = engine.preprocess_images([Image.fromarray(pixels)])
-        piece = engine.formatter.opening(_user_with_image(f"Describe picture number {i} in a few words."),
+        piece = engine.parts.formatter.opening(_user_with_image(f"Describe picture number {i} in a few words."),
                                          images.num_tokens)
         out.append((piece.token_ids, images))
     return out
@@ -283,7 +283,7 @@ def measure_ours(args, variants: dict, base: dict, followups: dict):
         config = EngineConfig(**(base | overrides))
         packed = config.pack_weights and not config.compile
         engine = Engine(config, runner=runners.get(packed)).start()
-        runners[packed] = engine.runner
+        runners[packed] = engine.parts.runner
         workload = workload or prompts(engine, max(args.levels))
         run_ours(engine, workload[:1], 4)  # warm-up (and compile, for the static path)
         results[name] = {}
@@ -328,7 +328,7 @@ def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
 
     def converse(seed: int, question: str) -> tuple[float, float, int]:
         sid, url = engine.new_session_id(), image_data_url(seed)
-        if engine.vision is None:  # a text model: the document the vLLM peer sends instead of the image
+        if engine.parts.vision is None:  # a text model: the document the vLLM peer sends instead of the image
             first, _ = turn(sid, (Message("user", (TextPart(opening_message(seed, images=False)["content"][0]["text"]),)),),
                             [], True)
         else:

@@ -140,7 +140,7 @@ def measure(bench: PairBench, prompts: list[list[int]], sessions: int, rounds: i
 
 
 def _acceptance_counts(engine: Engine) -> tuple[int, int]:
-    spec = engine.speculator
+    spec = engine.parts.speculator
     return (0, 0) if spec is None else (spec.num_proposed, spec.num_accepted)
 
 

@@ -42,7 +42,7 @@ class ResidentHandler:
         engine.warmup()
         self.service = ChatService(engine, model_name=context.model_name)
         self.metrics = context.metrics
-        logger.info("resident engine ready: model %s on %s", config.model_path, engine.runner.device)
+        logger.info("resident engine ready: model %s on %s", config.model_path, engine.parts.runner.device)
         self.initialized = True
 
     async def handle(self, data, context):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from session.engine import admin
 from session.engine.events import AdminResult, Cancelled, Closed, Failed
@@ -24,13 +25,26 @@ from session.engine.requests import (
 from session.errors import AdapterMismatch, BadRequest, ResidentError, SessionNotFound
 from session.types import new_session_id
 
+if TYPE_CHECKING:
+    from session.engine.scheduler import Scheduler
+    from session.model.lora import AdapterRegistry
+    from session.state.sessions import Sessions
+
 logger = logging.getLogger(__name__)
 
 
 class Admission:
-    def __init__(self, engine, on_barrier: Callable[[], None]):
-        self.engine = engine  # its parts, its clock, and ``end``: the one place a request ends
+    def __init__(self, *, scheduler: Scheduler, sessions: Sessions, adapters: AdapterRegistry | None,
+                 session_ttl_s: float, clock: Callable[[], float], end: Callable[[Sequence, Cancelled], None],
+                 on_barrier: Callable[[], None]):
+        self.scheduler = scheduler
+        self.sessions = sessions
+        self.adapters = adapters
+        self.session_ttl_s = session_ttl_s
+        self.clock = clock
+        self.end = end  # Engine.end: the one place a request in flight ends
         self.on_barrier = on_barrier  # an empty cancel is a barrier (Engine.fresh_stats): publish first
+        self.num_cancelled_queued = 0  # queued generations cancelled before they were admitted
 
     def admit(self, item) -> bool:
         """Admit one request; True when it now waits or runs (a generation in flight)."""
@@ -44,12 +58,12 @@ class Admission:
             elif isinstance(item, CloseRequest):
                 self.close(item)
             elif isinstance(item, SessionAdminRequest):
-                if item.action == "export" and self.engine.scheduler.is_busy(item.session_id or ""):
-                    self.engine.scheduler.enqueue(item.session_id, item)  # after the request in flight
+                if item.action == "export" and self.scheduler.is_busy(item.session_id or ""):
+                    self.scheduler.enqueue(item.session_id, item)  # after the request in flight
                 else:
-                    item.stream.put(AdminResult(admin.session_admin(item, self.engine.sessions, self.engine.clock())))
+                    item.stream.put(AdminResult(admin.session_admin(item, self.sessions, self.clock())))
             elif isinstance(item, AdapterRequest):
-                item.stream.put(AdminResult(admin.adapter_admin(item, self.engine.adapters, self.engine.sessions)))
+                item.stream.put(AdminResult(admin.adapter_admin(item, self.adapters, self.sessions)))
             else:
                 raise TypeError(f"cannot admit {type(item).__name__}")
         except Exception as exc:
@@ -62,54 +76,54 @@ class Admission:
     def admit_next(self, item, session_id: str) -> None:
         """Admit the requests queued on a session until one of them is in flight again."""
         while item is not None and not self.admit(item):
-            item = self.engine.scheduler.next_pending(session_id)
+            item = self.scheduler.next_pending(session_id)
 
     def _generation(self, request: GenerationRequest) -> bool:
         if request.adapter is not None:
-            admin.registry_or_404(self.engine.adapters, request.adapter).get(request.adapter)
-        if request.request_id and self.engine.scheduler.find(request.request_id) is not None:
+            admin.registry_or_404(self.adapters, request.adapter).get(request.adapter)
+        if request.request_id and self.scheduler.find(request.request_id) is not None:
             raise BadRequest(f"request id {request.request_id!r} is already in flight")
         if request.open_session or request.session_id is None:
-            session = self.engine.sessions.open(request.session_id or new_session_id(), now=self.engine.clock(),
-                                         ttl_s=self.engine.config.session_ttl_s, ephemeral=not request.open_session,
+            session = self.sessions.open(request.session_id or new_session_id(), now=self.clock(),
+                                         ttl_s=self.session_ttl_s, ephemeral=not request.open_session,
                                          adapter=request.adapter)
         else:
-            session = self.engine.sessions.get(request.session_id)
+            session = self.sessions.get(request.session_id)
             if request.adapter is not None and request.adapter != session.adapter:
                 bound = f"adapter {session.adapter!r}" if session.adapter else "the base model"
                 raise AdapterMismatch(f"session {session.session_id} was opened with {bound}; its cache cannot "
                                       f"serve adapter {request.adapter!r}: open a new session for it")
-            if self.engine.scheduler.is_busy(session.session_id):
-                self.engine.scheduler.enqueue(session.session_id, request)
+            if self.scheduler.is_busy(session.session_id):
+                self.scheduler.enqueue(session.session_id, request)
                 return True
-        self.engine.scheduler.add(Sequence(request=request, session=session))
+        self.scheduler.add(Sequence(request=request, session=session))
         return True
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Between steps: end the named request (in flight or queued) with Cancelled."""
-        seq = self.engine.scheduler.find(request_id)
+        seq = self.scheduler.find(request_id)
         if seq is not None:
-            self.engine.end(seq, Cancelled(reason))
+            self.end(seq, Cancelled(reason))
             return True
-        queued = self.engine.scheduler.take_pending(request_id)
+        queued = self.scheduler.take_pending(request_id)
         if queued is not None and isinstance(queued, GenerationRequest):
-            self.engine.num_cancelled += 1
+            self.num_cancelled_queued += 1
             queued.stream.put(Cancelled(reason))
             return True
         if queued is not None:  # a close or export: it goes on
-            self.engine.scheduler.enqueue(queued.session_id, queued)
+            self.scheduler.enqueue(queued.session_id, queued)
         return False
 
     def close(self, request: CloseRequest) -> None:
         """Close a session; a request in flight on it is cancelled (rolled back) first, and the ones
         queued behind it find the session gone."""
-        session = self.engine.sessions.get(request.session_id)
-        queued = list(self.engine.scheduler.pending.pop(session.session_id, ()))
-        active = self.engine.scheduler.active.get(session.session_id)
+        session = self.sessions.get(request.session_id)
+        queued = self.scheduler.take_queued(session.session_id)
+        active = self.scheduler.in_flight(session.session_id)
         if active is not None:
-            self.engine.end(active, Cancelled(f"session {session.session_id} was closed while this request ran"))
-        if self.engine.store.peek(session.session_id) is session:  # (a cancelled opening turn forgot it already)
-            self.engine.sessions.forget(session, "closed")
+            self.end(active, Cancelled(f"session {session.session_id} was closed while this request ran"))
+        if self.sessions.is_live(session):  # (a cancelled opening turn forgot it already)
+            self.sessions.forget(session, "closed")
         request.stream.put(Closed(request.session_id))
         for later in queued:
             later.stream.put(Failed(SessionNotFound(f"session {request.session_id} was closed")))

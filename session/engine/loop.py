@@ -57,8 +57,7 @@ class Engine:
         except BaseException:
             self._compute.close(timeout=1.0)
             raise
-        # The parts by name (engine.store, engine.memory, ...): tests and benchmarks read them.
-        self.__dict__.update(vars(parts))
+        self.parts = parts  # typed (engine.parts.store, ...): tests and benchmarks read them
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._num_submitted = 0  # submitted, not yet taken from the inbox; guarded by _submit_lock
         self._num_waiting = 0  # admitted, not yet prefilled (published by the loop thread)
@@ -73,9 +72,11 @@ class Engine:
         self.num_failed = 0
         self.num_invariant_violations = 0
         self._stats: EngineStats | None = None
-        self.admission = Admission(self, on_barrier=self._publish_stats)
-        if self.journal is not None:
-            self._compute.call(lambda: self.sessions.restore_journal(self.clock()))
+        self.admission = Admission(
+            scheduler=parts.scheduler, sessions=parts.sessions, adapters=parts.adapters,
+            session_ttl_s=config.session_ttl_s, clock=clock, end=self.end, on_barrier=self._publish_stats)
+        if self.parts.journal is not None:
+            self._compute.call(lambda: self.parts.sessions.restore_journal(self.clock()))
         self._publish_stats()
 
     # ------------------------------------------------------------------ caller side (any thread)
@@ -120,10 +121,10 @@ class Engine:
         from PIL import Image
 
         images = NO_IMAGES
-        token_ids = [self.tokenizer.bos_token_id or 0] * 4
-        if self.vision is not None:
+        token_ids = [self.parts.tokenizer.bos_token_id or 0] * 4
+        if self.parts.vision is not None:
             images = self.preprocess_images([Image.new("RGB", (32, 32))])
-            token_ids += [self.runner.info.image_token_id] * images.num_tokens[0]
+            token_ids += [self.parts.runner.info.image_token_id] * images.num_tokens[0]
         stream = EventStream()
         self.submit(GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=2), stream=stream,
                                       token_ids=token_ids, images=images, request_id="warmup"))
@@ -137,18 +138,18 @@ class Engine:
         (CPU work, no model), on that thread alone: a parallel operator here would give the caller an
         OpenMP team beside the engine's, which slows every decode step after it (``one_thread_here``)."""
         with one_thread_here():
-            return preprocess_images(self.vision, images)
+            return preprocess_images(self.parts.vision, images)
 
     def new_session_id(self) -> str:
         return new_session_id(self.config.session_id_tag)
 
     @property
     def max_batch_seen(self) -> int:
-        return self.scheduler.max_batch_seen
+        return self.parts.scheduler.max_batch_seen
 
     @max_batch_seen.setter
     def max_batch_seen(self, value: int) -> None:
-        self.scheduler.max_batch_seen = value
+        self.parts.scheduler.max_batch_seen = value
 
     def stats(self) -> EngineStats:
         """The snapshot the loop thread published last (at most 20 ms behind while busy). Any thread."""
@@ -171,10 +172,10 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: admit, reap, then schedule -> run -> process one step."""
-        scheduler = self.scheduler
+        scheduler = self.parts.scheduler
         self._admit_arrivals(block=not scheduler.active)
         if self.clock() >= self._next_reap:
-            self.sessions.reap()
+            self.parts.sessions.reap()
             self._next_reap = self.clock() + self.config.reaper_interval_s
         plan = scheduler.schedule()
         ended: list[Sequence] = []
@@ -194,7 +195,7 @@ class Engine:
 
     def _run_prefill(self, seq: Sequence, ended: list[Sequence]) -> None:
         try:
-            token = self.executor.prefill(seq)
+            token = self.parts.executor.prefill(seq)
         except Exception as exc:
             if not isinstance(exc, ResidentError):
                 logger.exception("prefill of request %s (session %s) failed", seq.request_id, seq.session.session_id)
@@ -202,7 +203,7 @@ class Engine:
             self.end(seq, Failed(exc))
             return
         session = seq.session
-        self.outputs.start(seq)
+        self.parts.outputs.start(seq)
         seq.request.stream.put(Started(
             session_id=None if session.ephemeral else session.session_id,
             expires_at=None if session.ephemeral else session.expires_at,
@@ -212,12 +213,12 @@ class Engine:
     def _run_decode(self, rows: list[Sequence], ended: list[Sequence]) -> None:
         """One batched step for every decoding row: speculative (one target pass verifies every row's
         proposals, plain rows ride along) when any row's controller wants it, else a plain decode."""
-        speculating = self.executor.speculating(rows)
+        speculating = self.parts.executor.speculating(rows)
         try:
             if speculating:
-                tokens = self.executor.speculate(rows, speculating)
+                tokens = self.parts.executor.speculate(rows, speculating)
             else:
-                tokens = [[token] for token in self.executor.decode(rows)]
+                tokens = [[token] for token in self.parts.executor.decode(rows)]
         except Exception as exc:  # the caches are as before the step (rewound, or lengths not advanced)
             logger.exception("decode step failed for %d requests", len(rows))
             for seq in rows:
@@ -230,10 +231,10 @@ class Engine:
     def _emit(self, seq: Sequence, tokens: list[int], ended: list[Sequence]) -> None:
         """Hand sampled tokens to the output processor; end the request when one finishes it."""
         for index, token in enumerate(tokens):
-            finished = self.outputs.on_token(seq, token)
+            finished = self.parts.outputs.on_token(seq, token)
             if finished is not None:
                 if index < len(tokens) - 1:  # a speculative run went past the end: forget the rest
-                    self.executor.rewind(seq)
+                    self.parts.executor.rewind(seq)
                 ended.append(seq)
                 self.end(seq, finished)
                 return
@@ -246,33 +247,33 @@ class Engine:
         seq.done = True
         session = seq.session
         if not isinstance(event, Finished):
-            self.sessions.rollback_turn(seq.turn)
+            self.parts.sessions.rollback_turn(seq.turn)
             self.num_cancelled += isinstance(event, Cancelled)
             self.num_failed += isinstance(event, Failed)
             self.num_overloaded += isinstance(event, Failed) and isinstance(event.error, CapacityExceeded)
         if seq.adapter_slot:
-            self.adapters.release(session.adapter)
+            self.parts.adapters.release(session.adapter)
             seq.adapter_slot = 0
-        if self.store.peek(session.session_id) is session:
+        if self.parts.sessions.is_live(session):
             if session.ephemeral or (session.num_turns == 0 and seq.request.open_session):
-                self.sessions.forget(session, "closed")  # nobody can continue it
+                self.parts.sessions.forget(session, "closed")  # nobody can continue it
             else:
-                self.store.touch(session)
+                self.parts.store.touch(session)
                 if isinstance(event, Finished):
                     request = seq.request
-                    self.sessions.journal_turn(session, dict(zip(request.image_digests, request.image_bytes)))
+                    self.parts.sessions.journal_turn(session, dict(zip(request.image_digests, request.image_bytes)))
         seq.request.stream.put(event)
-        self.admission.admit_next(self.scheduler.release(seq), session.session_id)
+        self.admission.admit_next(self.parts.scheduler.release(seq), session.session_id)
 
     def _after_step(self, plan: StepPlan) -> None:
-        self._num_waiting = self.scheduler.num_waiting()
+        self._num_waiting = self.parts.scheduler.num_waiting()
         if self.config.check_invariants:
-            problems = self.scheduler.check() + self.sessions.check(self.scheduler.active)
+            problems = self.parts.scheduler.check() + self.parts.sessions.check(self.parts.scheduler.active)
             for problem in problems:
                 logger.error("engine invariant violated: %s", problem)
             self.num_invariant_violations += len(problems)
         self._beat()
-        if not self.scheduler.active or time.monotonic() - self._stats_at >= 0.02:
+        if not self.parts.scheduler.active or time.monotonic() - self._stats_at >= 0.02:
             self._publish_stats()
 
     def _beat(self) -> None:
@@ -310,10 +311,9 @@ class Engine:
 
     def _fail_everything(self, error: ResidentError) -> None:
         """At stop: every request in flight, queued or not yet admitted gets its final event."""
-        for item in self.scheduler.pending_items():  # first, so that ending the active ones admits none
+        for item in self.parts.scheduler.take_all_queued():  # first, so that ending the active ones admits none
             item.stream.put(Failed(error))
-        self.scheduler.pending.clear()
-        for seq in list(self.scheduler.sequences()):
+        for seq in list(self.parts.scheduler.sequences()):
             self.end(seq, Failed(error))
         while True:
             try:

@@ -142,8 +142,19 @@ class Scheduler:
                     return item
         return None
 
-    def pending_items(self) -> Iterator[Any]:
-        return iter([item for queued in self.pending.values() for item in queued])
+    def in_flight(self, session_id: str) -> Sequence | None:
+        """The session's one sequence in flight, or None."""
+        return self.active.get(session_id)
+
+    def take_queued(self, session_id: str) -> list[Any]:
+        """Remove and return every request queued behind the session, in arrival order."""
+        return list(self.pending.pop(session_id, ()))
+
+    def take_all_queued(self) -> list[Any]:
+        """Remove and return every queued request of every session (the engine is stopping)."""
+        items = [item for queued in self.pending.values() for item in queued]
+        self.pending.clear()
+        return items
 
     # ------------------------------------------------------------------ invariant
 

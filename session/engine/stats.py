@@ -29,32 +29,33 @@ def snapshot(engine) -> EngineStats:
     """Called by the engine loop thread only (it owns what is read here)."""
     by_tier = {tier.value: 0 for tier in Tier}
     device = host = not_recoverable = 0
-    for session in engine.store.all_sessions():  # one pass: this runs after every step
+    parts = engine.parts
+    for session in parts.store.all_sessions():  # one pass: this runs after every step
         device += session.device_bytes
         host += session.host_bytes
         if not session.ephemeral:
             by_tier[session.tier.value] += 1
             not_recoverable += not session.recoverable
-    memory, store, embeddings, sessions = engine.memory, engine.store, engine.embeddings, engine.sessions
-    journal = engine.journal
+    memory, store, embeddings, sessions, journal = parts.memory, parts.store, parts.embeddings, parts.sessions, parts.journal
+    overloaded = engine.num_overloaded + engine.num_queue_full
     return EngineStats(
         live_sessions=sum(by_tier.values()), sessions_by_tier=by_tier,
         resident_bytes={"device": device, "host": host, "embeddings": embeddings.nbytes,
                         "journal": journal.nbytes if journal is not None else 0},
-        device_budget_bytes=memory.device_budget_bytes, running_requests=len(engine.scheduler.active),
+        device_budget_bytes=memory.device_budget_bytes, running_requests=len(parts.scheduler.active),
         events={"opened": store.num_opened, "closed": store.num_closed, "expired": store.num_expired,
                 "demoted_to_host": memory.num_to_host, "dropped": memory.num_dropped,
                 "restored_from_host": memory.num_restored_from_host, "recomputed": memory.num_recomputed,
                 "restored_from_journal": sessions.num_journal_restored, "embedding_hits": embeddings.num_hits,
                 "embedding_misses": embeddings.num_misses,
-                "overloaded": engine.num_overloaded + engine.num_queue_full,
-                "journal_write_errors": sessions.num_journal_write_errors},
+                "overloaded": overloaded, "journal_write_errors": sessions.num_journal_write_errors},
         not_recoverable_sessions=not_recoverable,
-        tokens={"generated": engine.outputs.num_generated_tokens, "prefilled": engine.executor.num_prefilled_tokens,
-                "cached": engine.executor.num_cached_tokens},
-        speculation=_speculation(engine.speculator),
-        requests={"cancelled": engine.num_cancelled, "failed": engine.num_failed,
-                  "overloaded": engine.num_overloaded + engine.num_queue_full, "invariant_violations": engine.num_invariant_violations},
+        tokens={"generated": parts.outputs.num_generated_tokens, "prefilled": parts.executor.num_prefilled_tokens,
+                "cached": parts.executor.num_cached_tokens},
+        speculation=_speculation(parts.speculator),
+        requests={"cancelled": engine.num_cancelled + engine.admission.num_cancelled_queued,
+                  "failed": engine.num_failed, "overloaded": overloaded,
+                  "invariant_violations": engine.num_invariant_violations},
     )
 
 

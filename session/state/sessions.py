@@ -62,6 +62,10 @@ class Sessions:
     def get(self, session_id: str) -> SessionState:
         return self.store.get(session_id)
 
+    def is_live(self, session: SessionState) -> bool:
+        """Is this very session still open (not forgotten, nor replaced under its id)?"""
+        return self.store.peek(session.session_id) is session
+
     def forget(self, session: SessionState, reason: str) -> None:
         """Close a session: free its KV, release its images, remove it from the journal."""
         self.store.close(session.session_id, reason=reason)

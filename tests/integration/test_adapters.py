@@ -103,7 +103,7 @@ def test_session_is_bound_to_its_adapter(engine):
     assert refused.error.status == 400 and "opened with adapter 'tone'" in refused.error.message
     same = turn(engine, "bound-1", QUESTIONS[1])  # no adapter named: the session's own
     assert isinstance(same[-1], Finished) and same[0].cached_tokens > 0
-    assert engine.store.get("bound-1").adapter == "tone"
+    assert engine.parts.store.get("bound-1").adapter == "tone"
 
 
 def test_unknown_adapter_is_404(engine):
@@ -132,9 +132,9 @@ def test_session_survives_its_adapter_leaving_the_device(tiny_model_path, adapte
                                         adapter="customer")
             got.append(finished(run(engine, request)).token_ids)
             finished(ask(engine, ADAPTERS[step % 2], PROMPT, 4))  # another adapter takes the only slot
-            assert engine.adapters.get("customer").tier in ("host", "disk")
+            assert engine.parts.adapters.get("customer").tier in ("host", "disk")
         assert got == expected
-        assert engine.adapters.num_device_evictions >= 3 and engine.adapters.num_loads_from_disk >= 2
+        assert engine.parts.adapters.num_device_evictions >= 3 and engine.parts.adapters.num_loads_from_disk >= 2
     finally:
         engine.stop()
 
@@ -179,7 +179,7 @@ def test_unregister_in_use_is_refused(engine):
     refused = admin(engine, "unregister", name="terse")
     assert isinstance(refused, Failed) and isinstance(refused.error, AdapterInUse)
     assert refused.error.status == 409 and "1 live session" in refused.error.message
-    assert "terse" in engine.adapters
+    assert "terse" in engine.parts.adapters
 
 
 def test_image_session_with_adapter(engine):

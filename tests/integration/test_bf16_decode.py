@@ -95,7 +95,7 @@ def test_engine_answers_equal_transformers_bfloat16_generate():
     engine = Engine(EngineConfig(model_path=str(path), dtype="bfloat16", speculative="off", max_device_adapters=0,
                                  max_batch_size=4)).start()
     try:
-        assert engine.runner.pooled_decode
+        assert engine.parts.runner.pooled_decode
         requests = [GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=24), stream=EventStream(),
                                       token_ids=ids) for ids in prompts]
         for request in requests:  # all queued before any is read: they decode in one batch
@@ -112,7 +112,7 @@ def test_engine_answers_equal_transformers_bfloat16_generate():
         with torch.no_grad():
             out = reference.generate(torch.tensor([ids]), max_new_tokens=len(answer), do_sample=False,
                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        assert len(answer) == 24 or answer[-1] in engine.runner.info.eos_token_ids
+        assert len(answer) == 24 or answer[-1] in engine.parts.runner.info.eos_token_ids
         assert answer == out[0, len(ids):].tolist()
 
 
@@ -263,7 +263,7 @@ def churn_answers_as_alone(model_dir: str, tmp_path, dtype: str) -> None:
     engine = Engine(EngineConfig(model_path=path, device="cpu", dtype=dtype, max_batch_size=4,
                                  max_context_tokens=256)).start()
     try:
-        stack = engine.runner._decode_stack()
+        stack = engine.parts.runner._decode_stack()
         assert stack is not None
         stack.step = CountedStep(stack.step)
         rng = random.Random(7)

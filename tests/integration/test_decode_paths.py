@@ -76,9 +76,9 @@ def test_paths_give_the_plain_greedy_tokens(tiny_model_path, reference, override
         got = all_conversations(engine, concurrent=True)
         assert engine.max_batch_seen >= 2  # sessions really shared decode steps
         if overrides.get("static_kv"):
-            shapes = engine.stepper.graph_shapes
+            shapes = engine.parts.stepper.graph_shapes
             assert {bucket for kind, bucket in shapes if kind == "decode"} <= {1, 2, 4}
-            assert all(bucket in engine.stepper.prompt_buckets for kind, bucket in shapes if kind == "prefill")
+            assert all(bucket in engine.parts.stepper.prompt_buckets for kind, bucket in shapes if kind == "prefill")
     finally:
         engine.stop()
     assert sorted(got) == list(range(NUM_SESSIONS))
@@ -146,7 +146,7 @@ def test_compiled_static_path_has_one_graph_per_bucket_and_never_recompiles(tiny
         counters.clear()
         workload(5)  # warm-up: compiles what the workload needs
         graphs = counters["stats"]["unique_graphs"]
-        assert graphs == len(engine.stepper.graph_shapes) == 4  # prefill 16; decode 1, 2, 4
+        assert graphs == len(engine.parts.stepper.graph_shapes) == 4  # prefill 16; decode 1, 2, 4
         workload(40)  # other tokens, same buckets
         workload(90)
         assert counters["stats"]["unique_graphs"] == graphs  # not one recompile

@@ -27,7 +27,7 @@ def test_a_journal_write_error_serves_the_turn_and_marks_the_session(tiny_model_
     reference = engine_with(tiny_model_path)
     try:
         calls = []
-        setattr(engine.journal, what, _failing(code, calls))
+        setattr(engine.parts.journal, what, _failing(code, calls))
         with caplog.at_level(logging.WARNING, logger="session.state.sessions"):
             first = finished(run(engine, image_request(engine, "d", 1, "What is it?")))
             second = finished(turn(engine, "d", "And then?"))
@@ -39,7 +39,7 @@ def test_a_journal_write_error_serves_the_turn_and_marks_the_session(tiny_model_
         assert len(calls) == (2 if what == "write" else 1)
         stats = engine.fresh_stats()
         assert stats.events["journal_write_errors"] == 2 and stats.not_recoverable_sessions == 1
-        assert engine.store.get("d").recoverable is False
+        assert engine.parts.store.get("d").recoverable is False
         assert not (tmp_path / "journal" / "sessions" / "d.json").exists()  # no stale entry left to restore
         warnings = [r for r in caplog.records if "journal write failed for session d" in r.getMessage()]
         assert len(warnings) == 1  # logged once
@@ -51,11 +51,11 @@ def test_a_journal_write_error_serves_the_turn_and_marks_the_session(tiny_model_
 def test_a_session_recovers_once_a_later_turn_is_journaled(tiny_model_path, tmp_path):
     engine = engine_with(tiny_model_path, journal_dir=str(tmp_path / "journal"))
     try:
-        write = engine.journal.write
-        engine.journal.write = _failing(errno.EIO, [])
+        write = engine.parts.journal.write
+        engine.parts.journal.write = _failing(errno.EIO, [])
         assert isinstance(run(engine, image_request(engine, "r", 2, "What is it?"))[-1], Finished)
         assert engine.fresh_stats().not_recoverable_sessions == 1
-        engine.journal.write = write
+        engine.parts.journal.write = write
         assert isinstance(turn(engine, "r", "More?")[-1], Finished)
         assert engine.fresh_stats().not_recoverable_sessions == 0
         assert (tmp_path / "journal" / "sessions" / "r.json").exists()

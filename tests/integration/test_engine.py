@@ -105,7 +105,7 @@ def test_followups_equal_stateless_runs_over_same_transcript(engine):
         started, done = events[0], finished(events)
         if index > 0:
             assert started.cached_tokens > 0
-        prompt = engine.store.get(sid).token_ids[: started.prompt_tokens]
+        prompt = engine.parts.store.get(sid).token_ids[: started.prompt_tokens]
         answers.append((prompt, done.token_ids))
     assert len(answers) == 4
     for prompt, session_tokens in answers:
@@ -128,7 +128,7 @@ def test_three_turn_session_equals_transformers_generate_over_its_transcript(eng
         events = turn(engine, sid, question, open_session=index == 0,
                       images=engine.preprocess_images([image]) if index == 0 else NO_IMAGES)
         started, done = events[0], finished(events)
-        prompt = engine.store.get(sid).token_ids[: started.prompt_tokens]
+        prompt = engine.parts.store.get(sid).token_ids[: started.prompt_tokens]
         ids = torch.tensor([prompt])
         expected = reference.generate(input_ids=ids, pixel_values=pixel_values, do_sample=False,
                                       attention_mask=torch.ones_like(ids), max_new_tokens=12)
@@ -172,17 +172,17 @@ def test_identical_sessions_interleaved_concurrently_answer_identically(engine):
 
 
 def test_close_frees_exactly_the_session_bytes(engine):
-    baseline, baseline_embeddings = engine.memory.device_bytes, engine.embeddings.nbytes
+    baseline, baseline_embeddings = engine.parts.memory.device_bytes, engine.parts.embeddings.nbytes
     turn(engine, "bytes-1", QUESTIONS[0], open_session=True, images=engine.preprocess_images([make_image(5)]))
-    session = engine.store.get("bytes-1")
-    info = engine.runner.info
+    session = engine.parts.store.get("bytes-1")
+    info = engine.parts.runner.info
     kv_bytes = 2 * info.num_layers * info.num_kv_heads * session.kv.capacity * info.head_dim * 4
-    assert engine.memory.device_bytes - baseline == kv_bytes
-    assert engine.embeddings.nbytes - baseline_embeddings == info.num_image_tokens * info.hidden_size * 4
+    assert engine.parts.memory.device_bytes - baseline == kv_bytes
+    assert engine.parts.embeddings.nbytes - baseline_embeddings == info.num_image_tokens * info.hidden_size * 4
     events = run(engine, CloseRequest("bytes-1", EventStream()))
     assert events == [Closed("bytes-1")]
-    assert engine.memory.device_bytes == baseline
-    assert engine.embeddings.nbytes == baseline_embeddings
+    assert engine.parts.memory.device_bytes == baseline
+    assert engine.parts.embeddings.nbytes == baseline_embeddings
     gone = turn(engine, "bytes-1", QUESTIONS[1])
     assert isinstance(gone[-1], Failed) and isinstance(gone[-1].error, SessionNotFound)
     assert "was closed" in gone[-1].error.message
@@ -237,10 +237,10 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
 
 def test_context_overflow_is_refused_and_leaves_the_session_usable(engine):
     turn(engine, "ctx-1", QUESTIONS[0], open_session=True)
-    before = list(engine.store.get("ctx-1").token_ids)
+    before = list(engine.parts.store.get("ctx-1").token_ids)
     too_long = turn(engine, "ctx-1", "word " * 900, max_tokens=200)
     assert isinstance(too_long[-1], Failed) and isinstance(too_long[-1].error, ContextLengthExceeded)
-    assert engine.store.get("ctx-1").token_ids == before
+    assert engine.parts.store.get("ctx-1").token_ids == before
     ok = turn(engine, "ctx-1", QUESTIONS[1])
     assert ok[0].cached_tokens == len(before) - 1
     run(engine, CloseRequest("ctx-1", EventStream()))
@@ -278,16 +278,16 @@ def test_idle_session_expires_without_a_request(tiny_model_path):
     try:
         started = turn(eng, "ttl-1", QUESTIONS[0], open_session=True)[0]
         assert started.expires_at == clock.now + 30
-        assert len(eng.store) == 1 and eng.memory.device_bytes > 0
+        assert len(eng.parts.store) == 1 and eng.parts.memory.device_bytes > 0
         clock.now += 29
         time.sleep(0.2)
-        assert len(eng.store) == 1
+        assert len(eng.parts.store) == 1
         clock.now += 2
         deadline = time.monotonic() + 30  # generous: CI machines are shared
-        while (len(eng.store) or eng.store.num_expired == 0) and time.monotonic() < deadline:
+        while (len(eng.parts.store) or eng.parts.store.num_expired == 0) and time.monotonic() < deadline:
             time.sleep(0.02)  # the reaper runs on the engine thread: wait for its whole clean-up
-        assert len(eng.store) == 0 and eng.memory.device_bytes == 0
-        assert eng.store.num_expired == 1
+        assert len(eng.parts.store) == 0 and eng.parts.memory.device_bytes == 0
+        assert eng.parts.store.num_expired == 1
         gone = turn(eng, "ttl-1", QUESTIONS[1])
         assert isinstance(gone[-1], Failed) and "was expired" in gone[-1].error.message
     finally:

@@ -56,7 +56,7 @@ def test_speculative_sessions_equal_plain_across_turns(plain, adapters_dir, mode
         stats = engine.stats().speculation
         assert stats["target_passes"] > 0 and stats["accepted"] > 0
         assert stats["accepted"] <= stats["proposed"]
-        session = engine.store.get(f"spec-{mode}-None")
+        session = engine.parts.store.get(f"spec-{mode}-None")
         if mode == "draft":  # the draft's cache lives in the session and is counted in its bytes
             assert session.draft_kv.length > 0
             assert session.device_bytes == session.kv.nbytes + session.draft_kv.nbytes
@@ -128,13 +128,13 @@ def test_concurrent_sessions_speculate_in_one_batched_pass(plain, num_sessions, 
                                  draft_model_path=str(PAIR / "draft"), check_invariants=True,
                                  attention=attention)).start()
     verify_rows: list[int] = []
-    extend = engine.runner.extend
+    extend = engine.parts.runner.extend
 
     def recording(kvs, token_rows, adapter_slots=None):
         verify_rows.append(len(kvs))
         return extend(kvs, token_rows, adapter_slots)
 
-    engine.runner.extend = recording  # the speculator's target is the engine's runner
+    engine.parts.runner.extend = recording  # the speculator's target is the engine's runner
     try:
         for step in range(2):
             expected = [finished(run(plain, request)).token_ids

@@ -80,7 +80,7 @@ def test_image_counts_follow_each_image(demo, engine):
     assert sum(prepared.num_tokens) == int((expanded == image_id).sum())
     assert len(set(prepared.num_tokens)) == 3
     assert prepared.sizes == tuple((h, w) for w, h in SIZES)
-    features = engine.runner.encode_images(list(prepared.pixels), list(prepared.sizes))
+    features = engine.parts.runner.encode_images(list(prepared.pixels), list(prepared.sizes))
     assert [f.shape[0] for f in features] == list(prepared.num_tokens)
 
 
@@ -94,11 +94,11 @@ def test_three_turn_session_equals_generate_over_its_transcript(demo, engine):
         events = run(engine, request(engine, messages, pil_images, session_id=sid, open_session=step == 0))
         started, finished = answer(events)
         seen += pil_images
-        prompt = engine.store.get(sid).token_ids[: started.prompt_tokens]
+        prompt = engine.parts.store.get(sid).token_ids[: started.prompt_tokens]
         assert list(finished.token_ids) == generate(model, processor, prompt, seen)[: len(finished.token_ids)]
         if step:  # only the new tokens were prefilled
-            assert started.cached_tokens >= len(engine.store.get(sid).token_ids) - started.prompt_tokens
-    session = engine.store.get(sid)
+            assert started.cached_tokens >= len(engine.parts.store.get(sid).token_ids) - started.prompt_tokens
+    session = engine.parts.store.get(sid)
     prepared = engine.preprocess_images(seen)
     assert session.token_ids.count(model.config.image_token_id) == sum(prepared.num_tokens)
 
@@ -128,10 +128,10 @@ def test_session_restored_from_the_journal_recomputes_its_images(demo, tmp_path)
         engine.stop()
     restarted = started_engine(path, journal_dir=journal)
     try:
-        assert restarted.store.get(sid).tier is Tier.DROPPED
+        assert restarted.parts.store.get(sid).tier is Tier.DROPPED
         started, finished = answer(run(restarted, request(restarted, [user(QUESTIONS[2])], [], session_id=sid)))
         assert started.cached_tokens == 0  # KV and embeddings rebuilt from the journaled transcript and bytes
-        prompt = restarted.store.get(sid).token_ids[: started.prompt_tokens]
+        prompt = restarted.parts.store.get(sid).token_ids[: started.prompt_tokens]
         assert list(finished.token_ids) == generate(model, processor, prompt, images)[: len(finished.token_ids)]
     finally:
         restarted.stop()

@@ -57,7 +57,7 @@ def round_robin(engine: Engine, sample: list | None = None) -> dict[int, list]:
                 events = turn(engine, sid, QUESTIONS[step])
             answers[i].append(finished(events).token_ids)
             if sample is not None:
-                sample.append(engine.memory.device_bytes)
+                sample.append(engine.parts.memory.device_bytes)
     return answers
 
 
@@ -81,7 +81,7 @@ def test_budget_for_three_sessions_serves_twelve_exactly(tiny_model_path, unlimi
 
     def sampler():  # resident bytes, sampled from another thread while the engine runs
         while not stop.is_set():
-            samples.append(engine.memory.device_bytes)
+            samples.append(engine.parts.memory.device_bytes)
             time.sleep(0.001)
 
     thread = threading.Thread(target=sampler)
@@ -93,8 +93,8 @@ def test_budget_for_three_sessions_serves_twelve_exactly(tiny_model_path, unlimi
         thread.join()
         engine.stop()
     assert answers == unlimited_answers
-    assert max(samples) <= budget and engine.memory.peak_device_bytes <= budget
-    memory = engine.memory
+    assert max(samples) <= budget and engine.parts.memory.peak_device_bytes <= budget
+    memory = engine.parts.memory
     assert memory.num_to_host + memory.num_dropped > 0
     assert memory.num_restored_from_host + memory.num_recomputed > 0
     if host_budget == 0:
@@ -110,12 +110,12 @@ def test_restored_session_reports_what_it_reused(tiny_model_path):
     try:
         first = run(engine, image_request(engine, "a", 1, QUESTIONS[0]))  # one block
         run(engine, image_request(engine, "b", 2, QUESTIONS[0], max_tokens=60))  # two blocks: "a" is dropped
-        assert engine.store.get("a").tier is Tier.DROPPED
-        assert engine.store.get("a").device_bytes == 0
+        assert engine.parts.store.get("a").tier is Tier.DROPPED
+        assert engine.parts.store.get("a").device_bytes == 0
         again = turn(engine, "a", QUESTIONS[1])
         assert again[0].cached_tokens == 0  # recomputed, not served from cache
         assert again[0].prompt_tokens > first[0].prompt_tokens
-        assert engine.store.get("a").tier is Tier.DEVICE
+        assert engine.parts.store.get("a").tier is Tier.DEVICE
     finally:
         engine.stop()
 
@@ -125,13 +125,13 @@ def test_same_image_is_encoded_once_and_freed_with_its_last_session(tiny_model_p
     try:
         run(engine, image_request(engine, "one", 7, QUESTIONS[0]))
         run(engine, image_request(engine, "two", 7, QUESTIONS[1]))
-        assert (engine.embeddings.num_misses, engine.embeddings.num_hits) == (1, 1)
-        assert len(engine.embeddings) == 1 and engine.embeddings.get(
-            engine.store.get("one").image_digests[0]).refs == 2
+        assert (engine.parts.embeddings.num_misses, engine.parts.embeddings.num_hits) == (1, 1)
+        assert len(engine.parts.embeddings) == 1 and engine.parts.embeddings.get(
+            engine.parts.store.get("one").image_digests[0]).refs == 2
         run(engine, CloseRequest("one", EventStream()))
-        assert len(engine.embeddings) == 1
+        assert len(engine.parts.embeddings) == 1
         run(engine, CloseRequest("two", EventStream()))
-        assert len(engine.embeddings) == 0 and engine.embeddings.nbytes == 0
+        assert len(engine.parts.embeddings) == 0 and engine.parts.embeddings.nbytes == 0
     finally:
         engine.stop()
 
@@ -147,16 +147,16 @@ def test_journal_restores_sessions_after_a_crash(tiny_model_path, unlimited_answ
     (journal / "sessions" / "partial.json").write_text('{"version": 1, "session_id": "partial"}')
     restarted = engine_with(tiny_model_path, journal_dir=str(journal))
     try:
-        assert restarted.sessions.num_journal_restored == 2
-        assert restarted.journal.num_corrupt == 2
+        assert restarted.parts.sessions.num_journal_restored == 2
+        assert restarted.parts.journal.num_corrupt == 2
         assert sorted(p.name for p in (journal / "sessions").glob("*.corrupt")) == ["garbage.corrupt",
                                                                                    "partial.corrupt"]
         for i in range(2):
-            session = restarted.store.get(f"mem-{i}")
+            session = restarted.parts.store.get(f"mem-{i}")
             assert session.tier is Tier.DROPPED and session.device_bytes == 0
             events = turn(restarted, f"mem-{i}", QUESTIONS[2])
             assert finished(events).token_ids == unlimited_answers[i][2]
-        assert restarted.memory.num_recomputed == 2
+        assert restarted.parts.memory.num_recomputed == 2
         run(restarted, CloseRequest("mem-0", EventStream()))
         assert not (journal / "sessions" / "mem-0.json").exists()
         assert (journal / "sessions" / "mem-1.json").exists()
@@ -177,13 +177,13 @@ def test_expiry_frees_memory_and_journal_without_a_request(tiny_model_path, tmp_
         deadline = time.monotonic() + 30  # generous: CI machines are shared
 
         def freed() -> bool:  # the reaper runs on the engine thread: wait for all of its clean-up
-            return (len(engine.store) == 0 and engine.memory.device_bytes == 0 and len(engine.embeddings) == 0
+            return (len(engine.parts.store) == 0 and engine.parts.memory.device_bytes == 0 and len(engine.parts.embeddings) == 0
                     and not (tmp_path / "sessions" / "ttl.json").exists()
                     and list((tmp_path / "images").iterdir()) == [])
 
         while not freed() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert len(engine.store) == 0 and engine.memory.device_bytes == 0 and len(engine.embeddings) == 0
+        assert len(engine.parts.store) == 0 and engine.parts.memory.device_bytes == 0 and len(engine.parts.embeddings) == 0
         assert not (tmp_path / "sessions" / "ttl.json").exists()
         assert list((tmp_path / "images").iterdir()) == []
     finally:
@@ -214,7 +214,7 @@ def test_overload_answers_capacity_exceeded_then_serves(tiny_model_path):
         assert len(ok) + len(refused) == 6 and ok and refused
         assert all(isinstance(r.error, CapacityExceeded) and r.error.status == 503 and
                    r.error.headers["Retry-After"] == "1" for r in refused)
-        assert engine.memory.peak_device_bytes <= BLOCK_BYTES * 2
+        assert engine.parts.memory.peak_device_bytes <= BLOCK_BYTES * 2
         after = turn(engine, None, "and now?")
         assert isinstance(after[-1], Finished)
     finally:

@@ -99,13 +99,13 @@ def test_three_turn_session_equals_generate_and_carries_the_rope_delta(demo, eng
         started, finished = answer(run(engine, request(engine, messages, pil_images, session_id=sid,
                                                        open_session=step == 0)))
         seen += pil_images
-        session = engine.store.get(sid)
+        session = engine.parts.store.get(sid)
         prompt = session.token_ids[: started.prompt_tokens]
         assert list(finished.token_ids) == generate(reference, processor, prompt, seen)[: len(finished.token_ids)]
         assert session.rope_delta == reference_delta(reference, processor, session.token_ids, seen)
         if step:  # only the new tokens were prefilled
             assert started.cached_tokens >= len(session.token_ids) - started.prompt_tokens
-    assert engine.store.get(sid).rope_delta == (5 - 15) + (5 - 10)  # per image: max(rows, cols) - rows*cols
+    assert engine.parts.store.get(sid).rope_delta == (5 - 15) + (5 - 10)  # per image: max(rows, cols) - rows*cols
 
 
 def test_stateless_conversation_with_two_images_equals_generate(demo, engine):
@@ -138,7 +138,7 @@ def test_sessions_with_different_deltas_decode_together(demo, engine):
     deltas = set()
     for index, image in enumerate(images):
         started, finished = results[index]
-        session = engine.store.get(f"qwen-batch-{name}-{index}")
+        session = engine.parts.store.get(f"qwen-batch-{name}-{index}")
         deltas.add(session.rope_delta)
         prompt = session.token_ids[: started.prompt_tokens]
         assert list(finished.token_ids) == generate(reference, processor, prompt, [image])[: len(finished.token_ids)]
@@ -153,12 +153,12 @@ def test_session_restored_from_the_journal_rebuilds_positions(demo, tmp_path):
     engine = started_engine(path, journal_dir=journal)
     try:
         answer(run(engine, request(engine, [user(QUESTIONS[0], 2)], images, session_id=sid, open_session=True)))
-        delta = engine.store.get(sid).rope_delta
+        delta = engine.parts.store.get(sid).rope_delta
     finally:
         engine.stop()
     restarted = started_engine(path, journal_dir=journal)
     try:
-        session = restarted.store.get(sid)
+        session = restarted.parts.store.get(sid)
         assert session.tier is Tier.DROPPED and session.rope_delta == 0  # not journaled: rebuilt on recompute
         started, finished = answer(run(restarted, request(restarted, [user(QUESTIONS[2])], [], session_id=sid)))
         assert started.cached_tokens == 0

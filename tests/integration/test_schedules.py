@@ -90,7 +90,7 @@ def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults
         max_new_tokens=24, default_max_tokens=8, check_invariants=True, max_sessions=64,
     )
     engine = Engine(config, runner=runner, clock=clock)
-    journal = engine.journal
+    journal = engine.parts.journal
     write, write_image = journal.write, journal.write_image
 
     def faulty(original, name):
@@ -105,10 +105,10 @@ def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults
 
 
 def _check_step(engine: Engine, sent: list[Sent]) -> None:
-    problems = engine.scheduler.check() + engine.sessions.check(engine.scheduler.active)
+    problems = engine.parts.scheduler.check() + engine.parts.sessions.check(engine.parts.scheduler.active)
     assert problems == []
-    for state in engine.store.all_sessions():
-        assert state.busy == (state.session_id in engine.scheduler.active), state.session_id
+    for state in engine.parts.store.all_sessions():
+        assert state.busy == (state.session_id in engine.parts.scheduler.active), state.session_id
         if state.tier is Tier.DEVICE:
             assert cache_tokens(state.kv) == state.token_ids[: state.kv.length], state.session_id
     assert all(len(s.finals) <= 1 for s in sent)
@@ -129,9 +129,9 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
     # odd seeds speculate (prompt lookup): batched verify passes with plain rows riding along, rewinds
     engine = _engine(rng, tiny_model_path, tmp_path / f"journal-{seed}", lambda: now[0], faults,
                      speculative="ngram" if seed % 2 else "off")
-    runner: FakeRunner = engine.runner
+    runner: FakeRunner = engine.parts.runner
     for name in ADAPTERS:
-        engine.adapters.register(name, f"/nonexistent/{name}")
+        engine.parts.adapters.register(name, f"/nonexistent/{name}")
     images = [_png(i) for i in range(3)]
     pixels = [engine.preprocess_images([Image.open(io.BytesIO(raw)).convert("RGB")]) for raw in images]
     sent: list[Sent] = []
@@ -194,7 +194,7 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
             _collect(sent, sessions)
             _check_step(engine, sent)
     for _ in range(2000):  # run to quiescence
-        if not engine.scheduler.active and all(s.finals for s in sent):
+        if not engine.parts.scheduler.active and all(s.finals for s in sent):
             break
         engine.step()
         _collect(sent, sessions)
@@ -205,9 +205,9 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
     assert engine.num_invariant_violations == 0
     kinds = [type(s.finals[0]).__name__ for s in sent]
     counts = {k: kinds.count(k) for k in set(kinds)}
-    if engine.speculator is not None:
-        counts["speculative row steps"] = engine.speculator.num_steps
-        counts["speculative tokens accepted"] = engine.speculator.num_accepted
+    if engine.parts.speculator is not None:
+        counts["speculative row steps"] = engine.parts.speculator.num_steps
+        counts["speculative tokens accepted"] = engine.parts.speculator.num_accepted
     return counts
 
 

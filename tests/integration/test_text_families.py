@@ -52,11 +52,11 @@ def test_three_turn_session_equals_generate_over_its_transcript(family):
     sid = f"family-{name}"
     for step, question in enumerate(QUESTIONS):
         started, finished = answer(turn(engine, sid, question, open_session=step == 0, max_tokens=12))
-        prompt = engine.store.get(sid).token_ids[: started.prompt_tokens]
+        prompt = engine.parts.store.get(sid).token_ids[: started.prompt_tokens]
         assert list(finished.token_ids) == generate(reference, prompt, 12)[: len(finished.token_ids)]
         assert started.cached_tokens == (0 if step == 0 else started.prompt_tokens - len(prompt) + started.cached_tokens)
     if name == "mistral":  # the conversation crossed the sliding window several times over
-        assert len(engine.store.get(sid).token_ids) > 3 * MISTRAL_WINDOW
+        assert len(engine.parts.store.get(sid).token_ids) > 3 * MISTRAL_WINDOW
 
 
 def test_stateless_multi_turn_equals_generate(family):
@@ -70,7 +70,7 @@ def test_stateless_multi_turn_equals_generate(family):
     events = run(engine, GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=16),
                                            stream=EventStream()))
     started, finished = answer(events)
-    ids = engine.formatter.opening(messages).token_ids
+    ids = engine.parts.formatter.opening(messages).token_ids
     rendered = tokenizer.apply_chat_template([m.__dict__ | {"content": m.parts[0].text} for m in messages],
                                              add_generation_prompt=True, tokenize=False)
     assert ids == tokenizer(rendered)["input_ids"]  # the template and tokenizer as transformers runs them
@@ -82,13 +82,13 @@ def test_follow_up_delta_is_what_the_template_adds(family):
     """A follow-up adds exactly the tokens the chat template renders after the previous answer; with
     Mistral's SentencePiece that includes the "▁" each text segment after a special token gets."""
     name, engine, reference, tokenizer = family
-    eos = engine.runner.info.eos_token_ids
+    eos = engine.parts.runner.info.eos_token_ids
     for max_tokens in (3, 40):  # an answer cut by max_tokens, and (most likely) one that ends with EOS
         sid = f"delta-{name}-{max_tokens}"
         _, first = answer(turn(engine, sid, QUESTIONS[0], open_session=True, max_tokens=max_tokens))
-        before = len(engine.store.get(sid).token_ids)
+        before = len(engine.parts.store.get(sid).token_ids)
         started, _ = answer(turn(engine, sid, QUESTIONS[1], max_tokens=2))
-        delta = engine.store.get(sid).token_ids[before: started.prompt_tokens]
+        delta = engine.parts.store.get(sid).token_ids[before: started.prompt_tokens]
         conversation = [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": "x"},
                         {"role": "user", "content": QUESTIONS[1]}]
         full = tokenizer(tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
@@ -99,7 +99,7 @@ def test_follow_up_delta_is_what_the_template_adds(family):
             assert full[-len(delta):] == delta
     # Both cases on the formatter itself (a random model seldom ends its turn by itself).
     follow_up = (Message("user", (TextPart(QUESTIONS[1]),)),)
-    after_eos = engine.formatter.followup(follow_up, ended_with_eos=True).token_ids
-    after_cut = engine.formatter.followup(follow_up, ended_with_eos=False).token_ids
+    after_eos = engine.parts.formatter.followup(follow_up, ended_with_eos=True).token_ids
+    after_cut = engine.parts.formatter.followup(follow_up, ended_with_eos=False).token_ids
     assert full[-len(after_eos) - 1:] == [tokenizer.eos_token_id] + after_eos
     assert full[-len(after_cut):] == after_cut

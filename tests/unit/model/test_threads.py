@@ -158,13 +158,13 @@ def test_engine_loads_and_decodes_on_its_loop_thread(monkeypatch, tiny_model_pat
     monkeypatch.setattr(engine_module, "assemble", recording_assemble)
     engine = Engine(EngineConfig(model_path=str(tiny_model_path), max_device_adapters=0)).start()
     try:
-        decode = engine.runner.decode
+        decode = engine.parts.runner.decode
 
         def recording_decode(*args, **kwargs):
             threads["decode"] = threading.get_ident()
             return decode(*args, **kwargs)
 
-        engine.runner.decode = recording_decode
+        engine.parts.runner.decode = recording_decode
         stream = EventStream()
         engine.submit(GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=3), stream=stream,
                                         token_ids=[1, 5, 6, 7]))
