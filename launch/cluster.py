@@ -52,7 +52,8 @@ from launch.torchserve import DEFAULT_MODEL, MODEL_NAME, REPO, TorchServe, ensur
 from launch.watchdog import watch
 from session.errors import ConfigError
 from session.families.support import check_checkpoint
-from session.front.server import Front, FrontConfig
+from session.front.config import FrontConfig
+from session.front.server import Front
 
 logger = logging.getLogger("resident.cluster")
 

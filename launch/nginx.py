@@ -37,7 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from session.errors import ConfigError
-from session.front.server import FrontConfig
+from session.front.config import FrontConfig
 
 # The session id a tag follows: a uuid4 (36 characters of hex digits and dashes).
 _UUID_PATTERN = "[0-9a-fA-F-]{36}"

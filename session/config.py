@@ -83,12 +83,12 @@ class EngineConfig:
                 continue
             if key not in known:
                 raise ConfigError(f"unknown setting {key!r} in model-config.yaml; known: {sorted(known)}")
-            values[key] = _coerce(known[key], raw, f"model-config.yaml {key}")
+            values[key] = coerce(known[key].type, raw, f"model-config.yaml {key}")
         env = os.environ if environ is None else environ
         for name, f in known.items():
             env_name = ENV_PREFIX + name.upper()
             if env_name in env:
-                values[name] = _coerce(f, env[env_name], env_name)
+                values[name] = coerce(f.type, env[env_name], env_name)
         config = cls(**values)
         if base_dir and not Path(config.model_path).is_absolute() and not Path(config.model_path).exists():
             candidate = Path(base_dir) / config.model_path
@@ -139,8 +139,13 @@ class EngineConfig:
                               "(or MODEL for make serve) to a directory with config.json")
 
 
-def _coerce(f: dataclasses.Field, raw: Any, where: str) -> Any:
-    kind = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float, "bool": bool}[f.type]
+def coerce(kind: type | str, raw: Any, where: str) -> Any:
+    """A setting's raw value (an environment string, a YAML scalar) as its field's type (``kind``: the
+    dataclass field's type, or its name); a tuple is comma-separated, blanks dropped. A value that is
+    not of that type raises ConfigError naming ``where``. Used by EngineConfig and the front's config."""
+    if isinstance(kind, str) and kind.startswith("tuple"):
+        return tuple(part.strip() for part in str(raw).split(",") if part.strip())
+    kind = kind if isinstance(kind, type) else {"str": str, "int": int, "float": float, "bool": bool}[kind]
     if kind is bool:
         if isinstance(raw, bool):
             return raw

@@ -28,6 +28,13 @@ class BadRequest(ResidentError):
     type = "invalid_request_error"
 
 
+class Forbidden(ResidentError):
+    """An admin request without the right ``X-Resident-Admin-Token`` (to the front or a backend)."""
+
+    status = 403
+    type = "forbidden"
+
+
 class InvalidSessionId(BadRequest):
     type = "invalid_session_id"
 

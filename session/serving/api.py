@@ -24,7 +24,7 @@ from session.engine.loop import (
     GenerationRequest,
     SessionAdminRequest,
 )
-from session.errors import BadRequest, RequestCancelled, ResidentError
+from session.errors import BadRequest, Forbidden, RequestCancelled, ResidentError
 from session.families.image_decode import decode_data_url
 from session.serving.protocol import (
     ADMIN_TOKEN_HEADER,
@@ -121,7 +121,7 @@ class ChatService:
 
         expected = self.engine.config.admin_token
         if not expected or not hmac.compare_digest(token, expected):
-            return ApiResponse(status=403, body={"error": {"type": "forbidden", "message": "bad admin token"}})
+            raise Forbidden("bad admin token")
         data = body if isinstance(body, dict) else load_json_object(body)
         stream = EventStream(asyncio.get_running_loop())
         if "sessions" in data:

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from launch.torchserve import REPO
-from session.front.server import BACKEND_HEADER
+from session.front.answers import BACKEND_HEADER
 from session.serving.protocol import ADMIN_TOKEN_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 from tests.conftest import free_port, image_url
 

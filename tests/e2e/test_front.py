@@ -18,7 +18,9 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from launch.torchserve import MODEL_NAME, start_torchserve
-from session.front.server import BACKEND_HEADER, Front, FrontConfig
+from session.front.answers import BACKEND_HEADER
+from session.front.config import FrontConfig
+from session.front.server import Front
 from session.serving.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, WORKER_HEADER
 from tests.conftest import free_port, image_url
 

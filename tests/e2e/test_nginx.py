@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from launch.nginx import main as nginx_main, render_http, render_main, site_from_config
-from session.front.server import FrontConfig
+from session.front.config import FrontConfig
 from session.serving.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 from tests.conftest import free_port
 from tests.fake_backend import LoopThread, SessionBackend

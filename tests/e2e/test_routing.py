@@ -25,7 +25,8 @@ import requests
 
 from launch.nginx import render_main, site_from_config
 from launch.torchserve import REPO, start_torchserve
-from session.front.server import BACKEND_HEADER, FrontConfig
+from session.front.answers import BACKEND_HEADER
+from session.front.config import FrontConfig
 from session.serving.protocol import ADMIN_TOKEN_HEADER, NEW_SESSION_HEADER, REQUEST_ID_HEADER, SESSION_HEADER
 from tests.conftest import free_port, image_url
 from tests.e2e.test_front import FrontThread

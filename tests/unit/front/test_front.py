@@ -14,7 +14,9 @@ from aiohttp import web
 from botocore.eventstream import EventStreamBuffer
 
 from session.errors import ConfigError
-from session.front.server import Front, FrontConfig, split_sse
+from session.front.config import FrontConfig
+from session.front.forwarding import split_sse
+from session.front.server import Front
 from session.serving.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, new_session_header_value
 from tests.fake_backend import FakeServer
 

@@ -9,7 +9,8 @@ import contextlib
 import aiohttp
 import pytest
 
-from session.front.server import Front, FrontConfig
+from session.front.config import FrontConfig
+from session.front.server import Front
 from session.serving.protocol import (
     ADMIN_TOKEN_HEADER,
     CANCEL_HEADER,

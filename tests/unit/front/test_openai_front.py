@@ -6,7 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from session.front.server import Front, FrontConfig
+from session.front.config import FrontConfig
+from session.front.server import Front
 from session.serving.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 from tests.fake_backend import TOKEN, LoopThread, SessionBackend
 

@@ -1,0 +1,84 @@
+"""The front's settings: ``FrontConfig``, from ``RESIDENT_FRONT_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from session.config import coerce
+from session.errors import ConfigError
+
+ENV_PREFIX = "RESIDENT_FRONT_"
+TAG_RE = re.compile(r"^[A-Za-z0-9]+\*?$")
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    """Every field is set by ``RESIDENT_FRONT_<FIELD>``; lists are comma-separated."""
+
+    backends: tuple[str, ...] = ()  # inference base URLs, e.g. http://127.0.0.1:9000
+    management_urls: tuple[str, ...] = ()  # TorchServe management URLs, same order; empty: health = /ping
+    model_name: str = "llava"  # the TorchServe model whose workers must be READY for a backend to be healthy
+    timeout_s: float = 60.0  # an answer (a stream: its first and each next chunk) must come within this
+    max_request_bytes: int = 6 * 1024 * 1024  # SageMaker's payload limit; larger requests get 413
+    health_interval_s: float = 5.0  # between health probes of every backend
+    health_timeout_s: float = 5.0  # for one probe, and for connecting to a backend
+    unhealthy_after: int = 3  # failed probes in a row before a backend is taken out
+    drain_s: float = 10.0  # on shutdown, how long requests in flight may finish (SIGKILL comes at 30 s)
+    default_session_ttl_s: float = 1200.0  # pin lifetime when a backend's New-Session-Id has no Expires
+    admin_token: str = ""  # shared with the backends (RESIDENT_ADMIN_TOKEN): adapters, session look-up, drain
+    # Each backend's RESIDENT_SESSION_ID_TAG, same order; empty: b0, b1, ...; "none": ids carry no tag.
+    backend_tags: tuple[str, ...] = ()
+    cancel_timeout_s: float = 2.0  # a cancel sent to a backend (best effort)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> FrontConfig:
+        """Called once at start-up by the launcher (and by tests): environment, then overrides."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = ENV_PREFIX + f.name.upper()
+            if name in env:
+                values[f.name] = coerce(f.type, env[name], name)
+        config = cls(**{**values, **overrides})
+        config = replace(config, backends=_without_slash(config.backends),
+                         management_urls=_without_slash(config.management_urls))
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if not self.backends:
+            raise ConfigError(f"set {ENV_PREFIX}BACKENDS to the backends' URLs, comma-separated")
+        for url in self.backends + self.management_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{url!r} in {ENV_PREFIX}BACKENDS/MANAGEMENT_URLS is not an http(s) URL")
+        if self.management_urls and len(self.management_urls) != len(self.backends):
+            raise ConfigError(f"{ENV_PREFIX}MANAGEMENT_URLS has {len(self.management_urls)} URLs for "
+                              f"{len(self.backends)} backends; give one per backend or none")
+        tags = self.session_tags()
+        if len(tags) != len(self.backends):
+            raise ConfigError(f"{ENV_PREFIX}BACKEND_TAGS has {len(tags)} tags for {len(self.backends)} backends; "
+                              "give one per backend, or 'none'")
+        for tag in tags:
+            if tag and not TAG_RE.match(tag):
+                raise ConfigError(f"session id tag {tag!r} in {ENV_PREFIX}BACKEND_TAGS: use letters and digits, "
+                                  "optionally ending in * (a prefix)")
+        for name in ("timeout_s", "max_request_bytes", "health_interval_s", "health_timeout_s", "unhealthy_after",
+                     "default_session_ttl_s", "cancel_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")
+        if self.drain_s < 0:
+            raise ConfigError(f"{ENV_PREFIX}DRAIN_S must be >= 0, got {self.drain_s}")
+
+    def session_tags(self) -> tuple[str, ...]:
+        """The session id tag of each backend ("" where ids carry none)."""
+        if self.backend_tags == ("none",):
+            return ("",) * len(self.backends)
+        return self.backend_tags or tuple(f"b{i}" for i in range(len(self.backends)))
+
+
+def _without_slash(urls: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(url.rstrip("/") for url in urls)
