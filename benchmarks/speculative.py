@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import spec_drivers
 from benchmarks.common import format_table, median, write_json
 from model_store.train_pair import PAIR_DIR, eval_prompts
 from session.model.runner import ModelRunner
-from session.speculative.decoder import SpeculationController, SpeculativeDecoder
+from session.speculative.controller import SpeculationController
+from session.speculative.decoder import SpeculativeDecoder
 
 
 @dataclass
@@ -97,9 +99,9 @@ class Workload:
             if name == f"draft k={self.k}":
                 goal = len(ids) + num_new
                 while len(ids) < goal:
-                    ids += decoder.step(ids, target_kv, draft_kv, self.k, max_new=goal - len(ids)).token_ids
+                    ids += spec_drivers.step(decoder, ids, target_kv, draft_kv, self.k, max_new=goal - len(ids)).token_ids
             else:
-                decoder.decode_greedy(ids, target_kv, draft_kv, num_new, SpeculationController(k_max=self.k_max))
+                spec_drivers.decode_greedy(decoder, ids, target_kv, draft_kv, num_new, SpeculationController(k_max=self.k_max))
             after = (decoder.num_steps + decoder.num_plain_steps, decoder.num_proposed, decoder.num_accepted)
             passes, proposed, accepted = (a - b for a, b in zip(after, before))
         done = time.perf_counter()

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from session.engine.admin import registry_or_404
 from session.engine.requests import Sequence
 from session.errors import BadRequest, ContextLengthExceeded
-from session.model.sampling import make_generator, sample_rows
-from session.speculative.decoder import SpecRow, SpeculationController, StepCosts, batch_should_speculate
+from session.model.sampling import ban_token, make_generator, sample_rows
+from session.speculative.controller import SpeculationController, StepCosts, batch_should_speculate
+from session.speculative.decoder import SpecRow
 from session.state.sessions import Sessions
 
 
@@ -60,7 +59,7 @@ class Executor:
             k = self.config.num_speculative_tokens
             seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
             self.speculator.sync_draft(session.token_ids, session.draft_kv)
-        return sample_rows(self._never_image(logits[None]), [request.sampling], [seq.generator])[0]
+        return sample_rows(ban_token(logits[None], self.runner.info.image_token_id), [request.sampling], [seq.generator])[0]
 
     def _prompt(self, seq: Sequence) -> list[int]:
         """The turn's new ids, each image placeholder expanded to that image's own count."""
@@ -92,14 +91,6 @@ class Executor:
                 f"this session would hold {prompt_tokens + max_tokens} tokens (prompt {prompt_tokens} + max_tokens "
                 f"{max_tokens}), over the per-session cap of {cap}; close it and open a new one")
 
-    def _never_image(self, logits):
-        """logits [B, V] with the image placeholder made impossible: a generated placeholder would
-        read as an image position on the next turn (and break the recount on a recompute)."""
-        image_id = self.runner.info.image_token_id
-        if image_id is None:
-            return logits
-        return logits.index_fill(-1, torch.tensor([image_id], device=logits.device), float("-inf"))
-
     # ------------------------------------------------------------------ decode
 
     def speculating(self, rows: list[Sequence]) -> list[Sequence]:
@@ -123,7 +114,7 @@ class Executor:
                                      adapter_slots=[s.adapter_slot for s in rows], **mrope)
         if self.thread_tuner is not None:
             self.thread_tuner.observe(len(rows), time.perf_counter() - began)
-        tokens = sample_rows(self._never_image(logits), [s.request.sampling for s in rows], [s.generator for s in rows])
+        tokens = sample_rows(ban_token(logits, self.runner.info.image_token_id), [s.request.sampling for s in rows], [s.generator for s in rows])
         step_s = time.perf_counter() - began  # the cost speculation has to beat, at this batch size
         for seq in rows:
             if seq.controller is not None:

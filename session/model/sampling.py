@@ -7,6 +7,15 @@ import torch
 from session.types import SamplingParams
 
 
+def ban_token(logits: torch.Tensor, token_id: int | None) -> torch.Tensor:
+    """logits [..., V] with ``token_id`` made impossible (None: unchanged). The engine and the
+    speculative verify ban the image placeholder: a generated one would read as an image position on
+    the next turn (and break the recount on a recompute)."""
+    if token_id is None:
+        return logits
+    return logits.index_fill(-1, torch.tensor([token_id], device=logits.device), float("-inf"))
+
+
 def make_generator(params: SamplingParams, default_seed: int, device: torch.device) -> torch.Generator | None:
     """Greedy requests need no generator; sampled ones get their own, so batching cannot change them."""
     if params.greedy:

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import spec_drivers
 from model_store.train_pair import PAIR_DIR, eval_prompts
 from session.errors import ConfigError
 from session.model.kv_cache import KVCache
 from session.model.runner import ModelRunner
-from session.speculative.decoder import SpeculationController, SpeculativeDecoder, check_compatible
+from session.speculative.controller import SpeculationController
+from session.speculative.decoder import SpeculativeDecoder, check_compatible
 from tests.conftest import make_image
 
 NUM_NEW = 64
@@ -89,11 +91,11 @@ def plain_answer(runner: ModelRunner, prompt: list[int], num_new: int) -> list[i
 def speculative(decoder, target_kv, draft_kv, token_ids, num_new, k=4, adaptive=False) -> list[int]:
     ids = list(token_ids)
     if adaptive:
-        decoder.decode_greedy(ids, target_kv, draft_kv, num_new, SpeculationController(k_max=8, k=k))
+        spec_drivers.decode_greedy(decoder, ids, target_kv, draft_kv, num_new, SpeculationController(k_max=8, k=k))
         return ids
     goal = len(ids) + num_new
     while len(ids) < goal:
-        ids += decoder.step(ids, target_kv, draft_kv, k, max_new=goal - len(ids)).token_ids
+        ids += spec_drivers.step(decoder, ids, target_kv, draft_kv, k, max_new=goal - len(ids)).token_ids
     return ids
 
 
@@ -211,7 +213,7 @@ def test_session_with_a_lora_adapter_equals_plain(draft, prompts, tmp_path):
         ids = prompt + [int(adapted.prefill(kv, adapted.embed(prompt, []), adapter_slot=1).argmax())]
         draft_kv, goal = new_kv(draft), len(expected)
         while len(ids) < goal:
-            ids += decoder.step(ids, kv, draft_kv, 4, max_new=goal - len(ids), adapter_slot=1).token_ids
+            ids += spec_drivers.step(decoder, ids, kv, draft_kv, 4, max_new=goal - len(ids), adapter_slot=1).token_ids
         assert ids == expected
         assert expected[len(prompt):] != plain_answer(adapted, prompt, NUM_NEW)[len(prompt):]  # it does adapt
 

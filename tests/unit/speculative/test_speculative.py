@@ -9,21 +9,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks import spec_drivers
 from session.errors import ConfigError
 from session.model.kv_cache import BlockPool, KVCache
 from session.model.sampling import sample_one, warp_probs
+from session.speculative.acceptance import greedy_accept, propose_ngram, sampling_accept
+from session.speculative.controller import SpeculationController, StepCosts, batch_should_speculate
 from session.speculative.decoder import (
     CATCH_UP_IN_STEP,
     SpecRow,
-    SpeculationController,
     SpeculativeDecoder,
-    StepCosts,
-    batch_should_speculate,
     check_compatible,
     check_runners_compatible,
-    greedy_accept,
-    propose_ngram,
-    sampling_accept,
 )
 from session.types import SamplingParams
 
@@ -209,11 +206,11 @@ def test_a_draft_far_behind_catches_up_before_the_timed_step():
     ids, target_kv, draft_kv = start(decoder, [1, 2, 3])
     decoder.sync_draft(ids, draft_kv)
     for _ in range(6):  # plain steps: the target moves on, the draft does not
-        ids.append(int(decoder.plain_step(ids, target_kv).argmax()))
+        ids.append(int(spec_drivers.plain_step(decoder, ids, target_kv).argmax()))
     lag = len(ids) - 1 - draft_kv.length
     assert lag == 6 > CATCH_UP_IN_STEP
     fed_before = draft.num_fed_tokens
-    result = decoder.step(ids, target_kv, draft_kv, 2)
+    result = spec_drivers.step(decoder, ids, target_kv, draft_kv, 2)
     assert decoder.num_draft_synced_tokens == 3 + lag  # the prompt's sync, then the catch-up
     assert draft.num_fed_tokens - fed_before == lag + 1 + 1  # catch-up, the last token, one more proposal
     assert result.draft_s == 1.0  # one clock tick: the catch-up ran before the step's clock started
@@ -513,7 +510,7 @@ def run_steps(decoder, ids, target_kv, draft_kv, k, num_new):
     """Speculative steps to num_new new tokens, checking both caches' contents after every step."""
     goal = len(ids) + num_new - 1
     while len(ids) < goal:
-        result = decoder.step(ids, target_kv, draft_kv, k, max_new=goal - len(ids))
+        result = spec_drivers.step(decoder, ids, target_kv, draft_kv, k, max_new=goal - len(ids))
         assert 1 <= len(result.token_ids) <= k + 1
         ids.extend(result.token_ids)
         assert cached_ids(target_kv) == ids[:-1]
@@ -562,10 +559,10 @@ def test_decoder_exact_pass_counts_when_the_draft_is_always_right():
     decoder = SpeculativeDecoder(target, draft)
     ids, target_kv, draft_kv = start(decoder, [1, 2])
     target.num_passes = 0
-    first = decoder.step(ids, target_kv, draft_kv, 4)
+    first = spec_drivers.step(decoder, ids, target_kv, draft_kv, 4)
     assert (first.num_proposed, first.num_accepted, len(first.token_ids)) == (4, 4, 5)
     ids.extend(first.token_ids)
-    second = decoder.step(ids, target_kv, draft_kv, 4, max_new=3)  # k clipped to 2: 3 tokens
+    second = spec_drivers.step(decoder, ids, target_kv, draft_kv, 4, max_new=3)  # k clipped to 2: 3 tokens
     assert (second.num_proposed, len(second.token_ids)) == (2, 3)
     assert target.num_passes == 2  # 8 tokens for two target passes
     # step 1: one pass over the prompt and its first token, then 3 decodes; step 2: one pass over the
@@ -579,7 +576,7 @@ def test_decoder_cuts_at_eos_and_keeps_caches_consistent():
     decoder = SpeculativeDecoder(target, draft)
     ids, target_kv, draft_kv = start(decoder, [2, 8])  # the first token is NEXT[8] == 2
     eos = NEXT[2]  # treat the token after 2 as EOS
-    result = decoder.step(ids, target_kv, draft_kv, 5, eos_token_ids=(eos,))
+    result = spec_drivers.step(decoder, ids, target_kv, draft_kv, 5, eos_token_ids=(eos,))
     assert result.token_ids == [eos] and result.num_proposed == 1  # the draft stopped at its EOS
     ids.extend(result.token_ids)
     assert cached_ids(target_kv) == ids[:-1] and cached_ids(draft_kv) == ids[:-1]
@@ -621,7 +618,7 @@ def test_decoder_sampling_emits_the_target_distribution():
         decoder.new_draft_kv(block_tokens=64, max_tokens=1 << 16)
     counts = torch.zeros(5)
     for _ in range(4_000):
-        result = decoder.step(ids, target_kv, draft_kv, 2, sampling=sampling, generator=generator)
+        result = spec_drivers.step(decoder, ids, target_kv, draft_kv, 2, sampling=sampling, generator=generator)
         for token in result.token_ids:
             counts[token] += 1
         ids = ids[:1] + result.token_ids[-1:]  # keep the caches short: the fake ignores the context
@@ -639,7 +636,7 @@ def test_decoder_sampling_with_prompt_lookup_emits_the_target_distribution():
     target_kv = decoder.target.new_kv_cache(block_tokens=64, max_tokens=64)
     counts = torch.zeros(5)
     for _ in range(4_000):
-        result = decoder.step(ids, target_kv, None, 2, sampling=sampling, generator=generator)
+        result = spec_drivers.step(decoder, ids, target_kv, None, 2, sampling=sampling, generator=generator)
         assert result.num_proposed == 2
         for token in result.token_ids:
             counts[token] += 1
@@ -676,4 +673,4 @@ def test_batched_step_keeps_each_rows_rule():
 def test_decoder_refuses_a_step_with_nothing_to_emit():
     decoder = SpeculativeDecoder(FakeRunner(V), None)
     with pytest.raises(ValueError, match="max_new must be >= 1"):
-        decoder.step([1, 2], decoder.target.new_kv_cache(block_tokens=8, max_tokens=64), None, 3, max_new=0)
+        spec_drivers.step(decoder, [1, 2], decoder.target.new_kv_cache(block_tokens=8, max_tokens=64), None, 3, max_new=0)
