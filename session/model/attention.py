@@ -122,3 +122,58 @@ class PagedAttention:
         keys, values = pool.gather(layer, batch.block_table)  # [B, KVH, S, hd]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.masks[window], scale=scale,
                                               enable_gqa=q.shape[1] != keys.shape[1])
+
+
+MASKED = -1e30  # attend_runs' additive mask value (finite: see there)
+
+
+def attend_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                gqa: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Queries q [1, H, T, hd] over keys and values given as runs of [KVH, n, hd] views (CPU);
+    ``mask`` [T, L] (True: may attend; None: every key) over the runs' L keys in order.
+
+    One run is one SDPA call, as over a contiguous cache. Several (a session whose blocks are not all
+    consecutive in the pool) are attended one by one and merged by their log-sum-exp, which is exact
+    up to float rounding, instead of gathering the session's whole cache (that copy made 16 sessions
+    decode 2x slower than transformers' generate, and cost every follow-up's prefill and speculative
+    verify a copy of the whole context). Callers gather sliding-window layers instead."""
+    if len(runs) == 1:
+        k, v = runs[0]
+        return F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=gqa)
+    heads, num_queries, hd = q.shape[1], q.shape[2], q.shape[3]
+    kv_heads = runs[0][0].shape[0]
+    group = heads // kv_heads
+    # a KV head's query heads, each with its T queries, as that head's G*T queries (no repeat_kv copy)
+    grouped = q.reshape(1, kv_heads, group * num_queries, hd)
+    bias = None
+    if mask is not None:  # rows g*T + t take query t's mask; the CPU kernel takes an additive float mask
+        # finite, not -inf: a causal query sees no key of a run that starts after it, and a row masked
+        # whole would come out NaN; with -1e30 it comes out finite with a log-sum-exp near -1e30, so
+        # the merge gives it weight 0 (exp underflows), as -inf does to masked keys within a run
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, MASKED)
+        bias = bias.repeat(group, 1)
+    outs, lses, first = [], [], 0
+    for k, v in runs:
+        n = k.shape[1]
+        run_bias = None if bias is None else bias[:, first: first + n]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            grouped, k[None], v[None], attn_mask=run_bias, scale=scale)[:2]
+        outs.append(out)
+        lses.append(lse)
+        first += n
+    weights = torch.softmax(torch.stack(lses), dim=0)[..., None]  # [R, 1, KVH, G*T, 1]: each run's share
+    merged = (torch.stack(outs) * weights).sum(0)  # [1, KVH, G*T, hd]
+    return merged.reshape(1, heads, num_queries, hd).to(q.dtype)
+
+
+def causal_masks(start: int, num_new: int, windows: list[int | None], device: torch.device,
+                 all_keys: bool = False) -> dict[int | None, torch.Tensor | None]:
+    """Per window size, the [num_new, start + num_new] mask (True: may attend) of new tokens after
+    ``start`` cached ones: query i (position start+i) sees keys 0 .. start+i, and in a sliding-window
+    layer of W only the last W of them (keys j > start+i-W). ``all_keys``: the full-attention mask is
+    None instead (one query: every key is its past)."""
+    causal = torch.ones(num_new, start + num_new, dtype=torch.bool, device=device).tril(diagonal=start)
+    masks = {w: causal if w is None else causal.triu(diagonal=start - w + 1) for w in set(windows)}
+    if all_keys and None in masks:
+        masks[None] = None
+    return masks

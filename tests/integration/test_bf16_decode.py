@@ -80,7 +80,7 @@ def test_kernels_off_keep_torch_kernel_and_a_float32_pool_takes_ours(tiny_model_
     assert not ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", cpu_kernels=False).pooled_decode
     assert ModelRunner(str(tiny_model_path), device="cpu", dtype="float32").pooled_decode
     mixed = ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", kv_dtype="float32")
-    assert mixed.pooled_decode and mixed._fused_plan() is None
+    assert mixed.pooled_decode and mixed.path.fused is None
 
 
 def test_engine_answers_equal_transformers_bfloat16_generate():
@@ -213,7 +213,7 @@ def test_the_cpp_layer_computes_the_python_layers_bits(family, wide_models, monk
     assert runner.linear_kernels == {"resident": 7 * 2 + 1, "onednn": 0}
     if family == "qwen2":
         assert runner.layers[0].self_attn.q_proj.bias is not None
-    stack = runner._decode_stack()
+    stack = runner.path.stack
     assert stack is not None and stack.head and stack.positions == runner.info.max_positions
     stack.step = CountedStep(stack.step)
     prompts = [list(range(3, 40 + 7 * i)) for i in range(3)]
@@ -222,14 +222,14 @@ def test_the_cpp_layer_computes_the_python_layers_bits(family, wide_models, monk
     assert stack.step.batches == [3] * STEPS  # one call a step
 
     layered_runner = ModelRunner(wide_models[family], device="cpu", dtype="bfloat16")  # a fresh pool: same blocks
-    layered_runner.decode_stack = None
+    layered_runner.path.stack = None
     calls = []
     run = fused_layer.run
     monkeypatch.setattr(fused_layer, "run", lambda h, *rest: calls.append(h.shape) or run(h, *rest))
     layered = ours(layered_runner, prompts, tokens)
     assert calls == [(3, 128)] * (STEPS * 2)  # one call per layer and step
     python_runner = ModelRunner(wide_models[family], device="cpu", dtype="bfloat16")
-    python_runner.fused_layers = None  # the Python layer
+    python_runner.path.fused = None  # the Python layer
     python = ours(python_runner, prompts, tokens)
     assert len(calls) == STEPS * 2 and torch.equal(whole, layered) and torch.equal(whole, python)
     reference = AutoModelForCausalLM.from_pretrained(wide_models[family], dtype=torch.bfloat16).eval()
@@ -263,7 +263,7 @@ def churn_answers_as_alone(model_dir: str, tmp_path, dtype: str) -> None:
     engine = Engine(EngineConfig(model_path=path, device="cpu", dtype=dtype, max_batch_size=4,
                                  max_context_tokens=256)).start()
     try:
-        stack = engine.parts.runner._decode_stack()
+        stack = engine.parts.runner.path.stack
         assert stack is not None
         stack.step = CountedStep(stack.step)
         rng = random.Random(7)
@@ -320,12 +320,12 @@ def batch_sizes_share_the_workspace(model_dir: str, dtype: str) -> None:
     runs = []
     for use_stack in (True, False):
         runner = ModelRunner(model_dir, device="cpu", dtype=dtype)
-        stack = runner._decode_stack()
+        stack = runner.path.stack
         assert stack is not None and stack.head
         if use_stack:
             stack.step = CountedStep(stack.step)
         else:
-            runner.decode_stack = None
+            runner.path.stack = None
         kvs = [runner.new_kv_cache(block_tokens=16, max_tokens=256) for _ in prompts]
         for kv, prompt in zip(kvs, prompts):
             runner.prefill(kv, runner.embed(prompt, []))
@@ -342,7 +342,7 @@ def test_a_step_past_the_rotary_table_runs_the_layers(wide_models):
     """Positions past the rotary table (capped at ROPE_TABLE_POSITIONS) run the layers one call each,
     with the same bits as the stack up to there."""
     runner = ModelRunner(wide_models["llama"], device="cpu", dtype="bfloat16")
-    stack = runner._decode_stack()
+    stack = runner.path.stack
     stack.positions = 44  # the table's last row is position 43
     stack.step = CountedStep(stack.step)
     kv = runner.new_kv_cache(block_tokens=16, max_tokens=128)
@@ -350,7 +350,7 @@ def test_a_step_past_the_rotary_table_runs_the_layers(wide_models):
     logits = [runner.decode([kv], [7 + i]) for i in range(8)]
     assert stack.step.batches == [1] * 4
     reference_runner = ModelRunner(wide_models["llama"], device="cpu", dtype="bfloat16")
-    reference_runner.decode_stack = None
+    reference_runner.path.stack = None
     kv = reference_runner.new_kv_cache(block_tokens=16, max_tokens=128)
     reference_runner.prefill(kv, reference_runner.embed(list(range(3, 43)), []))
     assert all(torch.equal(a, reference_runner.decode([kv], [7 + i])) for i, a in enumerate(logits))
@@ -402,11 +402,11 @@ def lora_rows_in_the_cpp_step(model_dir: str, dtype: str) -> None:
         bank.load(1, adapter(1, 8, TARGETS))
         bank.load(2, adapter(2, 4, ("q_proj", "v_proj", "down_proj")))  # an attention-and-down adapter
         if name == "python":
-            runner.fused_layers = None
+            runner.path.fused = None
         elif name == "layered":
-            runner.decode_stack = None
+            runner.path.stack = None
         else:
-            stack = runner._decode_stack()
+            stack = runner.path.stack
             assert stack is not None
             stack.step = CountedStep(stack.step)
         kvs = [runner.new_kv_cache(block_tokens=16, max_tokens=256) for _ in range(3)]

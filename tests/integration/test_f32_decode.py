@@ -58,7 +58,7 @@ def test_the_cpp_step_computes_the_python_layers_bits_and_transformers_tokens(fa
 
     runner = ModelRunner(wide_models[family], device="cpu", dtype="float32")
     assert runner.linear_kernels == {"resident": 7 * 2 + 1, "onednn": 0} and runner.pooled_decode
-    stack = runner._decode_stack()
+    stack = runner.path.stack
     assert stack is not None and stack.head and type(stack.step).__name__ != "Stack"
     stack.step = CountedStep(stack.step)
     prompts = [list(range(3, 40 + 7 * i)) for i in range(3)]
@@ -68,14 +68,14 @@ def test_the_cpp_step_computes_the_python_layers_bits_and_transformers_tokens(fa
     assert whole.dtype == torch.float32
 
     layered_runner = ModelRunner(wide_models[family], device="cpu", dtype="float32")
-    layered_runner.decode_stack = None
+    layered_runner.path.stack = None
     calls = []
     run = fused_layer.run
     monkeypatch.setattr(fused_layer, "run", lambda h, *rest: calls.append((h.shape, h.dtype)) or run(h, *rest))
     layered = ours(layered_runner, prompts, tokens)
     assert calls == [((3, 512), torch.float32)] * (STEPS * 2)  # one call per layer and step
     python_runner = ModelRunner(wide_models[family], device="cpu", dtype="float32")
-    python_runner.fused_layers = None  # the Python layer (our linears and attention from Python)
+    python_runner.path.fused = None  # the Python layer (our linears and attention from Python)
     python = ours(python_runner, prompts, tokens)
     assert torch.equal(whole, layered) and torch.equal(whole, python)
 

@@ -17,7 +17,7 @@ plan is dropped (the Python layer runs) where neither reproduces it.
 It applies where the layer is one it reproduces: transformers' Llama-family modules (Llama, Mistral,
 Qwen2, Qwen3 with its q/k norms; LLaVA's language model is a Llama), an RMSNorm of the Llama form, a
 SiLU MLP, and all seven linears on our kernel (session/model/cpu/linear.py). Anything else, or a step with
-LoRA adapter rows, runs the Python layer. Who calls this: ``ModelRunner._decode_pooled``.
+LoRA adapter rows, runs the Python layer. Who calls this: ``CpuKernelPath.decode_rows`` (session/model/decode_paths.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,304 @@
+"""How a decode step (and a multi-token ``extend``) runs: one path, chosen once per runner.
+
+``ModelRunner.configure_decode`` (start-up, RESIDENT_ATTENTION) picks one of these into
+``runner.path``; every ``decode`` and ``extend`` then goes through it:
+
+- ``PerRowPath``: projections and MLPs batched, attention per row over that session's own cache
+  (on CPU its blocks read in place by ``attend_runs``; elsewhere a gathered view through SDPA).
+- ``CpuKernelPath``: the per-row step with our CPU kernels (session/model/cpu): attention for every
+  row of a layer in one call over the head-major pool, each layer as one C++ call where the layer is
+  one it reproduces, and the whole step as one call where it can. An ``extend`` runs as decode rows,
+  so each position's logits are the bits its own decode step would give.
+- ``BatchedPath``: one attention call per layer for every row over the paged pool
+  (session/model/attention.py), replayed from CUDA graphs per batch bucket where configured.
+
+Within a path, caches that are not all paged in one pool (static caches, or two pools) take the
+per-row code, which serves any cache. Who calls this: the runner, on the engine loop thread.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from session.model.attention import attend_runs, causal_masks, columns, plan_rows, to_batch
+from session.model.cpu import attention as cpu_attention, fused_layer
+from session.model.kv_cache import PAD_BLOCK, KVCache, PagedKVCache
+
+if TYPE_CHECKING:
+    from session.model.cuda_graphs import DecodeGraphs
+    from session.model.runner import ModelRunner
+
+
+class PerRowPath:
+    name = "per_row"
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def decode(self, kvs: list[KVCache], token_ids: list[int], lengths: list[int],
+               offsets: torch.Tensor | None, adapter_slots: list[int] | None) -> torch.Tensor:
+        """logits [B, V]: token_ids[b] fed at position lengths[b] (+ offsets[b]) of kvs[b]."""
+        runner = self.runner
+        h, cos, sin = step_inputs(runner, token_ids, lengths, offsets)
+        gqa = runner.info.num_heads != runner.info.num_kv_heads
+        one = one_pool(kvs)
+        slots = step_slots(runner, kvs, lengths)
+        row_runs = {}  # window -> runs_of_rows: built once per step, not once per layer
+        for index, layer in enumerate(runner.layers):
+            attn = layer.self_attn
+            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
+            rows = []
+            window = runner.windows[index]
+            if one:
+                kvs[0].pool.write_rows(index, slots, k, v)
+            for b, (kv, length) in enumerate(zip(kvs, lengths)):
+                if not one:
+                    kv.write(index, length, k[b], v[b])
+                if runner.device.type == "cpu":  # the session's blocks in place, however it grew
+                    if window not in row_runs:
+                        starts = [window_start(window, n) for n in lengths]
+                        row_runs[window] = runs_of_rows(kvs, starts, [n + 1 for n in lengths])
+                    runs = [(keys[index], values[index]) for keys, values in row_runs[window][b]]
+                    rows.append(attend_runs(q[b : b + 1], runs, attn.scaling, gqa))
+                    continue
+                first = window_start(window, length)
+                rows.append(F.scaled_dot_product_attention(
+                    q[b : b + 1], kv.keys(index, length + 1)[None, :, first:],
+                    kv.values(index, length + 1)[None, :, first:], scale=attn.scaling, enable_gqa=gqa,
+                ))
+            h = runner.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
+        return runner.logits(h)[:, 0]
+
+    def extend(self, kvs: list[KVCache], token_rows: list[list[int]], lengths: list[int],
+               adapter_slots: list[int] | None) -> torch.Tensor:
+        """logits [B, T, V] (T the longest row; a shorter row's padding positions are zeros):
+        projections and MLPs over [B, T], attention per row over its own cache."""
+        runner = self.runner
+        counts = [len(row) for row in token_rows]
+        width = max(counts)
+        padded = [row + row[-1:] * (width - len(row)) for row in token_rows]
+        for kv, length, count in zip(kvs, lengths, counts):
+            kv.ensure_capacity(length + count)
+        device = runner.device
+        h = runner.lm.embed_tokens(torch.tensor(padded, dtype=torch.long, device=device))  # [B, T, D]
+        positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(width, device=device)
+        cos, sin = runner.lm.rotary_emb(h, positions)  # positions: [B, T]
+        masks = [causal_masks(length, count, runner.windows, device, all_keys=count == 1)
+                 for length, count in zip(lengths, counts)]
+        gqa = runner.info.num_heads != runner.info.num_kv_heads
+        one = one_pool(kvs)
+        if one:  # every row's real new tokens (not its padding): row, column, and slot in the pool
+            new_rows = torch.tensor([b for b, count in enumerate(counts) for _ in range(count)], device=device)
+            new_columns = torch.tensor([t for count in counts for t in range(count)], device=device)
+            slots = torch.tensor([slot for kv, length, count in zip(kvs, lengths, counts)
+                                  for slot in kv.slots(length, length + count)], device=device)
+        row_runs = None  # runs_of_rows, built once per step for the layers that attend in place
+        for index, layer in enumerate(runner.layers):
+            attn = layer.self_attn
+            window = runner.windows[index]
+            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
+            if one:  # [N, KVH, hd] -> [KVH, N, hd]
+                kvs[0].pool.write(index, slots, k[new_rows, :, new_columns].transpose(0, 1),
+                                  v[new_rows, :, new_columns].transpose(0, 1))
+            rows = []
+            for b, (kv, length, count) in enumerate(zip(kvs, lengths, counts)):
+                if not one:
+                    kv.write(index, length, k[b, :, :count], v[b, :, :count])
+                if runner.in_place(kv, window):
+                    if row_runs is None:
+                        row_runs = runs_of_rows(kvs, [0] * len(kvs), [n + c for n, c in zip(lengths, counts)])
+                    runs = [(keys[index], values[index]) for keys, values in row_runs[b]]
+                    row = attend_runs(q[b:b + 1, :, :count], runs, attn.scaling, gqa, masks[b][window])
+                else:
+                    row = F.scaled_dot_product_attention(
+                        q[b:b + 1, :, :count], kv.keys(index, length + count)[None],
+                        kv.values(index, length + count)[None], attn_mask=masks[b][window],
+                        scale=attn.scaling, enable_gqa=gqa,
+                    )  # [1, H, count, hd]
+                rows.append(row if count == width else F.pad(row, (0, 0, 0, width - count)))  # padding: zeros
+            h = runner.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
+        return runner.logits(h)
+
+
+class CpuKernelPath(PerRowPath):
+    """Our CPU kernels for caches in one head-major pool; the per-row path for any other caches."""
+
+    name = "per_row"
+
+    def __init__(self, runner: ModelRunner):
+        super().__init__(runner)
+        self._lora_cached: tuple | None = None  # (rows' adapters, bank version) -> lora_arguments' tensors
+
+    def serves(self, kvs: list[KVCache]) -> bool:
+        return one_pool(kvs) and kvs[0].pool.head_major
+
+    @cached_property
+    def fused(self) -> list[tuple] | None:
+        """The layers' arguments for the C++ layer where every layer is one it reproduces (None: the
+        Python layer). Planned on first use, after any LoRA install (adapter rows go in as arguments)."""
+        runner = self.runner
+        i = runner.info
+        reproduced = runner.cpu_kernels and runner.kv_dtype == runner.dtype and runner.plain_layers
+        return fused_layer.plan(runner.layers, i.num_heads, i.num_kv_heads, i.head_dim) if reproduced else None
+
+    @cached_property
+    def stack(self) -> fused_layer.Stack | None:
+        """The whole step as one C++ call around the fused layers (None: a call per layer)."""
+        runner = self.runner
+        if self.fused is None:
+            return None
+        return fused_layer.stack(self.fused, runner.windows, runner.lm.embed_tokens, runner.lm.rotary_emb,
+                                 runner.lm.norm, runner.lm_head, runner.info.head_dim, runner.info.max_positions)
+
+    def decode(self, kvs, token_ids, lengths, offsets, adapter_slots):
+        if not self.serves(kvs):
+            return super().decode(kvs, token_ids, lengths, offsets, adapter_slots)
+        return self.decode_rows(kvs, token_ids, lengths, offsets)
+
+    def extend(self, kvs, token_rows, lengths, adapter_slots):
+        """Every new token a row of one ``decode_rows`` pass, so each position's logits are the bits its
+        own decode step would give (a speculative verify then accepts exactly what plain decoding would
+        emit). -> [B, width, V], padding positions zero."""
+        if not self.serves(kvs):
+            return super().extend(kvs, token_rows, lengths, adapter_slots)
+        for kv, length, row in zip(kvs, lengths, token_rows):
+            kv.ensure_capacity(length + len(row))
+        width = max(len(row) for row in token_rows)
+        owners = [b for b, row in enumerate(token_rows) for _ in row]
+        offsets = [t for row in token_rows for t in range(len(row))]
+        if adapter_slots is not None:  # one adapter row per new token
+            self.runner.set_adapters([adapter_slots[b] for b in owners])
+        flat = self.decode_rows([kvs[b] for b in owners], [token for row in token_rows for token in row],
+                                [lengths[b] + t for b, t in zip(owners, offsets)], None)  # [N, V]
+        logits = flat.new_zeros(len(kvs), width, flat.shape[-1])
+        logits[owners, offsets] = flat
+        return logits
+
+    def decode_rows(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
+                    offsets: torch.Tensor | None) -> torch.Tensor:
+        """Row b feeds token_ids[b] at position lengths[b] of kvs[b]'s sequence; a sequence may own several
+        rows at consecutive positions (``extend``): each attends up to its own position, as its decode step
+        would, and every linear sums as for one row (session/model/cpu/linear.py). -> logits [B, V]."""
+        runner, pool = self.runner, kvs[0].pool
+        width = max(len(kv.block_ids) for kv in kvs)
+        table = torch.tensor([kv.block_ids + [PAD_BLOCK] * (width - len(kv.block_ids)) for kv in kvs],
+                             dtype=torch.int32)
+        stack = self.stack if offsets is None else None
+        if stack is not None and max(lengths) < stack.positions:  # the whole step, one C++ call
+            slot_ids = [kv.slots(n, n + 1)[0] for kv, n in zip(kvs, lengths)]
+            rows = len(kvs)
+            ints = torch.tensor([*token_ids, *lengths, *slot_ids])  # int64: ids, positions, slots
+            # int32 [windows + 1, B]: each row's first key per window, then its end
+            bounds = torch.tensor([[window_start(w, n) for n in lengths] for w in stack.windows]
+                                  + [[n + 1 for n in lengths]], dtype=torch.int32)
+            lora, mask = self.lora_arguments()
+            out = stack.step.run(ints[:rows], ints[rows:2 * rows], pool.k, pool.v, ints[2 * rows:], table,
+                                 bounds[:-1], bounds[-1], lora, mask)
+            return out if stack.head else runner.lm_head(out[:, None])[:, 0].float()
+        slots = step_slots(runner, kvs, lengths)
+        ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
+        h, cos, sin = step_inputs(runner, token_ids, lengths, offsets)
+        starts = {window: torch.tensor([window_start(window, n) for n in lengths], dtype=torch.int32)
+                  for window in set(runner.windows)}  # window -> [B]: each row's first key
+        fused = self.fused
+        if fused is not None:  # the same operators from C++, a call per layer (session/model/cpu/fused_layer.py)
+            h, cos, sin, flat_slots = h[:, 0], cos[:, 0], sin[:, 0], slots[:, 0].contiguous()
+            lora, mask = self.lora_arguments()
+            for index, arguments in enumerate(fused):
+                h = fused_layer.run(h, arguments, cos, sin, pool.k[index], pool.v[index], flat_slots, table,
+                                    starts[runner.windows[index]], ends, lora[14 * index:14 * index + 14], mask)
+            if fused_layer.is_norm(runner.lm.norm):  # the final norm by the layer's own (checked at load)
+                h = fused_layer.norm(h, runner.lm.norm, fused_layer.lanes(fused))
+                return runner.lm_head(h[:, None])[:, 0].float()  # [B, 1, D]: the head sums as for one row each
+            return runner.logits(h[:, None])[:, 0]
+        for index, layer in enumerate(runner.layers):
+            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
+            pool.write_rows(index, slots, k, v)
+            o = cpu_attention.decode_attention(q[:, :, 0].contiguous(), pool.k[index], pool.v[index], table,
+                                               starts[runner.windows[index]], ends, layer.self_attn.scaling)
+            h = runner.finish_layer(layer, h, o[:, :, None])
+        return runner.logits(h)[:, 0]
+
+    def lora_arguments(self) -> tuple[list, torch.Tensor | None]:
+        """This step's LoRA deltas for the C++ layer (``fused_layer.lora_arguments``), the tensor list
+        kept while the rows' adapters and the bank's weights stay the same (a batch keeps its mix for
+        many steps)."""
+        bank = self.runner.lora
+        if bank is None or (bank.single is None and bank.mixed is None):
+            return [], None
+        key = (bank.single, bank.mixed[0] if bank.mixed is not None else None, bank.version)
+        if self._lora_cached is None or self._lora_cached[0] != key:
+            self._lora_cached = (key, fused_layer.lora_arguments(bank, len(self.runner.layers))[0])
+        return self._lora_cached[1], bank.row_mask
+
+
+class BatchedPath(PerRowPath):
+    """One attention call per layer for all rows over the paged pool; CUDA graphs where given."""
+
+    name = "batched"
+
+    def __init__(self, runner: ModelRunner, graphs: DecodeGraphs | None = None):
+        super().__init__(runner)
+        self.graphs = graphs
+
+    def decode(self, kvs, token_ids, lengths, offsets, adapter_slots):
+        if not one_pool(kvs):
+            return super().decode(kvs, token_ids, lengths, offsets, adapter_slots)
+        if self.graphs is not None and not any(adapter_slots or ()) and offsets is None and self.graphs.fits(kvs):
+            return self.graphs.run(kvs, token_ids)  # graphs hold the base model at plain positions only
+        runner = self.runner
+        plan = torch.tensor([[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1))], device=runner.device)
+        return runner.forward_paged(kvs[0].pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1), offsets)[:, 0]
+
+    def extend(self, kvs, token_rows, lengths, adapter_slots):
+        """One ``forward_paged`` call: shorter rows padded to T with their last token, whose keys land in
+        the row's own blocks past its new length (stale there, overwritten later) and come after every
+        real query of the row, so none attends to them."""
+        width = max(len(row) for row in token_rows)
+        if not (one_pool(kvs) and all(kv.length + width <= kv.max_tokens for kv in kvs)):
+            return super().extend(kvs, token_rows, lengths, adapter_slots)
+        for kv, length in zip(kvs, lengths):
+            kv.ensure_capacity(length + width)
+        padded = [row + row[-1:] * (width - len(row)) for row in token_rows]
+        runner = self.runner
+        plan = torch.tensor([[*ids, *row] for ids, row in zip(padded, plan_rows(kvs, width))], device=runner.device)
+        return runner.forward_paged(kvs[0].pool, columns(plan, 0, width), to_batch(plan[:, width:], width))
+
+
+def step_inputs(runner: ModelRunner, token_ids: list[int], lengths: list[int], offsets: torch.Tensor | None):
+    """A decode step's embeddings h [B, 1, D] and rotary cos/sin at positions lengths[b] (+ offsets)."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
+    h = runner.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
+    positions = torch.tensor(lengths, device=runner.device)
+    if offsets is not None:
+        positions = positions + offsets
+    cos, sin = runner.lm.rotary_emb(h, positions[:, None])
+    return h, cos, sin
+
+
+def step_slots(runner: ModelRunner, kvs: list[KVCache], lengths: list[int]) -> torch.Tensor:
+    """[B, 1]: the pool slot of each row's new token (at position lengths[b])."""
+    return torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=runner.device)
+
+
+def window_start(window: int | None, length: int) -> int:
+    """The first key a decode query at position ``length`` sees: 0, or in a sliding window of W the
+    last W keys, its own included."""
+    return 0 if window is None else max(0, length + 1 - window)
+
+
+def runs_of_rows(kvs: list[PagedKVCache], starts: list[int], ends: list[int]) -> list[list[tuple]]:
+    """Per row, the runs of blocks holding its positions starts[b] .. ends[b]-1, as (keys, values)
+    views [layers, KVH, n, hd] of every layer (a step builds them once, then indexes a layer)."""
+    return [[kv.pool.run_all_layers(*bounds) for bounds in kv.run_bounds(start, end)]
+            for kv, start, end in zip(kvs, starts, ends)]
+
+
+def one_pool(kvs: list[KVCache]) -> bool:
+    """Every cache is paged in the same pool: a step stores all rows' new keys in one call per layer."""
+    pool = getattr(kvs[0], "pool", None)
+    return pool is not None and all(getattr(kv, "pool", None) is pool for kv in kvs)
