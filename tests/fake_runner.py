@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from session.model.backend import ModelInfo
 from session.model.kv_cache import BlockPool, KVCache
-from session.model.runner import ModelInfo
 
 
 class InjectedFault(RuntimeError):
@@ -56,8 +56,11 @@ class FakeBank:
 
 
 class FakeRunner:
+    """A ``ModelBackend`` (session/model/backend.py) whose next token hashes the whole cache."""
+
     is_multimodal = True
     mrope = False
+    merge_size = 1
 
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], image_token_id: int,
                  num_image_tokens: int = 3, max_positions: int = 4096):
@@ -84,13 +87,13 @@ class FakeRunner:
                                                  device=self.device, block_tokens=block_tokens)
         return self.pools[block_tokens]
 
-    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...]) -> None:
+    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = ()) -> None:
         pass  # the fake decodes row by row whatever the setting
 
     def enable_lora(self, num_slots: int, max_rank: int):
         return self.bank, {(0, "q_proj"): (1, 1)}
 
-    def encode_images(self, pixels: list[torch.Tensor], sizes=None) -> list[torch.Tensor]:
+    def encode_images(self, pixels: list[torch.Tensor], sizes=None, grids=None) -> list[torch.Tensor]:
         self._maybe_fail("encode")
         return [torch.zeros(self.info.num_image_tokens, 1) for _ in pixels]
 
@@ -98,7 +101,8 @@ class FakeRunner:
         # Image placeholders keep their id: the images' content does not steer the fake model.
         return torch.tensor(token_ids, dtype=torch.float64)[:, None]
 
-    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False, adapter_slot: int = 0):
+    def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False, adapter_slot: int = 0,
+                positions: torch.Tensor | None = None):
         self._maybe_fail("prefill")
         start, count = kv.length, embeds.shape[0]
         kv.ensure_capacity(start + count)
@@ -106,7 +110,8 @@ class FakeRunner:
         kv.length = start + count
         return self._logits(kv, adapter_slot)
 
-    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None):
+    def decode(self, kvs: list[KVCache], token_ids: list[int], adapter_slots: list[int] | None = None,
+               position_offsets: list[int] | None = None):
         self._maybe_fail("decode")
         slots = adapter_slots or [0] * len(kvs)
         rows = []

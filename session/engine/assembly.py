@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,7 @@ from session.engine.prompt import ChatFormatter
 from session.engine.scheduler import Scheduler
 from session.errors import BadRequest, ConfigError
 from session.families.vision import NO_IMAGES, ImagePreprocessor, Images
+from session.model.backend import ModelBackend, Stepper
 from session.model.runner import ModelRunner
 from session.state.embeddings import EmbeddingCache
 from session.state.journal import Journal
@@ -27,24 +29,32 @@ from session.state.memory import MemoryManager
 from session.state.sessions import Sessions
 from session.state.store import SessionStore
 
+if TYPE_CHECKING:
+    from transformers import BaseImageProcessor, PreTrainedTokenizerBase
+
+    from session.model.lora import AdapterRegistry
+    from session.speculative.decoder import SpeculativeDecoder
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parts:
-    runner: ModelRunner
-    stepper: object  # the runner, or its fixed-shape twin (session/model/static_shapes.py)
+    """The engine's parts, built once by ``assemble``; the engine and its stats read them."""
+
+    runner: ModelBackend
+    stepper: Stepper  # the runner, or its fixed-shape twin (session/model/static_shapes.py)
     max_context: int
-    tokenizer: object
-    image_processor: object | None
+    tokenizer: PreTrainedTokenizerBase
+    image_processor: BaseImageProcessor | None
     vision: ImagePreprocessor | None  # PIL images -> Images (pixels, sizes, token counts); None: text-only
     formatter: ChatFormatter
     store: SessionStore
     embeddings: EmbeddingCache
     memory: MemoryManager
     journal: Journal | None
-    adapters: object | None  # AdapterRegistry
-    speculator: object | None  # SpeculativeDecoder
+    adapters: AdapterRegistry | None
+    speculator: SpeculativeDecoder | None
     sessions: Sessions
     scheduler: Scheduler
     executor: Executor
@@ -151,7 +161,7 @@ def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget
     """Decode attention per RESIDENT_ATTENTION, and the KV block pools reserved from the device budget
     (target and draft in proportion to their bytes per token; no more than max_sessions full contexts),
     so that a pool does not grow, and never copies itself, while sessions stay within the budget."""
-    from session.model.cuda_graphs import power_buckets
+    from session.model.buckets import power_buckets
 
     for runner in runners:
         runner.configure_decode(config.attention, power_buckets(config.max_batch_size))

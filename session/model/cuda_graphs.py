@@ -26,23 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from session.model.attention import columns, pad_row, plan_rows, to_batch
+from session.model.buckets import bucket_for, power_buckets
 from session.model.kv_cache import BlockPool, PagedKVCache
 
 logger = logging.getLogger(__name__)
-
-
-def power_buckets(limit: int) -> tuple[int, ...]:
-    """Powers of two below ``limit``, then ``limit`` itself (batch sizes, block-table widths)."""
-    buckets, size = [], 1
-    while size < limit:
-        buckets.append(size)
-        size *= 2
-    return tuple(buckets) + (limit,)
-
-
-def bucket_for(size: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket that holds ``size``, or None when none does."""
-    return next((b for b in buckets if b >= size), None)
 
 
 def graph_key(kvs: list[PagedKVCache], batch_buckets: tuple[int, ...]) -> tuple[int, int] | None:

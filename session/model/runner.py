@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +22,7 @@ from session.config import EngineConfig
 from session.errors import ConfigError
 from session.families.support import check_supported
 from session.model.attention import PagedAttention, PagedBatch, attend_runs, causal_masks, choose_backend
+from session.model.backend import ModelInfo
 from session.model.cpu import attention as cpu_attention, fused_layer, linear as cpu_linear
 from session.model.cpu.kernels import cpu_flags
 from session.model.cpu.packed_linear import can_pack, pack_linears
@@ -36,20 +36,6 @@ logger = logging.getLogger(__name__)
 VLM_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")  # 3-D positions (session/families/mrope.py): prefill takes them, decode an offset
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_positions: int
-    eos_token_ids: tuple[int, ...]
-    image_token_id: int | None  # None for text-only models
-    num_image_tokens: int  # placeholder tokens every image expands to; 0 where it varies (session/families/vision.py)
 
 
 def attention_windows(text_config, num_layers: int) -> list[int | None]:

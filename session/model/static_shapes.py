@@ -14,12 +14,13 @@ It produces the same greedy tokens as the dynamic path (tests pin it).
 
 from __future__ import annotations
 
-import bisect
 import logging
 
 import torch
 import torch.nn.functional as F
 
+from session.errors import ConfigError
+from session.model.buckets import bucket_for, power_buckets
 from session.model.kv_cache import StaticKVCache
 from session.model.runner import ModelRunner
 
@@ -28,20 +29,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
 
 
-def prompt_buckets(capacity: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` up to the capacity (the capacity itself is the last bucket)."""
-    buckets, size = [], smallest
-    while size < capacity:
-        buckets.append(size)
-        size *= 2
-    return tuple(buckets + [capacity])
-
-
-def bucket_for(size: int, buckets: tuple[int, ...]) -> int:
-    index = bisect.bisect_left(buckets, size)
-    if index == len(buckets):
+def fixed_bucket(size: int, buckets: tuple[int, ...]) -> int:
+    """The bucket a fixed-shape step of ``size`` runs in; ValueError past the largest."""
+    bucket = bucket_for(size, buckets)
+    if bucket is None:
         raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
-    return buckets[index]
+    return bucket
 
 
 def compile_step(fn, device: torch.device, enabled: bool, backend: str = "inductor"):
@@ -66,7 +59,7 @@ class StaticShapeRunner:
         self.runner = runner
         self.capacity = capacity
         self.batch_buckets = tuple(batch_buckets)
-        self.prompt_buckets = prompt_buckets(capacity)
+        self.prompt_buckets = power_buckets(capacity, smallest=16)
         self.scratch = runner.new_kv_cache(block_tokens=capacity, max_tokens=capacity, static=True)
         self._decode = compile_step(self._decode_graph, runner.device, compile, compile_backend)
         self._prefill = compile_step(self._prefill_graph, runner.device, compile, compile_backend)
@@ -76,11 +69,12 @@ class StaticShapeRunner:
 
     @torch.inference_mode()
     def prefill(self, kv: StaticKVCache, embeds: torch.Tensor, all_logits: bool = False,
-                adapter_slot: int = 0) -> torch.Tensor:
+                adapter_slot: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Same contract as ``ModelRunner.prefill``; pads the new tokens to a prompt bucket."""
+        _no_mrope(positions)
         self._check(kv)
         start, num_new = kv.length, embeds.shape[0]
-        bucket = bucket_for(num_new, self.prompt_buckets)
+        bucket = fixed_bucket(num_new, self.prompt_buckets)
         if start + bucket > self.capacity:  # the padded tail must fit too: fall back to the smallest fit
             bucket = num_new
         padded = torch.zeros(bucket, embeds.shape[1], dtype=embeds.dtype, device=embeds.device)
@@ -111,14 +105,16 @@ class StaticShapeRunner:
     # ------------------------------------------------------------------ decode
 
     @torch.inference_mode()
-    def decode(self, kvs: list[StaticKVCache], token_ids: list[int], adapter_slots: list[int] | None = None) -> torch.Tensor:
+    def decode(self, kvs: list[StaticKVCache], token_ids: list[int], adapter_slots: list[int] | None = None,
+               position_offsets: list[int] | None = None) -> torch.Tensor:
         """Same contract as ``ModelRunner.decode``; pads the batch to a batch bucket."""
+        _no_mrope(position_offsets if any(position_offsets or ()) else None)
         for kv in kvs:
             self._check(kv)
             if kv.length + 1 > self.capacity:
                 raise ValueError(f"KV cache cannot hold {kv.length + 1} tokens (max {self.capacity})")
         num_rows = len(kvs)
-        bucket = bucket_for(num_rows, self.batch_buckets)
+        bucket = fixed_bucket(num_rows, self.batch_buckets)
         pad = bucket - num_rows
         device = self.runner.device
         ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=device)
@@ -157,3 +153,8 @@ class StaticShapeRunner:
 
 def _gqa(runner: ModelRunner) -> bool:
     return runner.info.num_heads != runner.info.num_kv_heads
+
+
+def _no_mrope(positions) -> None:
+    if positions is not None:  # assembly refuses RESIDENT_STATIC_KV for M-RoPE models at start-up
+        raise ConfigError("fixed-shape steps do not implement M-RoPE positions")
