@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from session.families.registry import FAMILIES
 from session.model.backend import ModelInfo
 from session.model.kv_cache import BlockPool, KVCache
 
@@ -58,6 +59,7 @@ class FakeBank:
 class FakeRunner:
     """A ``ModelBackend`` (session/model/backend.py) whose next token hashes the whole cache."""
 
+    family = FAMILIES["llava"]  # one count per image (num_image_tokens)
     is_multimodal = True
     mrope = False
     merge_size = 1

@@ -218,12 +218,13 @@ def _load_processing(model_path: str, runner):
     Qwen-VL's processor is built without its video processor (which needs torchvision: session/families/qwen_vl.py)."""
     from transformers import AutoProcessor, AutoTokenizer
 
-    if runner.mrope:
+    kind = runner.family.processor
+    if kind == "qwen_vl":
         from session.families.qwen_vl import load_processor
 
         processor = load_processor(model_path)
         return processor.tokenizer, processor.image_processor
-    if runner.is_multimodal:
+    if kind == "auto":
         processor = AutoProcessor.from_pretrained(model_path)
         return processor.tokenizer, processor.image_processor
     return AutoTokenizer.from_pretrained(model_path), None

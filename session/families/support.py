@@ -9,13 +9,14 @@ left to a worker crash loop.
 from __future__ import annotations
 
 from session.errors import ConfigError
+from session.families.registry import FAMILIES, model_types
 
 # LLaVA-1.5: a CLIP tower (CLS token), a projector, a decoder-only LM; LLaVA-NeXT (llava-v1.6): the same
 # with anyres tiling and image_newline (session/families/anyres.py, session/families/vision.py).
 # Qwen2-VL / Qwen2.5-VL: a dynamic-resolution tower and a Qwen2 LM with M-RoPE (session/families/mrope.py).
-SUPPORTED_VLMS = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
-MROPE_VLMS = ("qwen2_vl", "qwen2_5_vl")
-SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_VLMS = model_types(multimodal=True)
+MROPE_VLMS = tuple(t for t in SUPPORTED_VLMS if FAMILIES[t].mrope)
+SUPPORTED_TEXT_MODELS = model_types(multimodal=False)
 LAYER_TYPES = {"full_attention", "sliding_attention"}
 SUPPORTED_VISION_TOWERS = ("clip_vision_model",)
 

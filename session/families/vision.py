@@ -91,9 +91,11 @@ class ImagePreprocessor:
 
     @classmethod
     def for_runner(cls, runner, image_processor) -> ImagePreprocessor:
-        if runner.mrope:
+        """The preprocessor of the runner's family (``family.image_tokens``: fixed, anyres or grid)."""
+        scheme = runner.family.image_tokens
+        if scheme == "grid":
             return cls(image_processor, qwen_geometry=QwenVLGeometry.from_image_processor(image_processor))
-        if runner.info.num_image_tokens:
+        if scheme == "fixed":
             return cls(image_processor, fixed_tokens=runner.info.num_image_tokens)
         return cls(image_processor, geometry=AnyresGeometry.from_hf_config(runner.hf_config))
 

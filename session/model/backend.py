@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from session.families.registry import Family
 from session.model.kv_cache import BlockPool, KVCache
 
 
@@ -55,6 +56,7 @@ class ModelBackend(Stepper, Protocol):
 
     device: torch.device
     info: ModelInfo
+    family: Family  # its registry entry (session/families/registry.py)
     is_multimodal: bool
     mrope: bool  # 3-D positions (Qwen2-VL): prefill takes positions, decode offsets
     merge_size: int  # M-RoPE: image grid cells merged per token side (1 elsewhere)

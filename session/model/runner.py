@@ -20,6 +20,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from session.config import EngineConfig
 from session.errors import ConfigError
+from session.families.registry import family_of
 from session.families.support import check_supported
 from session.model.attention import PagedAttention, PagedBatch, attend_runs, causal_masks, choose_backend
 from session.model.backend import ModelInfo
@@ -30,12 +31,6 @@ from session.model.decode_paths import BatchedPath, CpuKernelPath, PerRowPath
 from session.model.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache
 
 logger = logging.getLogger(__name__)
-
-# The vision-language model types the runner loads, and their transformers classes (session/families/support.py
-# decides what is admitted).
-VLM_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
-               "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
-MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")  # 3-D positions (session/families/mrope.py): prefill takes them, decode an offset
 
 
 def attention_windows(text_config, num_layers: int) -> list[int | None]:
@@ -92,10 +87,11 @@ class ModelRunner:
         hf_config = AutoConfig.from_pretrained(model_path)
         check_supported(hf_config)  # refuse, naming the feature, before any weight is read
         self.hf_config = hf_config
-        self.is_multimodal = hf_config.model_type in VLM_CLASSES
+        self.family = family_of(hf_config.model_type)  # known: check_supported passed
+        self.is_multimodal = self.family.multimodal
         text_config = hf_config.text_config if self.is_multimodal else hf_config
         self.model = self._load(model_path, hf_config)
-        self.mrope = hf_config.model_type in MROPE_TYPES
+        self.mrope = self.family.mrope  # 3-D positions: prefill takes them, decode an offset
         self.merge_size = hf_config.vision_config.spatial_merge_size if self.mrope else 1  # M-RoPE image grids
         if self.is_multimodal:
             self.lm = self.model.model.language_model
@@ -158,7 +154,7 @@ class ModelRunner:
     def _load(self, path: str, hf_config):
         import transformers
 
-        cls = getattr(transformers, VLM_CLASSES.get(hf_config.model_type, "AutoModelForCausalLM"))
+        cls = getattr(transformers, family_of(hf_config.model_type).hf_class)
         model = cls.from_pretrained(path, dtype=self.dtype)
         return model.to(self.device).eval().requires_grad_(False)
 
@@ -168,7 +164,7 @@ class ModelRunner:
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos_ids = {e for e in (eos, gen_eos) for e in (e if isinstance(e, list) else [e]) if e is not None}
         num_image_tokens = 0
-        if hf_config.model_type == "llava":  # llava_next: a count per image (anyres)
+        if self.family.image_tokens == "fixed":  # else a count per image (anyres, grid)
             vc = hf_config.vision_config
             num_image_tokens = (vc.image_size // vc.patch_size) ** 2 + (self.vision_select == "full")
         return ModelInfo(
@@ -207,13 +203,12 @@ class ModelRunner:
         pixels are: LLaVA-1.5 [3, H, W]; LLaVA-NeXT its own [tiles, 3, tile, tile], with its original
         (height, width) in ``sizes`` (features come back packed: unpadded, ``image_newline`` after each
         row, base tile first); Qwen-VL its [t*h*w, patch values] with its (t, h, w) in ``grids``."""
-        model_type = self.hf_config.model_type
-        if model_type in MROPE_TYPES:
+        if self.family.image_tokens == "grid":
             out = self.model.model.get_image_features(torch.cat(list(pixels)).to(self.device, self.dtype),
                                                       torch.tensor(grids, device=self.device))
             return [f.contiguous() for f in out.pooler_output]
         kwargs = {}
-        if model_type == "llava_next":
+        if self.family.image_tokens == "anyres":
             kwargs["image_sizes"] = torch.tensor(sizes, device=self.device)
             pixel_values = torch.cat(list(pixels))
         else:
