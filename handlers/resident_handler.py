@@ -2,7 +2,7 @@
 
 Runs with ``asyncCommunication: true`` and ``batchSize: 1``: TorchServe hands every request to
 ``handle`` as soon as it arrives, while the engine thread batches the requests of all sessions
-in one forward pass. Mitigations for that mode's known faults (DESIGN §5):
+in one forward pass. Mitigations for that mode's known faults (docs/DESIGN.md, "TorchServe as we found it"):
 - a successful answer is sent as one streamed chunk (a plain one leaks a frontend job entry);
 - errors are sent plain, with their 4xx/5xx status;
 - nothing escapes ``handle`` (an escaping exception answers 503 to every request in flight);

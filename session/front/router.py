@@ -6,7 +6,7 @@ backend, ``acquire``/``release`` around the request, ``record_answer`` with the 
 and headers; its health loop calls ``record_probe`` and ``expire``; a drain calls ``pin`` for
 every session it moved.
 
-The rules (DESIGN §5, docs/ROUTING.md):
+The rules (docs/DESIGN.md, "TorchServe as we found it", docs/ROUTING.md):
 - New sessions and stateless requests go to the healthy, not draining backend with the fewest
   outstanding requests; ties go to the one holding the fewest sessions, then the lowest index.
 - A session's route needs no table: a backend started with ``RESIDENT_SESSION_ID_TAG=<tag>``

@@ -5,8 +5,8 @@ and values. On accelerators they are token-major, ``[num_layers, num_blocks, blo
 num_kv_heads, head_dim]`` each, the layout FlashAttention's ``flash_attn_with_kvcache(block_table=...)``
 reads. On CPU they are head-major, ``[num_layers, num_kv_heads, num_blocks, block_tokens, head_dim]``:
 a head's keys over a run of consecutive blocks are then one contiguous stream, and torch's CPU flash
-kernel read them faster than the token-major view, with the same bits (a 16-session decode step
-1.4x faster in float32, 1.7x in bfloat16: benchmarks/attention_paths.py --layouts). Only the pool's
+kernel read them faster than the token-major view, with the same bits (benchmarks/attention_paths.py
+--layouts; docs/MEASUREMENTS.md, "KV layout on CPU"). Only the pool's
 methods know the layout (and session/model/attention.py's FlashAttention call, token-major pools only).
 A ``PagedKVCache`` is one
 session's list of block ids (its block table). It grows by taking free blocks, so growth never

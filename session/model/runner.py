@@ -64,8 +64,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def default_attention(device: torch.device) -> str:
     """The decode attention a device gets unless RESIDENT_ATTENTION says otherwise. CUDA: batched (one
-    kernel per layer instead of one per row). CPU: per_row, measured 2x faster at 16 sessions
-    (benchmarks/attention_paths.py, docs/ENGINE.md): SDPA over gathered blocks copies every row's KV
+    kernel per layer instead of one per row). CPU: per_row, faster at many sessions
+    (benchmarks/attention_paths.py; docs/MEASUREMENTS.md, "Decode attention paths"): SDPA over gathered blocks copies every row's KV
     each step, while a row whose blocks are consecutive is read in place."""
     return "batched" if device.type == "cuda" else "per_row"
 

@@ -1,10 +1,9 @@
 """The CPU thread count, chosen by measuring decode steps while serving.
 
 On a CPU a decode step reads every weight once, and one core cannot draw the memory bandwidth that
-all of them can: on a quiet 2-core machine two threads decode faster than one (10.9 against 16.4 ms
-per token at one session, 379 against 245 tokens/s at 16; text-bench, float32). But when another
+all of them can: on a quiet 2-core machine two threads decode faster than one. But when another
 process keeps a core busy (the TorchServe frontend, the clients, a neighbour), OpenMP's threads wait
-for each other at every barrier and two threads collapse (38.3 against 15.5 ms per token). Neither
+for each other at every barrier and two threads collapse (docs/MEASUREMENTS.md, "Thread count"). Neither
 count is right everywhere, and the load changes while a server runs, so the engine measures instead
 of guessing.
 
@@ -15,8 +14,8 @@ refresh interval: ``refresh_steps`` steps of that bucket, doubled (up to ``max_r
 time a re-measure finds it still slower, so a steady machine pays a few slow steps ever more rarely
 and a count that became faster (a neighbour left) is found within the interval. A re-measure ends at
 its first step that is far slower than the best; a new bucket starts from its nearest measured
-bucket's verdict. (Measured before these two rules, on a loaded 2-core machine: re-trying two threads
-in each new bucket made 64-token answers at 16 sessions 3x slower than one thread throughout.) The
+bucket's verdict (without these two rules, a loaded machine re-tried the slow count in every new
+bucket: docs/MEASUREMENTS.md, "Thread count"). The
 first step after a switch is not counted (the OpenMP pool resizes). Steps with a prefill are not
 measured.
 
@@ -161,8 +160,8 @@ def one_thread_here() -> Iterator[None]:
     handler's executor threads). A thread's first parallel operator gives it a team of its own, which
     lives as long as the thread, and from then on GNU OpenMP stops spinning between the engine's
     parallel regions (its threads outnumber the cores). Today's processors (LLaVA, LLaVA-NeXT,
-    Qwen2-VL, Qwen2.5-VL; checked) start none; this keeps it so for any processor. Measured (text-bench, bfloat16, one session, 2 threads): 1.6-2.4 ms a token, and 3.3-3.7
-    after one parallel operator on a thread that stays. With one thread (OpenMP's count is per thread,
+    Qwen2-VL, Qwen2.5-VL; checked) start none; this keeps it so for any processor (a second team
+    slowed decode ~1.5x: docs/MEASUREMENTS.md, "One OpenMP team"). With one thread (OpenMP's count is per thread,
     and torch reads the calling thread's) such operators start no team. Who calls this:
     ``Engine.preprocess_images``.
     """
@@ -182,8 +181,8 @@ class ComputeThread:
 
     OpenMP keeps a team of worker threads for each thread that runs parallel regions, and GNU OpenMP
     stops spinning between regions once its threads outnumber the cores: with a model loaded on the
-    caller's thread and decoded on the loop thread, a 2-thread decode step on a 2-core machine measured
-    1.6x slower (text-bench, one session: 12 against 20 ms). Running both on this thread keeps one team.
+    caller's thread and decoded on the loop thread, a 2-thread decode step on a 2-core machine ran
+    markedly slower (docs/MEASUREMENTS.md, "One OpenMP team"). Running both on this thread keeps one team.
     Who calls this: ``Engine`` (construction, start, stop), from the caller's thread. Work runs in the
     order posted; once the engine loop is posted, later work waits for the loop to end.
     """

@@ -63,11 +63,10 @@ class SpeculationController:
     speculate only while S(k) >= min_speedup, and after some plain steps try once more (acceptance
     depends on the text: a follow-up that quotes the conversation may suddenly pay). A failed try at
     k=1 costs r + rho of a plain step, so a cheap draft tries again soon: after (r + rho) / probe_cost
-    plain steps, at most ``probe_interval`` (measured: a 0.25-cost draft fell back 2-3 times per
-    128-token answer, each time in a short stretch of text it mispredicted). A try that still does not
-    pay doubles the wait before the next (``probe_backoff``, up to ``max_probe_backoff``): where a
-    pair does not pay at all (the deep pair in bfloat16 on CPU, where the verify pass costs 1.9 plain
-    steps), tries every 9-16 steps cost ~8% of plain speed.
+    plain steps, at most ``probe_interval`` (a cheap draft falls back only for short stretches of text
+    it mispredicts). A try that still does not pay doubles the wait before the next (``probe_backoff``,
+    up to ``max_probe_backoff``), so where a pair does not pay at all the tries cost little
+    (docs/MEASUREMENTS.md, "Speculation probes").
 
     Acceptance is estimated from geometric trials: a step that accepted m of k proposals saw m
     successes and (m < k) failures; the proposals after the first rejection were never tested.

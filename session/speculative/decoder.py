@@ -244,8 +244,8 @@ class SpeculativeDecoder:
         """Feed the drafts of rows far behind (plain steps since their last pass) all their text but the
         last token, in one batched pass, before the step's clock starts: the step's draft_s is then what
         a step costs while speculating, and the catch-up is the price of the plain steps before it. A
-        pass, not ``sync_draft``'s prefill: a short prefill costs ~1 ms in bfloat16 on CPU (the Python
-        layer), the batched pass ~0.02 ms a token on a small draft."""
+        pass, not ``sync_draft``'s prefill: a short prefill runs the Python layer, the batched pass a
+        small fraction of its cost per token (docs/MEASUREMENTS.md, "Draft catch-up")."""
         behind, missing = [], []
         for row in rows:
             lacking = self._lacking(row.token_ids, row.draft_kv)

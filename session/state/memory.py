@@ -3,7 +3,7 @@
 Tiers, best first: DEVICE (the KV cache is on the accelerator, ready), HOST (a compact copy of
 the KV in host memory; restored by one copy), DROPPED (no KV; restored by recomputing the
 transcript). A session's transcript and image references are never dropped while it lives, so
-every tier answers exactly the same tokens, only at different speed (DESIGN §4.1, §4.3).
+every tier answers exactly the same tokens, only at different speed (docs/DESIGN.md, "Invariants").
 
 Who calls this: the engine loop thread, before it grows or restores a session's KV
 (``reserve``), and when a session needs its KV back (``restore_from_host``). Sessions in a

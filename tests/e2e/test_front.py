@@ -1,5 +1,5 @@
 """End to end: the front before two real TorchServe backends on 127.0.0.1, driven with requests and
-with the real boto3 ``sagemaker-runtime`` client (DESIGN §5). The last test kills a backend."""
+with the real boto3 ``sagemaker-runtime`` client (docs/DESIGN.md, "TorchServe as we found it"). The last test kills a backend."""
 
 from __future__ import annotations
 

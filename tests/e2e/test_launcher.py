@@ -1,4 +1,4 @@
-"""`make serve`'s launcher: SIGTERM stops everything it started, at any moment (DESIGN §8)."""
+"""`make serve`'s launcher: SIGTERM stops everything it started, at any moment (docs/DESIGN.md, "Interfaces")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LoRA adapters in the engine: PEFT-exact, mixed batches, session binding, tiers, admin (DESIGN §4.1, §4.2)."""
+"""LoRA adapters in the engine: PEFT-exact, mixed batches, session binding, tiers, admin (docs/DESIGN.md, "Invariants")."""
 
 from __future__ import annotations
 

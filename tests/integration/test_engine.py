@@ -95,7 +95,7 @@ def test_first_turn_matches_transformers_generate(engine, reference, tiny_model_
 
 
 def test_followups_equal_stateless_runs_over_same_transcript(engine):
-    """DESIGN §4.1: every follow-up from the resident session equals a from-scratch run."""
+    """docs/DESIGN.md, "Invariants": every follow-up from the resident session equals a from-scratch run."""
     images = engine.preprocess_images([make_image(2)])
     sid = "equivalence-1"
     answers = []

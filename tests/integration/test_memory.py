@@ -1,4 +1,4 @@
-"""Session memory: byte budget, tiers, shared embeddings, journal recovery, overload (DESIGN §4.3, §4.4)."""
+"""Session memory: byte budget, tiers, shared embeddings, journal recovery, overload (docs/DESIGN.md, "Invariants")."""
 
 from __future__ import annotations
 

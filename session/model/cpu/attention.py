@@ -3,13 +3,11 @@ torch's bits (below); float32 (``decode_attention_f32``) runs the same steps on 
 with an exact exponential, equal to torch's to rounding (docs/ENGINE.md, "float32 on the same kernels").
 
 torch's CPU flash-attention kernel runs a bfloat16 query's two products through MKL's bfloat16 GEMM,
-which on this project's AMD CPU (AVX512-BF16, no AMX) took 261 us per 600-key row and layer against
-41 us in float32 (8 heads of 64): bfloat16 decoding was slower than float32 although its weights
-read half the bytes. ``csrc/decode_attention.cpp`` computes the same thing, step for step (its
-header lists them), reading keys and values as bfloat16 from the pool through each row's block
-table, parallel over rows and heads: one call per layer instead of one per row and layer
-(``python -m benchmarks.cpu_attention``: 30 us for that row against torch's 296, 795 us for 16 rows
-against 5,034).
+which for one decode row was several times slower than float32 although the keys read half the bytes.
+``csrc/decode_attention.cpp`` computes the same thing, step for step (its header lists them), reading
+keys and values as bfloat16 from the pool through each row's block table, parallel over rows and
+heads: one call per layer instead of one per row and layer (``python -m benchmarks.cpu_attention``;
+docs/MEASUREMENTS.md, "Decode attention on CPU").
 
 Its results are torch's bits (tests/unit/model/cpu/test_cpu_attention.py), so greedy output keeps agreeing with
 transformers' own bfloat16 ``generate`` (benchmarks/bf16_agreement.py). The order of additions was

@@ -1,13 +1,12 @@
 """A decode step's layers on CPU as one C++ call each (and the whole step as one, ``stack``), in
 bfloat16 and float32 (csrc/decode_layer.h): the Python step's bits, minus Python.
 
-With our attention and linear kernels a one-session bfloat16 step on text-bench took 4.5 ms, of which
-the kernels took about 2.4; the rest was ~300 small torch operators a step (RMSNorm's eight, the
-rotary embedding's seven per tensor, residual adds, views) and the interpreter and ``nn.Module`` calls
-around them. ``csrc/decode_layer.cpp`` runs a layer in one call: our kernels through the dispatcher,
-RMSNorm, the rotary embedding and the residual adds written out with the ATen kernels' arithmetic,
-SiLU by ATen. Same bits (tests/integration/test_bf16_decode.py); the step took 3.1 ms with ATen's
-operators called from C++ and 2.35-2.57 ms with those written out.
+With our attention and linear kernels, about half of a one-session bfloat16 step was ~300 small torch
+operators (RMSNorm's eight, the rotary embedding's seven per tensor, residual adds, views) and the
+interpreter and ``nn.Module`` calls around them. ``csrc/decode_layer.cpp`` runs a layer in one call:
+our kernels through the dispatcher, RMSNorm, the rotary embedding and the residual adds written out
+with the ATen kernels' arithmetic, SiLU by ATen. Same bits (tests/integration/test_bf16_decode.py);
+docs/MEASUREMENTS.md, "The C++ decode layer", has the step's times.
 
 RMSNorm's mean is where the bits are fragile: ATen sums a row in vectors of 8 or 16 floats (its AVX2
 or AVX512 code; this torch build ran the 8-lane sum on an AVX-512 CPU), four vectors side by side,

@@ -3,14 +3,10 @@ float32 (``linear_f32``) takes the linears oneDNN would (256 KiB and up), in one
 (an FMA per input, in blocks of 512), probed the same way against oneDNN's own reordered weights.
 
 torch runs a bfloat16 ``F.linear`` on CPU through oneDNN. For the few rows of a decode step, that
-costs a fixed ~20 us per call (a 512x512 weight took 25 us from cache), about as much as streaming
-the weight. ``csrc/linear_bf16.cpp`` reads weights packed once at load for VDPBF16PS (16 outputs by
-2 inputs per 64-byte line) and costs a few microseconds per call. Over one tiny Llama's 57 linears
-(``python -m benchmarks.cpu_linear``, 2 threads, oneDNN on its own packed weights beside ours):
-
-  one row:   2.0-2.4 ms against 3.3-4.0 (1.65-1.75x), 24-30 GB/s: the memory bandwidth measured here
-  16 rows:   3.8-3.9 ms against 4.4-5.0 (1.15-1.26x)
-  600 rows:  86.8-95.9 ms against 82.5-86.6 (0.90-0.95x: a long prefill is a little slower)
+costs a fixed setup per call, about as much as streaming the weight. ``csrc/linear_bf16.cpp`` reads
+weights packed once at load for VDPBF16PS (16 outputs by 2 inputs per 64-byte line) and costs a few
+microseconds per call: faster for decode rows, a little slower for a long prefill
+(``python -m benchmarks.cpu_linear``; docs/MEASUREMENTS.md, "Linears on CPU").
 
 Same bits as oneDNN. Its kernel adds, per output, the products pair after pair in input order, in
 blocks of inputs whose sums are then added; the block size is its choice, and on this project's CPU

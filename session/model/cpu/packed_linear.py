@@ -1,20 +1,17 @@
 """CPU weight prepacking: the model's linears run on oneDNN with weights reordered once, at load.
 
 ``F.linear`` on CPU reorders a bfloat16 weight into oneDNN's blocked layout on every call, and runs
-float32 through MKL, which on this project's AMD CPU measured 11 GB/s for a one-row product. Reordering
-each weight once (``torch.ops.mkldnn._reorder_linear_weight``, the op inductor's weight freezing uses)
-and calling oneDNN directly measured, over one tiny Llama's linears (benchmarks/cpu_linear.py):
-
-  one row:  float32 1.2x (one thread) to 1.8x (two threads), bfloat16 1.6x to 1.9x faster
-  16 rows:  float32 1.8x, bfloat16 1.5x to 1.9x faster
+float32 through MKL, slowly for a one-row product. Reordering each weight once
+(``torch.ops.mkldnn._reorder_linear_weight``, the op inductor's weight freezing uses) and calling
+oneDNN directly is faster for decode rows in both dtypes (benchmarks/cpu_linear.py;
+docs/MEASUREMENTS.md, "Prepacked linears").
 
 bfloat16 results are bit-identical to ``F.linear`` (which already runs oneDNN); float32 results differ
 by rounding only (another summation order), like any other BLAS.
 
-A oneDNN call costs more to set up than an MKL one, which a small float32 weight does not win back:
-one row through a 128x128 float32 weight took 19.8 us packed against 12.6 us dense (one thread), and
-256 KiB was where they met. So float32 weights under ``MIN_FLOAT32_BYTES`` stay dense; bfloat16
-weights were faster packed at every size measured (128x128 and up).
+A oneDNN call costs more to set up than an MKL one, which a small float32 weight does not win back;
+the sizes met at about 256 KiB (docs/MEASUREMENTS.md, "Prepacked linears"). So float32 weights under
+``MIN_FLOAT32_BYTES`` stay dense; bfloat16 weights were faster packed at every size measured.
 
 The packed weight replaces the module's ``weight`` (no second copy; a head tied to the embeddings keeps
 the embedding's). ``PackedLinear`` stays an ``nn.Linear`` with its in/out features, so LoRA wrapping

@@ -165,7 +165,7 @@ def test_followup_with_an_image(formatter, tokenizer, image_id):
 
 
 def test_session_transcript_equals_the_stateless_prompt(formatter, tokenizer):
-    """opening + answer + EOS + followup == the opening of the whole conversation (DESIGN §4.1)."""
+    """opening + answer + EOS + followup == the opening of the whole conversation (docs/DESIGN.md, "Invariants")."""
     first, second = user(IMAGE, "What is this?"), user("And that?")
     stateful = (formatter.opening((first,), (16,)).token_ids + encode(tokenizer, " It is a cat.")
                 + [tokenizer.eos_token_id] + formatter.followup((second,), ended_with_eos=True).token_ids)

@@ -1,4 +1,4 @@
-"""session/front/event_stream.py, decoded by botocore's own event-stream parser (DESIGN §7)."""
+"""session/front/event_stream.py, decoded by botocore's own event-stream parser (docs/DESIGN.md, "Event stream")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""session/front/router.py: least-loaded choice, pins from session headers, expiry, health (DESIGN §5)."""
+"""session/front/router.py: least-loaded choice, pins from session headers, expiry, health (docs/DESIGN.md, "TorchServe as we found it")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""session/serving/protocol.py: SageMaker session headers, request parsing, response shapes (DESIGN §2)."""
+"""session/serving/protocol.py: SageMaker session headers, request parsing, response shapes (docs/DESIGN.md, "Wire protocol")."""
 
 from __future__ import annotations
 
