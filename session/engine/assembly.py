@@ -114,7 +114,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
                  image_processor=image_processor, vision=vision, formatter=formatter, store=store, embeddings=embeddings,
                  memory=memory, journal=journal, adapters=adapters, speculator=speculator, sessions=sessions,
                  scheduler=Scheduler(max_batch_size=config.max_batch_size), executor=executor,
-                 outputs=OutputProcessor(tokenizer, info.eos_token_ids))
+                 outputs=OutputProcessor(tokenizer, info.eos_token_ids, sessions))
 
 
 def preprocess_images(vision: ImagePreprocessor | None, images: list) -> Images:

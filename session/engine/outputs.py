@@ -10,9 +10,11 @@ character, is held back until it is known not to be.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from session.engine.events import Finished, TextDelta
 from session.engine.requests import Sequence
+from session.state.session import SessionState
 from session.types import Usage
 
 
@@ -70,10 +72,19 @@ class Detokenizer:
         return full[len(prefix):]
 
 
+class Transcript(Protocol):
+    """Who writes a session's answer into its transcript: ``Sessions`` (the one writer of session state)."""
+
+    def append_token(self, session: SessionState, token: int) -> None: ...
+
+    def end_answer(self, session: SessionState, ended_with_eos: bool) -> None: ...
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], transcript: Transcript):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.transcript = transcript
         self.decode = text_of(tokenizer)
         self.num_generated_tokens = 0
 
@@ -85,7 +96,7 @@ class OutputProcessor:
         """Record a sampled token in the sequence and its session's transcript; stream what became
         final; return the Finished event when the request is complete (the engine sends it)."""
         seq.generated.append(token)
-        seq.session.token_ids.append(token)
+        self.transcript.append_token(seq.session, token)
         self.num_generated_tokens += 1
         sampling, detok = seq.request.sampling, seq.detokenizer
         is_eos = token in self.eos_token_ids
@@ -108,7 +119,7 @@ class OutputProcessor:
             self._send(seq, text[: max(seq.num_text_sent, len(text) - hold)])
             return None
         self._send(seq, text)
-        seq.session.ended_with_eos = is_eos
+        self.transcript.end_answer(seq.session, is_eos)
         usage = Usage(prompt_tokens=seq.prompt_tokens, completion_tokens=len(seq.generated),
                       cached_tokens=seq.cached_tokens)
         return Finished(session_id=None if seq.session.ephemeral else seq.session.session_id, text=text,

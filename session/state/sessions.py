@@ -170,6 +170,14 @@ class Sessions:
         elif session.draft_kv is not None:
             session.draft_kv.crop(max(0, self.draft_text_tokens(session.token_ids) - 1))
 
+    def append_token(self, session: SessionState, token: int) -> None:
+        """A sampled token joins the transcript (the output processor, once per token)."""
+        session.token_ids.append(token)
+
+    def end_answer(self, session: SessionState, ended_with_eos: bool) -> None:
+        """The turn's answer is complete; did it end with EOS (the template's end of turn)?"""
+        session.ended_with_eos = ended_with_eos
+
     def release_images(self, turn: Turn) -> None:
         for digest in turn.images_acquired:
             self._release_image(digest)

@@ -31,6 +31,16 @@ class Stream:
         self.events.append(event)
 
 
+class FakeTranscript:
+    """Sessions' two transcript writes, on the fake session."""
+
+    def append_token(self, session, token):
+        session.token_ids.append(token)
+
+    def end_answer(self, session, ended_with_eos):
+        session.ended_with_eos = ended_with_eos
+
+
 def make_seq(max_tokens=64, stop=()):
     request = SimpleNamespace(sampling=SamplingParams(max_tokens=max_tokens, stop=tuple(stop)), stream=Stream(),
                               request_id="r", images=NO_IMAGES)
@@ -74,7 +84,7 @@ def test_a_stream_without_deltas_gets_only_the_answer(tokenizer):
     ids = tokenizer.encode("def main():\n    return 42  # the answer", add_special_tokens=False)[:20]
     results = {}
     for deltas in (True, False):
-        processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,))
+        processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,), transcript=FakeTranscript())
         seq = make_seq(max_tokens=len(ids), stop=["42"])
         seq.request.stream = Stream(deltas=deltas)
         processor.start(seq)
@@ -88,7 +98,7 @@ def test_a_stream_without_deltas_gets_only_the_answer(tokenizer):
 
 
 def test_stream_and_final_text_agree_and_usage_counts(tokenizer):
-    processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,))
+    processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,), transcript=FakeTranscript())
     seq = make_seq(max_tokens=20)
     processor.start(seq)
     ids = tokenizer.encode("def main():\n    return 42  # the answer", add_special_tokens=False)[:20]
@@ -108,7 +118,7 @@ def test_stream_and_final_text_agree_and_usage_counts(tokenizer):
 
 
 def test_a_stop_string_ends_the_answer_and_is_never_streamed(tokenizer):
-    processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,))
+    processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,), transcript=FakeTranscript())
     seq = make_seq(max_tokens=50, stop=["return"])
     processor.start(seq)
     finished = None
@@ -123,7 +133,7 @@ def test_a_stop_string_ends_the_answer_and_is_never_streamed(tokenizer):
 
 
 def test_max_tokens_ends_with_length(tokenizer):
-    processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,))
+    processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,), transcript=FakeTranscript())
     seq = make_seq(max_tokens=3)
     processor.start(seq)
     results = [processor.on_token(seq, t) for t in tokenizer.encode("a b c d e", add_special_tokens=False)[:3]]
