@@ -20,9 +20,6 @@ from session.errors import ConfigError
 
 ENV_PREFIX = "RESIDENT_"
 
-# TorchServe's own keys that may sit in the handler section next to ours.
-_IGNORED_YAML_KEYS = frozenset()
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -79,8 +76,6 @@ class EngineConfig:
         known = {f.name: f for f in fields(cls)}
         values: dict[str, Any] = {}
         for key, raw in (yaml_section or {}).items():
-            if key in _IGNORED_YAML_KEYS:
-                continue
             if key not in known:
                 raise ConfigError(f"unknown setting {key!r} in model-config.yaml; known: {sorted(known)}")
             values[key] = coerce(known[key].type, raw, f"model-config.yaml {key}")

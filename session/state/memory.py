@@ -82,11 +82,7 @@ class MemoryManager:
         return session.tier
 
     def drop(self, session: SessionState) -> None:
-        session.kv.release()
-        if session.draft_kv is not None:
-            session.draft_kv.release()
-        session.host_kv = None
-        session.host_length = 0
+        session.release_tensors()
         session.tier = Tier.DROPPED
         self.num_dropped += 1
 

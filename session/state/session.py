@@ -40,6 +40,15 @@ class SessionState:
     recoverable: bool = True  # its journal entry is current (False after a failed journal write)
     rope_delta: int = 0  # M-RoPE (Qwen-VL): position of the next token minus its index (session/families/mrope.py)
 
+    def release_tensors(self) -> None:
+        """Give back every tensor it holds (device KV, draft KV, host copy); its transcript stays.
+        Who calls this: the store when it closes the session, the memory manager when it drops one."""
+        self.kv.release()
+        if self.draft_kv is not None:
+            self.draft_kv.release()
+        self.host_kv = None
+        self.host_length = 0
+
     @property
     def device_bytes(self) -> int:
         return self.kv.nbytes + (self.draft_kv.nbytes if self.draft_kv is not None else 0)

@@ -62,10 +62,7 @@ class SessionStore:
 
     def close(self, session_id: str, reason: str = "closed") -> SessionState:
         state = self._sessions.pop(session_id)
-        state.kv.release()
-        if state.draft_kv is not None:
-            state.draft_kv.release()
-        state.host_kv = None
+        state.release_tensors()
         if not state.ephemeral:
             self._ended[session_id] = reason
             if reason == "expired":
