@@ -10,3 +10,21 @@ adapter and session administration; ``stats`` the metrics snapshot; ``assembly``
 May import: ``state``, ``model``, ``speculative``, ``families`` and the top modules. Never
 ``serving`` or ``front``.
 """
+
+# The package's public names, imported on first use (importing a sub-module loads none of them).
+_EXPORTS = {
+    "Engine": "session.engine.loop",
+    "GenerationRequest": "session.engine.requests",
+    "CloseRequest": "session.engine.requests",
+    "CancelRequest": "session.engine.requests",
+    "AdapterRequest": "session.engine.requests",
+    "SessionAdminRequest": "session.engine.requests",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

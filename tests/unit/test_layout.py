@@ -50,3 +50,17 @@ def test_the_layers_are_the_packages_we_document():
 def test_each_package_says_what_it_may_import(name):
     doc = importlib.import_module(name).__doc__ or ""
     assert len(doc.split()) >= 30 and ("May import" in doc or "same rules apply" in doc), name
+
+
+def test_the_packages_public_names_load_on_first_use_only():
+    """``from session.engine import Engine`` works, and importing one engine module loads no other."""
+    code = ("import sys; import session.engine.scheduler; lazy = 'session.engine.loop' not in sys.modules; "
+            "from session.engine import Engine; from session.front import Front, FrontConfig; "
+            "from session.speculative import SpeculativeDecoder; "
+            "print(lazy, Engine.__module__, Front.__module__, FrontConfig.__module__, SpeculativeDecoder.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    assert out == ["True", "session.engine.loop", "session.front.server", "session.front.config",
+                   "session.speculative.decoder"]
+    with pytest.raises(AttributeError):
+        importlib.import_module("session.engine").NoSuchThing  # noqa: B018
