@@ -27,8 +27,8 @@ MIX = ["tone", "domain", "customer", "terse"]
 
 def run_batch(engine, adapters: list[str | None], new_tokens: int, concurrency: int, prompts) -> dict:
     """Send one request per entry of ``adapters`` (None: base), ``concurrency`` at a time."""
+    from session.engine import GenerationRequest
     from session.engine.events import EventStream, Failed, Finished
-    from session.engine.loop import GenerationRequest
     from session.types import SamplingParams
 
     latencies: list[float] = []
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_demo_models(only=["bench"])
     from model_store.build_adapters import build_all
     from session.config import EngineConfig
-    from session.engine.loop import Engine
+    from session.engine import Engine
 
     adapters_dir = REPO / "models" / f"adapters-{Path(args.model_path).name}"
     build_all(Path(args.model_path), adapters_dir, count=4)

@@ -31,8 +31,8 @@ def agreement(model_path: str, dtype: str, num_prompts: int, new_tokens: int, kv
     from transformers import AutoModelForCausalLM
 
     from session.config import EngineConfig
+    from session.engine import Engine, GenerationRequest
     from session.engine.events import EventStream, Finished
-    from session.engine.loop import Engine, GenerationRequest
     from session.types import SamplingParams
 
     engine = Engine(EngineConfig(model_path=model_path, dtype=dtype, kv_dtype=kv_dtype, speculative="off",

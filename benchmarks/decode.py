@@ -76,8 +76,8 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
     follow-ups are submitted at once and timed. A reader thread per request stamps its events."""
     import threading
 
+    from session.engine import CloseRequest, GenerationRequest
     from session.engine.events import EventStream, Failed, Finished, Started
-    from session.engine.loop import CloseRequest, GenerationRequest
     from session.types import Message, SamplingParams, TextPart
 
     def wait(request):
@@ -274,7 +274,7 @@ def measure_ours(args, variants: dict, base: dict, followups: dict):
     """Each variant of our engine at every level, one engine at a time, sharing one copy of the weights
     per weight layout (packed for oneDNN or dense: RESIDENT_PACK_WEIGHTS, RESIDENT_COMPILE)."""
     from session.config import EngineConfig
-    from session.engine.loop import Engine
+    from session.engine import Engine
 
     results: dict[str, dict[int, dict]] = {}
     runners: dict[bool, ModelRunner] = {}  # packed? -> runner
@@ -307,8 +307,8 @@ def run_followups(engine, conversations: int, turn_tokens: int) -> dict:
     from benchmarks.common import image_data_url
     from benchmarks.first_vs_followup import FIRST_QUESTION, FOLLOWUP_QUESTIONS, WARMUP_SEED, opening_message
     from benchmarks.vllm_peer import FOLLOWUP_SEED_BASE
+    from session.engine import CloseRequest, GenerationRequest
     from session.engine.events import EventStream, Failed, Finished
-    from session.engine.loop import CloseRequest, GenerationRequest
     from session.families.image_decode import decode_data_url
     from session.types import ImagePart, Message, SamplingParams, TextPart
 

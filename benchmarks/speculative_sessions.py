@@ -36,8 +36,8 @@ from benchmarks.common import format_table, median, write_json
 from model_store import train_deep_pair
 from model_store.train_pair import PAIR_DIR, eval_prompts
 from session.config import EngineConfig
+from session.engine import Engine, GenerationRequest
 from session.engine.events import EventStream, Failed, Finished
-from session.engine.loop import Engine, GenerationRequest
 from session.types import SamplingParams
 
 HF_METHODS = ("hf generate", "hf assisted")

@@ -19,7 +19,7 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.metrics.metric_type_enum import MetricTypes
 
 from session.config import EngineConfig
-from session.engine.loop import Engine
+from session.engine import Engine
 from session.serving.api import ApiResponse, ChatService, error_response
 from session.serving.protocol import form_body_error, header
 

@@ -14,3 +14,16 @@ At the top, used by every layer: ``config`` (the one typed config), ``errors`` (
 family, mapped to HTTP status) and ``types`` (the value types the layers pass to each other).
 Nothing here imports TorchServe; ``handlers/`` adapts ``serving`` to it.
 """
+
+
+def lazy_exports(exports: dict[str, str]):
+    """A package's ``__getattr__`` that imports each public name's module on first use (PEP 562), so
+    that importing one sub-module of a package loads none of the others. ``exports``: name -> module."""
+    import importlib
+
+    def __getattr__(name: str):
+        if name in exports:
+            return getattr(importlib.import_module(exports[name]), name)
+        raise AttributeError(f"module has no attribute {name!r}")
+
+    return __getattr__

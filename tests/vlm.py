@@ -8,8 +8,8 @@ import hashlib
 import pytest
 
 from session.config import EngineConfig
+from session.engine import Engine, GenerationRequest
 from session.engine.events import EventStream, Finished, Started
-from session.engine.loop import Engine, GenerationRequest
 from session.types import ImagePart, Message, SamplingParams, TextPart
 from tests.conftest import png_bytes
 

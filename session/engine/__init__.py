@@ -11,20 +11,14 @@ May import: ``state``, ``model``, ``speculative``, ``families`` and the top modu
 ``serving`` or ``front``.
 """
 
-# The package's public names, imported on first use (importing a sub-module loads none of them).
-_EXPORTS = {
+from session import lazy_exports
+
+# The package's public names, imported on first use.
+__getattr__ = lazy_exports({
     "Engine": "session.engine.loop",
     "GenerationRequest": "session.engine.requests",
     "CloseRequest": "session.engine.requests",
     "CancelRequest": "session.engine.requests",
     "AdapterRequest": "session.engine.requests",
     "SessionAdminRequest": "session.engine.requests",
-}
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+})

@@ -27,14 +27,7 @@ from session.config import EngineConfig
 from session.engine.admission import Admission
 from session.engine.assembly import assemble, preprocess_images
 from session.engine.events import Cancelled, EventStream, Failed, Finished, Started
-from session.engine.requests import (  # noqa: F401  (re-exported: callers build requests from here)
-    AdapterRequest,
-    CancelRequest,
-    CloseRequest,
-    GenerationRequest,
-    Sequence,
-    SessionAdminRequest,
-)
+from session.engine.requests import CancelRequest, GenerationRequest, Sequence
 from session.engine.scheduler import StepPlan
 from session.engine.stats import EngineStats, snapshot
 from session.errors import CapacityExceeded, ResidentError, ServiceStopping

@@ -13,16 +13,10 @@ May import: ``session.serving.protocol`` (the wire), ``session.config``, ``sessi
 a front holds no session state.
 """
 
-# The package's public names, imported on first use (importing a sub-module loads none of them).
-_EXPORTS = {
+from session import lazy_exports
+
+# The package's public names, imported on first use.
+__getattr__ = lazy_exports({
     "Front": "session.front.server",
     "FrontConfig": "session.front.config",
-}
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+})

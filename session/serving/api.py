@@ -15,15 +15,8 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
+from session.engine import AdapterRequest, CancelRequest, CloseRequest, Engine, GenerationRequest, SessionAdminRequest
 from session.engine.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started, TextDelta
-from session.engine.loop import (
-    AdapterRequest,
-    CancelRequest,
-    CloseRequest,
-    Engine,
-    GenerationRequest,
-    SessionAdminRequest,
-)
 from session.errors import BadRequest, Forbidden, RequestCancelled, ResidentError
 from session.families.image_decode import decode_data_url
 from session.serving.protocol import (

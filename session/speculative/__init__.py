@@ -6,16 +6,10 @@ when to speculate; ``decoder`` drives the draft model or prompt lookup against t
 May import: ``model`` and the top modules. Never ``engine``, ``state``, ``serving`` or ``front``.
 """
 
-# The package's public names, imported on first use (importing a sub-module loads none of them).
-_EXPORTS = {
+from session import lazy_exports
+
+# The package's public names, imported on first use.
+__getattr__ = lazy_exports({
     "SpeculativeDecoder": "session.speculative.decoder",
     "SpeculationController": "session.speculative.controller",
-}
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+})

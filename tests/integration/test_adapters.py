@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from session.config import EngineConfig
+from session.engine import AdapterRequest, Engine, GenerationRequest
 from session.engine.events import AdminResult, EventStream, Failed, Finished
-from session.engine.loop import AdapterRequest, Engine, GenerationRequest
 from session.errors import AdapterInUse, AdapterMismatch, AdapterNotFound, InvalidAdapter
 from session.types import SamplingParams
 from tests.conftest import REPO, make_image

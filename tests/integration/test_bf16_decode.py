@@ -13,8 +13,8 @@ from model_store import train_deep_pair
 from model_store.build_text_models import FAMILIES, ensure
 from model_store.train_pair import PAIR_DIR, eval_prompts
 from session.config import EngineConfig
+from session.engine import Engine, GenerationRequest
 from session.engine.events import EventStream, Finished
-from session.engine.loop import Engine, GenerationRequest
 from session.model.cpu import attention as cpu_attention, fused_layer
 from session.model.runner import ModelRunner, cpu_has_bf16
 from session.speculative.decoder import SpeculativeDecoder

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from session.config import EngineConfig
+from session.engine import Engine, GenerationRequest
 from session.engine.events import EventStream, Failed, Finished, Started, TextDelta
-from session.engine.loop import Engine, GenerationRequest
 from session.families.vision import NO_IMAGES
 from session.types import SamplingParams
 from tests.conftest import make_image

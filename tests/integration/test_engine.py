@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from session.config import EngineConfig
+from session.engine import CloseRequest, Engine, GenerationRequest
 from session.engine.events import TERMINAL, Closed, EventStream, Failed, Finished, Started, TextDelta
-from session.engine.loop import CloseRequest, Engine, GenerationRequest
 from session.errors import ContextLengthExceeded, SessionNotFound
 from session.families.vision import NO_IMAGES
 from session.types import ImagePart, Message, SamplingParams, TextPart

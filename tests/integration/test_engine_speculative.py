@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from session.config import EngineConfig
+from session.engine import Engine, GenerationRequest
 from session.engine.events import Cancelled, EventStream, Failed, Finished
-from session.engine.loop import Engine, GenerationRequest
 from session.errors import ConfigError
 from session.types import SamplingParams
 from tests.conftest import REPO

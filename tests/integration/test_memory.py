@@ -8,8 +8,8 @@ import time
 import pytest
 
 from session.config import EngineConfig
+from session.engine import CloseRequest, Engine, GenerationRequest
 from session.engine.events import EventStream, Failed, Finished
-from session.engine.loop import CloseRequest, Engine, GenerationRequest
 from session.errors import CapacityExceeded, ContextLengthExceeded
 from session.state.session import Tier
 from session.types import SamplingParams

@@ -31,8 +31,8 @@ from PIL import Image
 import session.engine.assembly
 import session.model.lora
 from session.config import EngineConfig
+from session.engine import CloseRequest, Engine, GenerationRequest
 from session.engine.events import TERMINAL, Cancelled, Closed, EventStream, Failed, Finished, Started
-from session.engine.loop import CloseRequest, Engine, GenerationRequest
 from session.model.lora import AdapterWeights
 from session.state.session import Tier
 from session.types import SamplingParams

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from session.engine import SessionAdminRequest
 from session.engine.events import AdminResult, EventStream, Failed
-from session.engine.loop import SessionAdminRequest
 from session.errors import BadRequest, InvalidSessionId, SessionExists, SessionNotFound
 from tests.integration.test_engine import finished, run, turn
 from tests.integration.test_memory import engine_with, image_request

@@ -10,8 +10,8 @@ import torch
 
 from model_store.build_text_models import FAMILIES, MISTRAL_WINDOW, ensure
 from session.config import EngineConfig
+from session.engine import Engine
 from session.engine.events import Finished, Started
-from session.engine.loop import Engine
 from session.types import Message, TextPart
 from tests.integration.test_engine import run, turn
 
@@ -63,8 +63,8 @@ def test_stateless_multi_turn_equals_generate(family):
     name, engine, reference, tokenizer = family
     messages = (Message("user", (TextPart(QUESTIONS[0]),)), Message("assistant", (TextPart("def add(a, b): ..."),)),
                 Message("user", (TextPart(QUESTIONS[1]),)))
+    from session.engine import GenerationRequest
     from session.engine.events import EventStream
-    from session.engine.loop import GenerationRequest
     from session.types import SamplingParams
 
     events = run(engine, GenerationRequest(messages=messages, sampling=SamplingParams(max_tokens=16),

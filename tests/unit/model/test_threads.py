@@ -144,8 +144,8 @@ def test_engine_loads_and_decodes_on_its_loop_thread(monkeypatch, tiny_model_pat
     """One OpenMP team: the model is loaded (assemble) on the thread that later runs the loop."""
     import session.engine.loop as engine_module
     from session.config import EngineConfig
+    from session.engine import Engine, GenerationRequest
     from session.engine.events import EventStream, Finished
-    from session.engine.loop import Engine, GenerationRequest
     from session.types import SamplingParams
 
     threads = {}
@@ -187,7 +187,7 @@ def test_images_are_preprocessed_without_an_openmp_team_of_the_callers(monkeypat
 
     import session.engine.loop as engine_module
     from session.config import EngineConfig
-    from session.engine.loop import Engine
+    from session.engine import Engine
 
     seen = {}
 
