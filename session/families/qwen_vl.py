@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL: image geometry, the processor without torchvision, and a runner.
+"""Qwen2-VL and Qwen2.5-VL: image geometry, and the processor without torchvision.
 
 - **Geometry.** The processor resizes each image to multiples of ``patch * merge`` pixels with
   ``min_pixels <= h*w <= max_pixels`` (transformers' ``smart_resize``), so an image's token count,
