@@ -32,6 +32,7 @@ from session.state.store import SessionStore
 if TYPE_CHECKING:
     from transformers import BaseImageProcessor, PreTrainedTokenizerBase
 
+    from session.model.kv_cache import KVCache
     from session.model.lora import AdapterRegistry
     from session.speculative.decoder import SpeculativeDecoder
 
@@ -86,27 +87,14 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
         _configure_paged_kv(config, [runner] + ([speculator.draft] if speculator and speculator.draft else []),
                             budget, max_context)
 
-    def new_kv():
-        return runner.new_kv_cache(block_tokens=config.kv_block_tokens, max_tokens=max_context,
-                                   static=config.static_kv)
-
-    def new_draft_kv():
-        if speculator is None:
-            return None
-        return speculator.new_draft_kv(block_tokens=config.kv_block_tokens, max_tokens=max_context)
-
-    def draft_text_tokens(token_ids: list[int]) -> int:
-        """Tokens the (text-only) draft holds for a transcript: the image placeholders are left out."""
-        return len(token_ids) - (token_ids.count(info.image_token_id) if info.image_token_id is not None else 0)
-
     def images_from_bytes(raw: bytes) -> Images:
         from session.families.image_decode import decode_bytes
 
         return preprocess_images(vision, [decode_bytes(raw, max_pixels=config.max_image_pixels)])
 
+    caches = SessionCaches(runner, speculator, config.kv_block_tokens, max_context, config.static_kv)
     sessions = Sessions(store=store, memory=memory, embeddings=embeddings, journal=journal, runner=runner,
-                        images_from_bytes=images_from_bytes, new_kv=new_kv, new_draft_kv=new_draft_kv,
-                        draft_text_tokens=draft_text_tokens)
+                        caches=caches, images_from_bytes=images_from_bytes)
     stepper = _stepper(config, runner, max_context)
     executor = Executor(runner=runner, stepper=stepper, formatter=formatter, sessions=sessions, adapters=adapters,
                         speculator=speculator, config=config, max_context=max_context, thread_tuner=thread_tuner)
@@ -115,6 +103,30 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
                  memory=memory, journal=journal, adapters=adapters, speculator=speculator, sessions=sessions,
                  scheduler=Scheduler(max_batch_size=config.max_batch_size), executor=executor,
                  outputs=OutputProcessor(tokenizer, info.eos_token_ids, sessions))
+
+
+@dataclass(frozen=True)
+class SessionCaches:
+    """``Sessions``' CacheMaker: caches sized for this engine, from the runner and the speculator."""
+
+    runner: ModelBackend
+    speculator: SpeculativeDecoder | None
+    block_tokens: int
+    max_context: int
+    static: bool
+
+    def new_kv(self) -> KVCache:
+        return self.runner.new_kv_cache(block_tokens=self.block_tokens, max_tokens=self.max_context,
+                                        static=self.static)
+
+    def new_draft_kv(self) -> KVCache | None:
+        if self.speculator is None:
+            return None
+        return self.speculator.new_draft_kv(block_tokens=self.block_tokens, max_tokens=self.max_context)
+
+    def draft_text_tokens(self, token_ids: list[int]) -> int:
+        image_id = self.runner.info.image_token_id
+        return len(token_ids) - (token_ids.count(image_id) if image_id is not None else 0)
 
 
 def preprocess_images(vision: ImagePreprocessor | None, images: list) -> Images:

@@ -15,12 +15,15 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from session.errors import BadRequest, SessionExists, SessionNotFound
 from session.families.mrope import segment_positions
 from session.families.vision import Images
+from session.model.backend import ModelBackend
+from session.model.kv_cache import KVCache
 from session.state.embeddings import EmbeddingCache
 from session.state.journal import Journal, JournalEntry
 from session.state.memory import MemoryManager, kv_bytes
@@ -31,17 +34,31 @@ from session.types import validate_session_id
 logger = logging.getLogger(__name__)
 
 
+class CacheMaker(Protocol):
+    """A new session's caches, and what the draft holds of a transcript. Built by the engine's
+    assembly (``SessionCaches``), which knows the runner, the speculator and the cache sizes."""
+
+    def new_kv(self) -> KVCache:
+        """An empty KV cache for the target model."""
+        ...
+
+    def new_draft_kv(self) -> KVCache | None:
+        """An empty KV cache for the draft model, or None without one."""
+        ...
+
+    def draft_text_tokens(self, token_ids: list[int]) -> int:
+        """Tokens the (text-only) draft holds for a transcript: the image placeholders left out."""
+        ...
+
+
 class Sessions:
     def __init__(self, *, store: SessionStore, memory: MemoryManager, embeddings: EmbeddingCache,
-                 journal: Journal | None, runner, images_from_bytes: Callable[[bytes], Images], new_kv: Callable,
-                 new_draft_kv: Callable,
-                 draft_text_tokens: Callable[[list[int]], int]):
+                 journal: Journal | None, runner: ModelBackend, caches: CacheMaker,
+                 images_from_bytes: Callable[[bytes], Images]):
         self.store, self.memory, self.embeddings, self.journal = store, memory, embeddings, journal
         self.runner = runner
+        self.caches = caches
         self.images_from_bytes = images_from_bytes  # encoded image -> Images of one (images from the journal)
-        self.new_kv = new_kv  # () -> an empty KVCache for the target
-        self.new_draft_kv = new_draft_kv  # () -> an empty draft KVCache, or None
-        self.draft_text_tokens = draft_text_tokens  # transcript ids -> tokens the draft holds for them
         self.num_journal_restored = 0
         self.num_journal_write_errors = 0
 
@@ -49,14 +66,14 @@ class Sessions:
 
     def open(self, session_id: str, *, now: float, ttl_s: float, ephemeral: bool, adapter: str | None,
              tier: Tier = Tier.DEVICE) -> SessionState:
-        kv = self.new_kv()
+        kv = self.caches.new_kv()
         if tier is not Tier.DEVICE:
             kv.release()
         session = self.store.open(SessionState(
             session_id=session_id, kv=kv, created_at=now, last_used_at=now, expires_at=now + ttl_s,
             ephemeral=ephemeral, tier=tier, adapter=adapter,
         ))
-        session.draft_kv = self.new_draft_kv()
+        session.draft_kv = self.caches.new_draft_kv()
         return session
 
     def get(self, session_id: str) -> SessionState:
@@ -98,7 +115,7 @@ class Sessions:
             kv = session.kv
             held = kv.nbytes if session.tier is Tier.DEVICE else 0
             need = kv_bytes(kv, total_tokens) - held
-            draft_tokens = self.draft_text_tokens(session.token_ids + new_ids) + (total_tokens - len(
+            draft_tokens = self.caches.draft_text_tokens(session.token_ids + new_ids) + (total_tokens - len(
                 session.token_ids) - len(new_ids))
             if session.draft_kv is not None:  # the draft reads the text only (no image placeholders)
                 need += kv_bytes(session.draft_kv, draft_tokens) - session.draft_kv.nbytes
@@ -168,7 +185,7 @@ class Sessions:
         if session.tier is Tier.DEVICE and len(session.token_ids) - session.kv.length > 1:
             self.memory.drop(session)  # a recompute failed part-way: the next turn recomputes again
         elif session.draft_kv is not None:
-            session.draft_kv.crop(max(0, self.draft_text_tokens(session.token_ids) - 1))
+            session.draft_kv.crop(max(0, self.caches.draft_text_tokens(session.token_ids) - 1))
 
     def append_token(self, session: SessionState, token: int) -> None:
         """A sampled token joins the transcript (the output processor, once per token)."""
