@@ -18,7 +18,7 @@ from session.state.session import SessionState, Turn
 from session.types import Message, SamplingParams
 
 if TYPE_CHECKING:
-    from session.engine.outputs import Detokenizer
+    from session.engine.detokenizer import Detokenizer
 
 
 @dataclass

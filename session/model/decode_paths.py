@@ -19,24 +19,52 @@ per-row code, which serves any cache. Who calls this: the runner, on the engine 
 from __future__ import annotations
 
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from session.model.attention import attend_runs, causal_masks, columns, plan_rows, to_batch
+from session.model.backend import ModelInfo
 from session.model.cpu import attention as cpu_attention, fused_layer
 from session.model.kv_cache import PAD_BLOCK, KVCache, PagedKVCache
 
 if TYPE_CHECKING:
     from session.model.cuda_graphs import DecodeGraphs
-    from session.model.runner import ModelRunner
+
+
+class Layers(Protocol):
+    """What a path needs of its runner (``ModelRunner``): the model's layers and how one runs."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    info: ModelInfo
+    layers: list
+    lm: torch.nn.Module  # embed_tokens, rotary_emb, norm
+    lm_head: torch.nn.Module
+    windows: list[int | None]
+    cpu_kernels: bool
+    plain_layers: bool
+    lora: object | None  # LoraBank
+
+    def set_adapters(self, slots: list[int] | None) -> None: ...
+
+    def attention_inputs(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor): ...
+
+    def finish_layer(self, layer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def in_place(self, kv: KVCache, window: int | None) -> bool: ...
+
+    def forward_paged(self, pool, ids: torch.Tensor, batch, position_offsets: torch.Tensor | None = None): ...
 
 
 class PerRowPath:
     name = "per_row"
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: Layers):
         self.runner = runner
 
     def decode(self, kvs: list[KVCache], token_ids: list[int], lengths: list[int],
@@ -129,7 +157,7 @@ class CpuKernelPath(PerRowPath):
 
     name = "per_row"
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: Layers):
         super().__init__(runner)
         self._lora_cached: tuple | None = None  # (rows' adapters, bank version) -> lora_arguments' tensors
 
@@ -241,7 +269,7 @@ class BatchedPath(PerRowPath):
 
     name = "batched"
 
-    def __init__(self, runner: ModelRunner, graphs: DecodeGraphs | None = None):
+    def __init__(self, runner: Layers, graphs: DecodeGraphs | None = None):
         super().__init__(runner)
         self.graphs = graphs
 
@@ -269,7 +297,7 @@ class BatchedPath(PerRowPath):
         return runner.forward_paged(kvs[0].pool, columns(plan, 0, width), to_batch(plan[:, width:], width))
 
 
-def step_inputs(runner: ModelRunner, token_ids: list[int], lengths: list[int], offsets: torch.Tensor | None):
+def step_inputs(runner: Layers, token_ids: list[int], lengths: list[int], offsets: torch.Tensor | None):
     """A decode step's embeddings h [B, 1, D] and rotary cos/sin at positions lengths[b] (+ offsets)."""
     ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
     h = runner.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
@@ -280,7 +308,7 @@ def step_inputs(runner: ModelRunner, token_ids: list[int], lengths: list[int], o
     return h, cos, sin
 
 
-def step_slots(runner: ModelRunner, kvs: list[KVCache], lengths: list[int]) -> torch.Tensor:
+def step_slots(runner: Layers, kvs: list[KVCache], lengths: list[int]) -> torch.Tensor:
     """[B, 1]: the pool slot of each row's new token (at position lengths[b])."""
     return torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=runner.device)
 

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from session.engine.detokenizer import Detokenizer, text_of
 from session.engine.events import Finished, TextDelta
-from session.engine.outputs import Detokenizer, OutputProcessor, text_of
+from session.engine.outputs import OutputProcessor
 from session.engine.requests import Sequence
 from session.families.vision import NO_IMAGES
 from session.types import SamplingParams
