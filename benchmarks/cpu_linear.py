@@ -53,7 +53,7 @@ def ours_packed(weights: list[torch.Tensor], rows: int) -> list | None:
     dtype = weights[0].dtype
     if not cpu_linear.load(dtype):
         return None
-    blocking = cpu_linear.probe({tuple(w.shape) for w in weights}, dtype=dtype)
+    blocking = cpu_linear.blockings({tuple(w.shape) for w in weights}, dtype=dtype)
     if len(blocking) < len({tuple(w.shape) for w in weights}):
         return None
     return [(cpu_linear.pack(w), blocking[tuple(w.shape)].one_row if rows == 1 else blocking[tuple(w.shape)].rows)

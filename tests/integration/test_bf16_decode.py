@@ -2,7 +2,11 @@
 attention call per layer for the batch, against transformers' own bfloat16 forward on every text family:
 grouped-query heads (Qwen2, Qwen3), Mistral's 16-key sliding window crossed, sessions whose blocks
 interleave in the pool. And a multi-token extend (speculative verification) as its decode steps, bit for
-bit, so bfloat16 speculation answers what plain decoding answers."""
+bit, so bfloat16 speculation answers what plain decoding answers.
+
+On a CPU with AMX (``AMX``) torch's bfloat16 products take AMX tiles, another order of additions than
+ours reproduce: there transformers' logits are matched to rounding (``assert_same_logits``), and each
+row of a batch bit for bit as our step decodes it alone; our paths against each other stay bit for bit."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from session.config import EngineConfig
 from session.engine import Engine, GenerationRequest
 from session.engine.events import EventStream, Finished
 from session.model.cpu import attention as cpu_attention, fused_layer
+from session.model.cpu.kernels import bf16_products_use_amx
 from session.model.runner import ModelRunner, cpu_has_bf16
 from session.speculative.decoder import SpeculativeDecoder
 from session.types import SamplingParams
@@ -26,6 +31,22 @@ pytestmark = pytest.mark.skipif(not (cpu_has_bf16() and cpu_attention.load()),
                                 reason="needs AVX512-BF16 and the kernel built (a C++ compiler)")
 
 STEPS = 24  # crosses a 16-token block boundary: the three sessions' new blocks interleave in the pool
+AMX = bf16_products_use_amx()  # torch's bfloat16 linears and SDPA take AMX tiles here: their bits are out of reach
+
+
+def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Steps' logits [S, V] against transformers': bit for bit. With AMX, to rounding: every logit within
+    2^-6 of its step's largest, and in at least half of the steps at most 1 logit in 100 differing.
+    Measured here: under 2^-7, and the differences in a few steps (a rounding that flipped a hidden value
+    moves up to 2 in 3 of that step's logits); a missed key or a position off by one moved 70-98% of
+    every step's logits (a missed key by 4-17% of the largest), a scale 1% off over 60%."""
+    if not AMX:
+        assert torch.equal(ours, theirs)
+        return
+    diff = (ours - theirs).abs() / theirs.abs().amax(-1, keepdim=True)
+    assert diff.max() <= 2 ** -6, f"a logit {float(diff.max()):.4f} of its step's largest away"
+    differing = (ours != theirs).float().mean(-1)  # per step
+    assert (differing <= 0.01).float().mean() >= 0.5, f"steps' fractions of logits differing: {differing.tolist()}"
 
 
 def ours(runner: ModelRunner, prompts: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
@@ -70,7 +91,14 @@ def test_pooled_decode_follows_transformers(family, monkeypatch):
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     for row, prompt in enumerate(prompts):
         theirs = transformers_steps(reference, prompt, [step[row] for step in tokens])
-        assert torch.equal(logits[:, row], theirs)  # bit for bit: each row of the batch as if decoded alone
+        assert_same_logits(logits[:, row], theirs)  # bit for bit: each row of the batch as if decoded alone
+    if AMX:  # each row of the batch as our step decodes it alone, bit for bit
+        for row, prompt in enumerate(prompts):
+            kv = runner.new_kv_cache(block_tokens=16, max_tokens=512)
+            runner.prefill(kv, runner.embed(prompt, []))
+            alone = torch.stack([runner.decode([kv], [step[row]])[0] for step in tokens])
+            kv.release()
+            assert torch.equal(logits[:, row], alone)
 
 
 def test_kernels_off_keep_torch_kernel_and_a_float32_pool_takes_ours(tiny_model_path):
@@ -206,7 +234,8 @@ class CountedStep:
 def test_the_cpp_layer_computes_the_python_layers_bits(family, wide_models, monkeypatch):
     """Three sessions, 24 steps: the whole step in one C++ call (embedding, rotary table, layers, final
     norm, head), the layers one C++ call each, and the Python layer give the same logits as
-    transformers' own bfloat16 forward, bit for bit."""
+    transformers' own bfloat16 forward, bit for bit (with AMX: the same logits as each other, bit for
+    bit, and transformers' to rounding)."""
     from transformers import AutoModelForCausalLM
 
     runner = ModelRunner(wide_models[family], device="cpu", dtype="bfloat16")
@@ -234,7 +263,7 @@ def test_the_cpp_layer_computes_the_python_layers_bits(family, wide_models, monk
     assert len(calls) == STEPS * 2 and torch.equal(whole, layered) and torch.equal(whole, python)
     reference = AutoModelForCausalLM.from_pretrained(wide_models[family], dtype=torch.bfloat16).eval()
     for row, prompt in enumerate(prompts):
-        assert torch.equal(whole[:, row], transformers_steps(reference, prompt, [step[row] for step in tokens]))
+        assert_same_logits(whole[:, row], transformers_steps(reference, prompt, [step[row] for step in tokens]))
 
 
 def test_engine_churn_on_the_whole_step_answers_as_alone(wide_models, tmp_path):

@@ -74,6 +74,14 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def bf16_products_use_amx() -> bool:
+    """torch's bfloat16 products take AMX tiles on this CPU (it reports amx_bf16 and amx_tile): oneDNN's
+    matmul (``brg_matmul:..._amx``) and MKL's bfloat16 GEMM (SDPA's products) then add in another order
+    than on the AVX512-BF16 and AVX2 CPUs our kernels reproduce, so their bits differ from ours by
+    rounding (session/model/cpu/linear.py, session/model/cpu/attention.py)."""
+    return {"amx_bf16", "amx_tile"} <= cpu_flags()
+
+
 class CppKernel:
     """One source file's operators: ``load()`` builds (if needed) and loads them, once per process."""
 

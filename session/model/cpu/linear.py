@@ -20,24 +20,38 @@ order of additions changes many outputs: tests/unit/model/cpu/test_cpu_linear.py
 - several tokens of a sequence ([B, T, K], T > 1: prefill, extend, verify) use the several-row size,
   as transformers' prefill does.
 
-Where the probe finds no size that reproduces torch (another CPU: an Intel one with AMX takes other
-kernels; for products under about 16^3 multiply-adds torch takes its own), those linears stay on oneDNN's
-packed weights (session/model/cpu/packed_linear.py), and where the kernel cannot be built (session/model/cpu/kernels.py)
-all do, with the reason logged: slower, same tokens.
+Where the probe finds no size that reproduces torch (for products under about 16^3 multiply-adds torch
+takes its own kernel), those linears stay on oneDNN's packed weights (session/model/cpu/packed_linear.py), and
+where the kernel cannot be built (session/model/cpu/kernels.py) all do, with the reason logged: slower, same tokens.
+
+On a CPU with AMX (``bf16_products_use_amx``: an Intel Xeon since Sapphire Rapids) oneDNN multiplies
+bfloat16 in AMX tiles, another order of additions that no block size reproduces, and the probe matches
+nothing. oneDNN's bits there also depend on the batch: past about 32 rows (K >= 512) a row's bits are
+no longer those it gets alone, so with oneDNN a session's logits changed with the batch, and a 50-row
+extend (a verify) no longer gave its decode steps' bits. So there the shapes the probe does not match
+take ours anyway (``amx_blockings``), with the sizes oneDNN's AVX512-BF16 kernel takes on that CPU
+(``avx512_bf16_blocking``; the probe finds them there with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``):
+every row as if alone, the C++ layer's steps (session/model/cpu/fused_layer.py), and bits that differ from
+oneDNN's AMX ones by rounding (1 bfloat16 ulp in about 1 output in 1,000 on random rows). The price: a
+long prefill's linears run several times slower than AMX's (one thread, 512 rows: 5-7x);
+``RESIDENT_CPU_KERNELS=0`` keeps oneDNN for all.
 
 Who calls this: ``ModelRunner`` at load (probe, pack), then its forward passes.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, CppKernel
+from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, CppKernel, bf16_products_use_amx
 from session.model.cpu.packed_linear import swap_weight, worth_packing
+
+logger = logging.getLogger(__name__)
 
 KERNELS = {
     torch.bfloat16: CppKernel("bfloat16 linear", "linear_bf16.cpp", (AVX512_BF16,)),
@@ -118,6 +132,30 @@ class Blocking:
     rows: int
 
 
+def avx512_bf16_blocking(k: int) -> Blocking:
+    """The sizes oneDNN's AVX512-BF16 kernel sums a K-input product in on an AMX CPU: 512 for one row;
+    for several, 512 up to K = 1024 and 1024 past it (what ``probe`` found there for every shape tried, K
+    from 77 to 11008, with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``; tests/unit/model/cpu/test_cpu_linear.py
+    checks it; the AMD CPU's sizes agree past K = 1024). Taken where the probe matches none (AMX)."""
+    return Blocking(512, 512 if k <= 1024 else 1024)
+
+
+def amx_blockings(shapes: set[tuple[int, int]], dtype: torch.dtype = torch.bfloat16) -> dict[tuple[int, int], Blocking]:
+    """The block sizes ours takes for ``shapes`` the probe did not match: on a CPU whose bfloat16
+    products take AMX tiles (no size reproduces AMX's order), ``avx512_bf16_blocking``; elsewhere none
+    (they stay on oneDNN)."""
+    if dtype != torch.bfloat16 or not bf16_products_use_amx():
+        return {}
+    return {(n, k): avx512_bf16_blocking(k) for n, k in shapes}
+
+
+def blockings(shapes: set[tuple[int, int]], dtype: torch.dtype = torch.bfloat16) -> dict[tuple[int, int], Blocking]:
+    """Per weight shape (n, K), the block sizes ours takes (``pack_linears``): those ``probe`` finds, and
+    ``amx_blockings`` for the rest. Shapes left out stay on oneDNN."""
+    found = probe(shapes, dtype=dtype)
+    return found | amx_blockings(shapes - set(found), dtype)
+
+
 def probe_shape(n: int, k: int, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> Blocking | None:
     """The block sizes with which ours equals ``reference(dtype)`` bit for bit for an [n, K] weight,
     on PROBE_WEIGHTS cancelling weights: for one row, and for each of PROBE_ROWS rows at once; None
@@ -191,6 +229,11 @@ def pack_linears(modules: list[nn.Module], dtype: torch.dtype = torch.bfloat16) 
         return 0, "the kernel could not be built (see the log)"
     shapes = {(module.out_features, module.in_features) for module in linears}
     blocking = probe(shapes, dtype=dtype)
+    amx = amx_blockings(shapes - set(blocking), dtype)
+    if amx:
+        logger.info("%s linears %s: no block size reproduces oneDNN's AMX product; ours takes them with "
+                    "AVX512-BF16's sizes (its bits differ from torch's here by rounding)", dtype, sorted(amx))
+        blocking |= amx
     for module in linears:
         shape = (module.out_features, module.in_features)
         if shape in blocking:

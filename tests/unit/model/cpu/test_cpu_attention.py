@@ -2,15 +2,34 @@
 bit, over lengths around its 512-key splits, 16-lane exponential tails and 4-key product groups,
 grouped-query heads, windows (a start past 0), block tables in any order, many rows in one call, one and
 two threads; in float32 (whose products are not exact, so the order of additions is ours) to float32
-rounding."""
+rounding. On a CPU with AMX, SDPA's bfloat16 GEMMs (MKL's) add in another order: there bfloat16 is
+checked against SDPA to rounding (``assert_matches_sdpa``), and against our own queries alone bit for bit."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from session.model.cpu import attention as cpu_attention
+from session.model.cpu.kernels import bf16_products_use_amx
 
 pytestmark = pytest.mark.skipif(not cpu_attention.load(), reason="kernel not buildable here (no compiler, no AVX2)")
+AMX = bf16_products_use_amx()  # SDPA's bfloat16 products (MKL's GEMM) take AMX tiles here: its bits are out of reach
+
+
+def assert_matches_sdpa(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """bfloat16 outputs [B, H, hd]: SDPA's bits. With AMX, to rounding: every output within one bfloat16
+    ulp of SDPA's, or 2^-10 of its head's largest (a probability rounded the other way moves an output
+    near zero by a few of its ulps), and at most 1 in 100 differing. Measured here over 87,000 outputs of
+    random calls: 1 in 2,400 differ, at most 2 of 512 in a call, all within those bounds; a missed first
+    or last key, or a scale 1% off, failed them in each of 40 calls (3% or more of a call's outputs differing)."""
+    if not AMX:
+        assert torch.equal(out, expected), f"{int((out != expected).sum())} of {out.numel()} outputs differ"
+        return
+    spacing = torch.exp2(torch.floor(torch.log2(expected.float().abs().clamp_min(2.0 ** -126))) - 7)
+    bound = torch.maximum(spacing, 2.0 ** -10 * expected.float().abs().amax(-1, keepdim=True))
+    diff = (out.float() - expected.float()).abs()
+    assert (diff <= bound).all(), f"{int((diff > bound).sum())} outputs past one ulp; worst {float((diff / bound).max()):.2f}x"
+    assert (out != expected).float().mean() <= 0.01, f"{int((out != expected).sum())} of {out.numel()} outputs differ"
 
 
 def paged(keys: list[torch.Tensor], block_tokens: int, generator: torch.Generator):  # keys' dtype
@@ -51,7 +70,7 @@ def run_case(lengths, starts, heads=8, kv_heads=8, head_dim=64, block_tokens=16,
     if dtype == torch.float32:
         torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
         return
-    assert torch.equal(out, expected), f"{int((out != expected).sum())} of {out.numel()} outputs differ"
+    assert_matches_sdpa(out, expected)
 
 
 @pytest.mark.parametrize("length", [1, 2, 3, 15, 16, 17, 37, 511, 512, 513, 600, 1025, 1500])
@@ -115,7 +134,8 @@ def one_sequence_rows(rows, last, heads, kv_heads, head_dim, start, seed, dtype,
 ])
 def test_rows_of_one_sequence_attend_together_bit_for_bit(rows, last, heads, kv_heads, head_dim, start):
     """The rows a verify feeds (one sequence, consecutive ends) and the query heads of a kv head are one
-    item of the kernel's (keys and values read once for all): each query still matches SDPA alone."""
+    item of the kernel's (keys and values read once for all): each query still matches SDPA alone (with
+    AMX to rounding; test_a_query_attending_with_others_gives_its_bits_alone checks the bits)."""
     if not cpu_attention.supports(torch.bfloat16):
         pytest.skip(f"no bfloat16 attention on the {cpu_attention.KERNEL.isa.name} build")
     q, k_pool, v_pool, table, starts, ends, keys, values = one_sequence_rows(
@@ -125,7 +145,7 @@ def test_rows_of_one_sequence_attend_together_bit_for_bit(rows, last, heads, kv_
     expected = torch.stack([F.scaled_dot_product_attention(
         q[row: row + 1, :, None], keys[None, :, start:int(n)], values[None, :, start:int(n)], scale=scale,
         enable_gqa=heads != kv_heads)[0, :, 0] for row, n in enumerate(ends)])
-    assert torch.equal(out, expected), f"{int((out != expected).sum())} of {out.numel()} outputs differ"
+    assert_matches_sdpa(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
