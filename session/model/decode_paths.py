@@ -155,8 +155,6 @@ class PerRowPath:
 class CpuKernelPath(PerRowPath):
     """Our CPU kernels for caches in one head-major pool; the per-row path for any other caches."""
 
-    name = "per_row"
-
     def __init__(self, runner: Layers):
         super().__init__(runner)
         self._lora_cached: tuple | None = None  # (rows' adapters, bank version) -> lora_arguments' tensors
