@@ -2,8 +2,9 @@
 
 It speaks the backend side of the protocol the front relies on: session ids ``<uuid4>-<tag>``,
 follow-ups answered with the turn number, 404 ``session_not_found`` for unknown or moved sessions,
-admin requests (``{"sessions": "list" | "export" | "import"}``, ``{"adapters": "list"}``) with the
-shared token, and cancels (``X-Resident-Cancel``). A request whose last message is "hold" waits
+admin requests (``{"sessions": "list" | "export" | "forget" | "resume" | "import"}``,
+``{"adapters": "list"}``) with the shared token, and cancels (``X-Resident-Cancel``). An exported
+session stays, moving: its requests wait until ``forget`` (then 404 "was moved") or ``resume``. A request whose last message is "hold" waits
 until it is cancelled or ``release`` is set (streamed: after its first chunk); "stream" bodies
 answer SSE, one chunk per word.
 """
@@ -74,8 +75,11 @@ class SessionBackend(FakeServer):
         self.tag = f"b{index}" if tag is None else tag
         self.token = token
         self.sessions: dict[str, FakeSession] = {}
-        self.moved: set[str] = set()  # exported ids: 404 "was moved" here from now on
-        self.requests: list[dict] = []  # chat requests: {"path", "session", "request_id", "body"}
+        self.moved: set[str] = set()  # ids whose move was confirmed: 404 "was moved" here from now on
+        self.moving: dict[str, asyncio.Event] = {}  # exported, not yet forgotten or resumed: set when it ends
+        self.admin_bodies: list[dict] = []  # every admin request's body, in order
+        self.admin_calls: list[str] = []  # the sessions actions received, in order ("export", "import", ...)
+        self.requests: list[dict] = []  # chat requests: {"path", "session", "request_id", "body", "headers"}
         self.cancels: list[str] = []  # request ids asked to cancel
         self.cancelled: list[str] = []  # held requests that a cancel stopped
         self.refuse_imports = False
@@ -89,11 +93,14 @@ class SessionBackend(FakeServer):
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read() or b"{}")
-        if CANCEL_HEADER in request.headers:
+        if CANCEL_HEADER in request.headers:  # like the engine's: only with the admin token
+            if request.headers.get(ADMIN_TOKEN_HEADER) != self.token:
+                return _error(403, "forbidden", "a cancel needs the admin token")
             return self._cancel(request.headers[CANCEL_HEADER])
         if ADMIN_TOKEN_HEADER in request.headers:
             if request.headers[ADMIN_TOKEN_HEADER] != self.token:
                 return _error(403, "forbidden", "bad admin token")
+            self.admin_bodies.append(body)
             return self._admin(body)
         return await self._chat(request, body)
 
@@ -107,8 +114,11 @@ class SessionBackend(FakeServer):
     async def _chat(self, request: web.Request, body: dict) -> web.StreamResponse:
         session = request.headers.get(SESSION_HEADER)
         request_id = request.headers.get(REQUEST_ID_HEADER, "")
-        self.requests.append({"path": request.path, "session": session, "request_id": request_id, "body": body})
+        self.requests.append({"path": request.path, "session": session, "request_id": request_id, "body": body,
+                              "headers": dict(request.headers)})
         headers = {"X-Resident-Worker": f"fake:{self.index}"}
+        if session in self.moving:
+            await self.moving[session].wait()
         if body.get("requestType") == "CLOSE":
             if self.sessions.pop(session, None) is None:
                 return _error(404, "session_not_found", f"session {session} not found")
@@ -172,20 +182,38 @@ class SessionBackend(FakeServer):
             return web.json_response({"adapters": [{"name": "support", "src": "/x", "tier": "disk",
                                                     "pinned": False, "running": 0}]})
         action = body.get("sessions")
+        self.admin_calls.append(action)
         if action == "list":
             return web.json_response({"sessions": [
                 {"session_id": sid, "busy": False, "num_turns": s.num_turns, "expires_at": s.expires_at}
                 for sid, s in self.sessions.items()]})
         if action == "export":
             sid = body["session_id"]
-            session = self.sessions.pop(sid, None)
+            session = self.sessions.get(sid)
             if session is None:
                 return _error(404, "session_not_found", f"session {sid} not found")
-            self.moved.add(sid)
+            if sid in self.moving:
+                return _error(409, "session_exists", f"session {sid} is moving already")
+            self.moving[sid] = asyncio.Event()
             return web.json_response({"session": {
                 "session_id": sid, "token_ids": list(range(10 * session.num_turns)), "image_digests": [],
                 "ended_with_eos": True, "num_turns": session.num_turns, "created_at": 0.0,
                 "expires_at": session.expires_at, "adapter": None, "images": {"d1": "aGk="}}})
+        if action in ("forget", "resume"):
+            sid = body["session_id"]
+            if sid not in self.sessions:
+                return _error(404, "session_not_found", f"session {sid} not found")
+            moving = self.moving.pop(sid, None)
+            if action == "resume":
+                if moving is not None:
+                    moving.set()
+                return web.json_response({"resumed": sid, "was_moving": moving is not None})
+            if moving is None:
+                return _error(409, "session_exists", f"session {sid} is live here, not moving")
+            del self.sessions[sid]
+            self.moved.add(sid)
+            moving.set()
+            return web.json_response({"forgotten": sid})
         if action == "import":
             exported = body["session"]
             if self.refuse_imports:

@@ -1,5 +1,6 @@
 """Administrative requests the engine answers between steps: adapters (register, unregister, list)
-and sessions (list, export, import: draining a backend). Each returns the JSON body of its answer.
+and sessions (list; export, forget, resume and import: moving a session when a backend is drained).
+Each returns the JSON body of its answer.
 
 Who calls this: the engine loop thread, when such a request is admitted (so it never races a step).
 """
@@ -25,7 +26,8 @@ def build_adapter_registry(config, runner, journal: Journal | None):
 
     bank, shapes = runner.enable_lora(config.max_device_adapters, config.max_lora_rank)
     registry = AdapterRegistry(bank, shapes, max_device=config.max_device_adapters,
-                               max_host=config.max_host_adapters, max_rank=config.max_lora_rank)
+                               max_host=config.max_host_adapters, max_rank=config.max_lora_rank,
+                               adapters_dir=config.adapters_dir)
     if config.adapters_dir:
         logger.info("adapters found in %s: %s", config.adapters_dir, registry.scan(config.adapters_dir))
     for name, entry in (journal.adapters() if journal is not None else {}).items():
@@ -77,16 +79,24 @@ def _journal_adapters(journal: Journal | None, added: tuple[str, dict] | None = 
 
 
 def session_admin(request: SessionAdminRequest, sessions: Sessions, now: float) -> dict:
-    """list / export / import. An export reaches here only once its session is idle (the engine
-    queues it behind the request in flight)."""
+    """list / export / forget / resume / import: a move in two phases (``session/state/sessions.py``).
+    An export reaches here only once its session is idle and not moving (admission queues it behind
+    the request in flight, or holds it behind the move under way)."""
     if request.action == "list":
         return {"sessions": [{"session_id": s.session_id, "busy": s.busy, "num_turns": s.num_turns,
-                              "expires_at": s.expires_at, "recoverable": s.recoverable}
+                              "expires_at": s.expires_at, "recoverable": s.recoverable,
+                              "moving": sessions.is_moving(s.session_id)}
                              for s in sessions.store.all_sessions() if not s.ephemeral]}
-    if request.action == "export":
-        return {"session": sessions.export(sessions.get(request.session_id))}
     if request.action == "import":
-        if not isinstance(request.exported, dict):
-            raise BadRequest("import needs the exported session object in 'session'")
         return {"imported": sessions.import_(request.exported, now).session_id}
-    raise BadRequest(f"unknown sessions action {request.action!r}; use list, export or import")
+    if request.action not in ("export", "forget", "resume"):
+        raise BadRequest(f"unknown sessions action {request.action!r}; use list, export, forget, resume or import")
+    if not isinstance(request.session_id, str):
+        raise BadRequest(f"{request.action} needs the session's id in 'session_id'")
+    session = sessions.get(request.session_id)
+    if request.action == "export":
+        return {"session": sessions.export(session, now)}
+    if request.action == "forget":
+        sessions.forget_moved(session)
+        return {"forgotten": session.session_id}
+    return {"resumed": session.session_id, "was_moving": sessions.resume_move(session)}

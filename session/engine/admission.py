@@ -4,6 +4,12 @@ its session's request in flight, or an immediate answer (cancel, close, admin).
 Who calls this: the engine loop thread, between steps (``Engine._admit_arrivals``), and after a
 request ended (``admit_next``: what waited behind it on the session). Requests on one session are
 admitted in arrival order, one in flight at a time.
+
+A moving session (exported, its move neither confirmed nor aborted: ``session/state/sessions.py``)
+takes no request: generations, closes and exports for it are held here, in arrival order, until the
+move ends. Confirmed (``forget``), they are admitted again and find the session moved (404, which
+sends the front to the target); aborted (``resume``) or timed out (``end_overdue_moves``, called with
+the reaper), they run here as if they had just arrived.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from session.engine.requests import (
     SessionAdminRequest,
 )
 from session.errors import AdapterMismatch, BadRequest, ResidentError, SessionNotFound
-from session.types import new_session_id
+from session.types import new_session_id, redact
 
 if TYPE_CHECKING:
     from session.engine.scheduler import Scheduler
@@ -45,6 +51,7 @@ class Admission:
         self.end = end  # Engine.end: the one place a request in flight ends
         self.on_barrier = on_barrier  # an empty cancel is a barrier (Engine.fresh_stats): publish first
         self.num_cancelled_queued = 0  # queued generations cancelled before they were admitted
+        self.held: dict[str, list] = {}  # session_id -> requests that arrived while it was moving, in order
 
     def admit(self, item) -> bool:
         """Admit one request; True when it now waits or runs (a generation in flight)."""
@@ -56,12 +63,10 @@ class Admission:
                     self.on_barrier()
                 item.stream.put(AdminResult({"cancelled": self.cancel(item.target_request_id, "cancelled")}))
             elif isinstance(item, CloseRequest):
-                self.close(item)
+                if not self._hold_if_moving(item.session_id, item):
+                    self.close(item)
             elif isinstance(item, SessionAdminRequest):
-                if item.action == "export" and self.scheduler.is_busy(item.session_id or ""):
-                    self.scheduler.enqueue(item.session_id, item)  # after the request in flight
-                else:
-                    item.stream.put(AdminResult(admin.session_admin(item, self.sessions, self.clock())))
+                self._session_admin(item)
             elif isinstance(item, AdapterRequest):
                 item.stream.put(AdminResult(admin.adapter_admin(item, self.adapters, self.sessions)))
             else:
@@ -69,7 +74,7 @@ class Admission:
         except Exception as exc:
             if not isinstance(exc, ResidentError):
                 logger.exception("admitting request %s (session %s) failed", getattr(item, "request_id", ""),
-                                 getattr(item, "session_id", None))
+                                 redact(getattr(item, "session_id", None)))
             item.stream.put(Failed(exc))
         return False
 
@@ -93,11 +98,62 @@ class Admission:
                 bound = f"adapter {session.adapter!r}" if session.adapter else "the base model"
                 raise AdapterMismatch(f"session {session.session_id} was opened with {bound}; its cache cannot "
                                       f"serve adapter {request.adapter!r}: open a new session for it")
+            if self._hold_if_moving(session.session_id, request):
+                return True
             if self.scheduler.is_busy(session.session_id):
                 self.scheduler.enqueue(session.session_id, request)
                 return True
         self.scheduler.add(Sequence(request=request, session=session))
         return True
+
+    def _session_admin(self, request: SessionAdminRequest) -> None:
+        session_id = request.session_id or ""
+        if request.action == "export" and self.scheduler.is_busy(session_id):
+            self.scheduler.enqueue(session_id, request)  # after the request in flight
+            return
+        if request.action == "export" and self._hold_if_moving(session_id, request):
+            return  # after the move under way (another front's drain)
+        request.stream.put(AdminResult(admin.session_admin(request, self.sessions, self.clock())))
+        if request.action in ("forget", "resume"):
+            self._admit_held(session_id)
+
+    # ------------------------------------------------------------------ moving sessions
+
+    def _hold_if_moving(self, session_id: str | None, item) -> bool:
+        if session_id is None or not self.sessions.is_moving(session_id):
+            return False
+        self.held.setdefault(session_id, []).append(item)
+        return True
+
+    def _admit_held(self, session_id: str) -> None:
+        """The session's move ended: what waited for it is admitted, in arrival order."""
+        for item in self.held.pop(session_id, []):
+            self.admit(item)
+
+    def end_overdue_moves(self) -> None:
+        """Moves that neither a confirm nor an abort ended in time (the front that began them died) end
+        here: those sessions serve again, their held requests first. Who calls this: the engine loop,
+        with the reaper."""
+        for session_id in self.sessions.end_overdue_moves(self.clock()):
+            self._admit_held(session_id)
+
+    def take_all_held(self) -> list:
+        """Remove and return every held request (the engine is stopping)."""
+        items = [item for held in self.held.values() for item in held]
+        self.held.clear()
+        return items
+
+    def _take_held(self, request_id: str) -> GenerationRequest | None:
+        if not request_id:  # a barrier (``Engine.fresh_stats``), not a cancel of anything held
+            return None
+        for session_id, held in self.held.items():
+            for item in held:
+                if isinstance(item, GenerationRequest) and item.request_id == request_id:
+                    held.remove(item)
+                    if not held:
+                        del self.held[session_id]
+                    return item
+        return None
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Between steps: end the named request (in flight or queued) with Cancelled."""
@@ -112,6 +168,12 @@ class Admission:
             return True
         if queued is not None:  # a close or export: it goes on
             self.scheduler.enqueue(queued.session_id, queued)
+            return False
+        held = self._take_held(request_id)
+        if held is not None:
+            self.num_cancelled_queued += 1
+            held.stream.put(Cancelled(reason))
+            return True
         return False
 
     def close(self, request: CloseRequest) -> None:

@@ -80,7 +80,8 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     embeddings = EmbeddingCache()
     budget = device_budget(config, runner)
     memory = MemoryManager(device_budget_bytes=budget, host_budget_bytes=config.host_budget_bytes, store=store)
-    journal = Journal(config.journal_dir, config.journal_max_bytes) if config.journal_dir else None
+    journal = Journal(config.journal_dir, config.journal_max_bytes,
+                      config.journal_session_max_bytes) if config.journal_dir else None
     adapters = admin.build_adapter_registry(config, runner, journal)
     speculator = _speculator(config, runner, tokenizer)
     if not config.static_kv:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from session.engine.events import EventStream
+from session.engine.prompt import RenderedTurn
 from session.families.vision import NO_IMAGES, Images
 from session.state.session import SessionState, Turn
 from session.types import Message, SamplingParams
@@ -37,6 +38,7 @@ class GenerationRequest:
     token_ids: list[int] | None = None  # raw prompt ids instead of messages (tests, benchmarks)
     adapter: str | None = None  # LoRA adapter name; None: the session's own (or the base model)
     speculative: bool = True  # False: never speculate for this request
+    rendered: RenderedTurn | None = None  # the prompt, rendered by the caller (``Engine.render_turn``); None: here
 
 
 @dataclass
@@ -75,10 +77,13 @@ class AdapterRequest:
 
 @dataclass
 class SessionAdminRequest:
-    """List, export (and remove) or import sessions, for draining a backend; answered with AdminResult.
-    An export waits behind the session's request in flight, like a close."""
+    """List sessions, or move one (draining a backend); answered with AdminResult. A move is two-phase:
+    ``export`` hands the session over and marks it as moving (kept here; its requests wait), then
+    ``forget`` (the import elsewhere succeeded) drops it here or ``resume`` (it failed) serves it here
+    again; ``import`` opens an exported one. An export waits behind the session's request in flight,
+    like a close, and behind a move of it already under way."""
 
-    action: str  # list | export | import
+    action: str  # list | export | forget | resume | import
     stream: EventStream
     session_id: str | None = None
     exported: dict | None = None  # import: what an export returned

@@ -5,11 +5,19 @@ Admin calls carry ``X-Resident-Admin-Token`` (the secret the front shares with i
 
   {"adapters": "list" | "register" | "unregister", ...}   the front's /adapters API
   {"sessions": "list"}                                    -> {"sessions": [{"session_id", "busy", "num_turns",
-                                                              "expires_at"}]}
+                                                              "expires_at", "moving"}]}
   {"sessions": "export", "session_id": id}                -> {"session": {...}}: waits until the session has no
-                                                              request in flight, then removes it there (404 if
-                                                              unknown; later requests for it there get 404)
+                                                              request in flight, then marks it as moving there
+                                                              (404 if unknown): it stays, its requests wait
+  {"sessions": "forget", "session_id": id}                -> {"forgotten": id}: the move is confirmed, the
+                                                              session is dropped there (later requests: 404);
+                                                              409 if it is not moving (its move timed out)
+  {"sessions": "resume", "session_id": id}                -> {"resumed": id, "was_moving": bool}: the move is
+                                                              aborted, the session serves there again
   {"sessions": "import", "session": {...}}                -> {"imported": id} (409 if live there already)
+
+A moving session that gets neither ``forget`` nor ``resume`` (its front died mid-move) serves on its
+backend again after that backend's move timeout (``session/state/sessions.py``).
 
 A cancel is ``X-Resident-Cancel: <request id>`` with body ``{}``: the backend stops the request
 that carried ``X-Resident-Request-Id: <request id>`` at its next step and rolls its session's turn
@@ -92,14 +100,27 @@ class BackendAdmin:
                             expires_at=float(s.get("expires_at", 0.0))) for s in body["sessions"]]
 
     async def export_session(self, backend: Backend, session_id: str) -> dict:
-        """The session's transcript, images and settings; it no longer lives on ``backend`` after this.
-        Raises SessionNotFound (closed or expired meanwhile) or AdminError."""
-        status, body = await self.call(backend, {"sessions": "export", "session_id": session_id})
+        """The session's transcript, images and settings; ``backend`` keeps it, moving, until
+        ``forget_session`` or ``resume_session``. Raises SessionNotFound (closed or expired meanwhile)
+        or AdminError."""
+        return (await self._session_action(backend, "export", session_id))["session"]
+
+    async def forget_session(self, backend: Backend, session_id: str) -> None:
+        """Confirm a move: ``backend`` drops the session it exported. Raises SessionNotFound, or AdminError
+        (409: it is not moving there any more: its move timed out and it serves there again)."""
+        await self._session_action(backend, "forget", session_id)
+
+    async def resume_session(self, backend: Backend, session_id: str) -> None:
+        """Abort a move: ``backend`` serves the session it exported again. Raises SessionNotFound or AdminError."""
+        await self._session_action(backend, "resume", session_id)
+
+    async def _session_action(self, backend: Backend, action: str, session_id: str) -> dict:
+        status, body = await self.call(backend, {"sessions": action, "session_id": session_id})
         if status == 404:
             raise SessionNotFound(body["error"].get("message", f"session {session_id} is not on the backend"))
         if status != 200:
             raise AdminError(status, body["error"])
-        return body["session"]
+        return body
 
     async def import_session(self, backend: Backend, exported: dict) -> None:
         status, body = await self.call(backend, {"sessions": "import", "session": exported})
@@ -108,7 +129,7 @@ class BackendAdmin:
 
     async def cancel(self, backend: Backend, request_id: str) -> bool | None:
         """Ask ``backend`` to stop request ``request_id``: whether it did, None when the cancel failed."""
-        headers = {"Content-Type": JSON_CONTENT_TYPE, CANCEL_HEADER: request_id}
+        headers = {"Content-Type": JSON_CONTENT_TYPE, CANCEL_HEADER: request_id, ADMIN_TOKEN_HEADER: self.token}
         try:
             async with self.http.post(self._url(backend), data=b"{}", headers=headers,
                                       timeout=aiohttp.ClientTimeout(total=self.cancel_timeout_s)) as response:

@@ -3,16 +3,25 @@
 The front's ``POST /backends/{i}/drain`` calls ``Migrator.drain``. It takes the backend out of
 the choice for new sessions (``Router.drain``), then, until the backend lists no session (or
 ``MAX_ROUNDS`` lists in a row still find some, when other fronts keep opening sessions there),
-moves each session: export on the source (the backend waits until the session has no request in
-flight, then hands over its transcript, image bytes and settings and forgets it), import on the
-least busy other backend, pin the id there in this front's router. The KV cache is not copied:
-the target recomputes it on the session's next request, which answers exactly as it would have
-on the source (the engine's equivalence invariant); that first request pays one prefill.
+moves each session in two phases:
 
-A session is never dropped on the floor: if no other backend takes it, it is imported back on the
-source. While a session is between export and import, this front holds its requests
-(``Migrator.wait_moved``) instead of answering 404; another front finds it by asking the backends
-again (``session/front/server.py``).
+1. export on the source: the backend waits until the session has no request in flight, hands over
+   its transcript, image bytes and settings, and keeps it, marked as moving (its requests wait);
+2. import on the least busy other backend;
+3. confirm on the source (``forget``): only now does the source drop its copy; the id is pinned to
+   the target in this front's router.
+
+If no other backend takes it, the source is told to ``resume`` it instead: it serves there as
+before. If this front dies between the phases, the source serves the session again once its move
+timeout passes (``session/state/sessions.py``); a confirm that comes after that is refused (409),
+and the copy imported on the target is taken out again, so one session never lives twice. A
+session is never dropped on the floor.
+
+The KV cache is not copied: the target recomputes it on the session's next request, which answers
+exactly as it would have on the source (the engine's equivalence invariant); that first request
+pays one prefill. While a session is moving, this front holds its requests (``Migrator.wait_moved``)
+and the source holds those that reach it; another front finds it by asking the backends again
+(``session/front/server.py``).
 """
 
 from __future__ import annotations
@@ -25,11 +34,14 @@ from dataclasses import dataclass, field
 from session.errors import BackendError, BackendUnavailable, SessionNotFound
 from session.front.backend_client import AdminError, BackendAdmin
 from session.front.router import Backend, Router
+from session.types import redact
 
 logger = logging.getLogger(__name__)
 
 MAX_PARALLEL_MOVES = 4  # sessions in transit at once: exports wait for in-flight requests, so overlap them
 MAX_ROUNDS = 5  # rounds of moves before the drain reports what is left on the source
+CONFIRM_ATTEMPTS = 3  # a confirm the source does not answer is sent again (else it would serve its copy again)
+CONFIRM_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -124,8 +136,10 @@ class Migrator:
         await asyncio.gather(*(one(sid) for sid in session_ids))
 
     async def move(self, source: Backend, session_id: str) -> MovedSession | None:
-        """Move one session off ``source``; None when it was closed or expired meanwhile. Raises
-        AdminError / BackendError when the export fails (the session is then still on the source)."""
+        """Move one session off ``source`` (export, import elsewhere, confirm); None when it was closed or
+        expired meanwhile. A MovedSession whose target is the source: no other backend took it, and the
+        source serves it again. Raises AdminError / BackendError when the move failed; the session then
+        still lives on the source (resumed, or serving again once its move times out there)."""
         self._in_transit[session_id] = asyncio.Event()
         try:
             t0 = self.clock()
@@ -133,9 +147,17 @@ class Migrator:
                 exported = await self.admin.export_session(source, session_id)
             except SessionNotFound:
                 return None
+            except BackendError:
+                await self._resume(source, session_id)  # the export may have happened there all the same
+                raise
             t1 = self.clock()
-            target = await self._import_somewhere(source, exported)
-            self.router.pin(session_id, target, exported.get("expires_at"))
+            target = await self._import_elsewhere(source, exported)
+            if target is None:
+                await self._resume(source, session_id)
+                target = source
+            else:
+                await self._confirm(source, target, session_id)
+                self.router.pin(session_id, target, exported.get("expires_at"))
             return MovedSession(session_id=session_id, target=target.index,
                                 num_tokens=len(exported.get("token_ids", ())),
                                 num_images=len(exported.get("images", {})), export_s=t1 - t0,
@@ -143,28 +165,59 @@ class Migrator:
         finally:
             self._in_transit.pop(session_id).set()
 
-    async def _import_somewhere(self, source: Backend, exported: dict) -> Backend:
-        """Import on the least busy other backend; if every one refuses, back on the source."""
+    async def _import_elsewhere(self, source: Backend, exported: dict) -> Backend | None:
+        """Import on the least busy other backend; None if every one refuses."""
         tried = [source]
         while True:
             try:
                 target = self.router.pick(exclude=tried)
             except BackendUnavailable:
-                break
+                return None
             self.router.acquire(target)  # counts as load, so that parallel moves spread over the others
             try:
                 await self.admin.import_session(target, exported)
                 return target
             except (AdminError, BackendError) as exc:
-                logger.warning("backend %d refused session %s: %s", target.index, exported["session_id"], exc.message)
+                logger.warning("backend %d refused session %s: %s", target.index, redact(exported["session_id"]),
+                               exc.message)
                 tried.append(target)
             finally:
                 self.router.release(target)
+
+    async def _confirm(self, source: Backend, target: Backend, session_id: str) -> None:
+        """The source drops its copy. Raises AdminError when it refuses (its move timed out and it serves the
+        session again): the target's copy is then taken out, and the session stays on the source."""
+        for attempt in range(CONFIRM_ATTEMPTS):
+            try:
+                await self.admin.forget_session(source, session_id)
+                return
+            except SessionNotFound:
+                return  # gone there already (the source restarted without it): the target's copy is the session
+            except AdminError as exc:
+                await self._take_back(target, session_id)
+                raise AdminError(exc.status, {"type": exc.type, "message": f"the source kept it ({exc.message})"}) \
+                    from exc
+            except BackendError as exc:
+                if attempt == CONFIRM_ATTEMPTS - 1:
+                    logger.error("backend %d did not confirm the move of session %s (%s); it lives on backend %d now, "
+                                 "but the source serves its old copy again if it comes back before forgetting it",
+                                 source.index, redact(session_id), exc.message, target.index)
+                    return
+                await asyncio.sleep(CONFIRM_RETRY_S)
+
+    async def _resume(self, source: Backend, session_id: str) -> None:
+        """Abort a move: the source serves the session again (best effort: else it does once the move times out)."""
         try:
-            await self.admin.import_session(source, exported)
-        except (AdminError, BackendError) as exc:
-            logger.error("session %s is lost: no backend took it back (%s)", exported["session_id"], exc.message)
-            raise AdminError(exc.status, {"type": exc.type, "message": f"lost: no backend took it ({exc.message})"}) from exc
-        logger.warning("no other backend took session %s; it stays on backend %d", exported["session_id"],
-                       source.index)
-        return source
+            await self.admin.resume_session(source, session_id)
+        except (AdminError, BackendError, SessionNotFound) as exc:
+            logger.warning("backend %d did not resume session %s (%s); it serves it again once its move times out",
+                           source.index, redact(session_id), exc.message)
+
+    async def _take_back(self, target: Backend, session_id: str) -> None:
+        """Remove the copy a move imported on ``target`` (the move failed after the import): export, forget."""
+        try:
+            await self.admin.export_session(target, session_id)
+            await self.admin.forget_session(target, session_id)
+        except (AdminError, BackendError, SessionNotFound) as exc:
+            logger.error("session %s: the copy imported on backend %d could not be removed (%s)", redact(session_id),
+                         target.index, exc.message)

@@ -5,33 +5,49 @@ to the device for a turn (``prepare_turn``), commits or rolls back a turn (``com
 ``rollback_turn``), journals finished turns, and exports or imports a session (draining a backend).
 
 Durability faults never fail an answer: a journal or image write that raises (a full /dev/shm,
-an I/O error, the journal's own byte cap) leaves the answer as it is, marks the session as not
-crash-recoverable (its stale journal entry is removed, so a restart never resurrects an older
-transcript), counts ``journal_write_errors`` and logs once per session.
+an I/O error, the journal's own byte cap or a session's quota) leaves the answer as it is, marks the
+session as not crash-recoverable (its stale journal entry is removed, so a restart never resurrects
+an older transcript), counts ``journal_write_errors`` and logs once per session.
+
+Image bytes: the encoded images of live sessions that the journal does not hold (no journal, a
+failed write, a session over its quota) are kept in memory, up to ``max_kept_image_bytes`` in all,
+so that an export and a later journal write have them; the journal's copy serves otherwise.
+
+Moves (draining a backend) are two-phase. ``export`` hands a session over and marks it as moving:
+it stays here, and the engine holds its requests (``session/engine/admission.py``). The move then
+ends one of three ways: ``forget_moved`` (the target imported it: forgotten here), ``resume_move``
+(no target took it: live here again), or ``end_overdue_moves`` after ``move_timeout_s`` with
+neither (the front that began it died): live here again, so a session is never lost in transit.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
 import logging
-from collections.abc import Callable
+from collections import ChainMap
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
 
-from session.errors import BadRequest, SessionExists, SessionNotFound
+from session.errors import BadRequest, CapacityExceeded, InvalidSessionId, ResidentError, SessionExists, SessionNotFound
 from session.families.mrope import segment_positions
 from session.families.vision import Images
 from session.model.backend import ModelBackend
 from session.model.kv_cache import KVCache
 from session.state.embeddings import EmbeddingCache
-from session.state.journal import Journal, JournalEntry
+from session.state.journal import Journal, JournalEntry, check_entry, is_digest, validate_digest
 from session.state.memory import MemoryManager, kv_bytes
 from session.state.session import SessionState, Tier, Turn, TurnMark
 from session.state.store import SessionStore
-from session.types import validate_session_id
+from session.types import redact
 
 logger = logging.getLogger(__name__)
+
+MOVE_TIMEOUT_S = 120.0  # an exported session neither confirmed nor resumed within this is live here again
+MAX_KEPT_IMAGE_BYTES = 256 << 20  # encoded images kept in memory (those the journal does not hold)
 
 
 class CacheMaker(Protocol):
@@ -54,11 +70,17 @@ class CacheMaker(Protocol):
 class Sessions:
     def __init__(self, *, store: SessionStore, memory: MemoryManager, embeddings: EmbeddingCache,
                  journal: Journal | None, runner: ModelBackend, caches: CacheMaker,
-                 images_from_bytes: Callable[[bytes], Images]):
+                 images_from_bytes: Callable[[bytes], Images], move_timeout_s: float = MOVE_TIMEOUT_S,
+                 max_kept_image_bytes: int = MAX_KEPT_IMAGE_BYTES):
         self.store, self.memory, self.embeddings, self.journal = store, memory, embeddings, journal
         self.runner = runner
         self.caches = caches
-        self.images_from_bytes = images_from_bytes  # encoded image -> Images of one (images from the journal)
+        self.images_from_bytes = images_from_bytes  # encoded image -> Images of one (to recompute an embedding)
+        self.move_timeout_s = move_timeout_s
+        self.max_kept_image_bytes = max_kept_image_bytes
+        self._moving: dict[str, float] = {}  # session_id -> when its move times out (the engine's clock)
+        self._image_bytes: dict[str, bytes] = {}  # digest -> encoded image the journal does not hold
+        self.kept_image_bytes = 0  # sum of len() over _image_bytes
         self.num_journal_restored = 0
         self.num_journal_write_errors = 0
 
@@ -86,16 +108,17 @@ class Sessions:
     def forget(self, session: SessionState, reason: str) -> None:
         """Close a session: free its KV, release its images, remove it from the journal."""
         self.store.close(session.session_id, reason=reason)
+        self._moving.pop(session.session_id, None)
         for digest in session.image_digests:
             self._release_image(digest)
         if self.journal is not None and not session.ephemeral:
             self._journal_io(session, lambda: self.journal.remove(session.session_id))
 
     def reap(self) -> list[str]:
-        expired = self.store.expired_ids()
+        expired = [sid for sid in self.store.expired_ids() if sid not in self._moving]  # a move ends first
         for session_id in expired:
             self.forget(self.store.get(session_id), "expired")
-            logger.info("session %s expired", session_id)
+            logger.info("session %s expired", redact(session_id))
         return expired
 
     # ------------------------------------------------------------------ a turn
@@ -201,7 +224,10 @@ class Sessions:
         turn.images_acquired = ()
 
     def _release_image(self, digest: str) -> None:
-        if self.embeddings.release(digest) and self.journal is not None:
+        if not self.embeddings.release(digest):
+            return
+        self._drop_image_bytes(digest)
+        if self.journal is not None and is_digest(digest):
             journal = self.journal
             self._journal_io(None, lambda: journal.remove_image(digest))
 
@@ -216,7 +242,7 @@ class Sessions:
                 self.embeddings.num_hits += 1
         for digest in old_digests:
             if self.embeddings.get(digest).tensor is None and digest not in to_encode:
-                to_encode[digest] = self._image_from_journal(digest)
+                to_encode[digest] = self.images_from_bytes(self._encoded_image(digest))
         if to_encode:
             batch = Images.join(to_encode.values())
             encoded = self.runner.encode_images(list(batch.pixels), list(batch.sizes), list(batch.grids) or None)
@@ -225,43 +251,79 @@ class Sessions:
                 entry.tensor, entry.grid = tensor.to("cpu", copy=True), grid
         return [self.embeddings.get(d).tensor.to(self.runner.device) for d in old_digests + new_digests]
 
-    def _image_from_journal(self, digest: str) -> Images:
-        if self.journal is None:
-            raise RuntimeError(f"image {digest[:12]} has no embedding and no journal to recompute it from")
-        return self.images_from_bytes(self.journal.read_image(digest))
+    # ------------------------------------------------------------------ image bytes
+
+    def _encoded_image(self, digest: str) -> bytes:
+        """An image's encoded bytes: kept in memory, else from the journal. Raises ResidentError (500)
+        when neither has them (an image that came without bytes, or memory for them was full)."""
+        raw = self._image_bytes.get(digest)
+        if raw is not None:
+            return raw
+        if self.journal is not None and is_digest(digest):
+            try:
+                return self.journal.read_image(digest)
+            except OSError as exc:
+                logger.warning("image %s cannot be read back from the journal: %s", digest[:12], exc)
+        raise ResidentError(f"image {digest[:12]}: its bytes are neither kept in memory nor in the journal")
+
+    def _has_encoded_image(self, digest: str) -> bool:
+        return digest in self._image_bytes or (self.journal is not None and is_digest(digest)
+                                               and self.journal.has_image(digest))
+
+    def _keep_image_bytes(self, session: SessionState, image_bytes: Mapping[str, bytes]) -> None:
+        """Keep the session's images from ``image_bytes`` in memory, while ``max_kept_image_bytes`` allows;
+        each stays until its last reference is released (``_release_image``)."""
+        for digest in dict.fromkeys(session.image_digests):
+            raw = image_bytes.get(digest)
+            if raw is None or digest in self._image_bytes:
+                continue
+            if self.kept_image_bytes + len(raw) > self.max_kept_image_bytes:
+                logger.info("image %s of session %s is not kept in memory: %d bytes are already", digest[:12],
+                            redact(session.session_id), self.kept_image_bytes)
+                continue
+            self._image_bytes[digest] = raw
+            self.kept_image_bytes += len(raw)
+
+    def _drop_image_bytes(self, digest: str) -> None:
+        raw = self._image_bytes.pop(digest, None)
+        if raw is not None:
+            self.kept_image_bytes -= len(raw)
 
     # ------------------------------------------------------------------ journal
 
-    def journal_turn(self, session: SessionState, image_bytes: dict[str, bytes]) -> None:
-        """After a finished turn: write its new images, then the session's entry. Never raises."""
-        if self.journal is None or session.ephemeral:
+    def journal_turn(self, session: SessionState, image_bytes: Mapping[str, bytes]) -> None:
+        """After a finished turn (``image_bytes``: digest -> encoded bytes of its images): keep its images'
+        bytes, then journal the session, its images then its entry; the bytes the journal now holds
+        leave memory. Never raises."""
+        if session.ephemeral:
+            return
+        self._keep_image_bytes(session, image_bytes)
+        if self.journal is None:
             return
         journal = self.journal
-
-        def write() -> None:
-            for digest in session.image_digests:
-                if not journal.has_image(digest):
-                    if digest not in image_bytes:
-                        raise FileNotFoundError(f"image {digest[:12]} is not in the journal")
-                    journal.write_image(digest, image_bytes[digest])
-            journal.write(JournalEntry(
-                session_id=session.session_id, token_ids=session.token_ids, image_digests=session.image_digests,
-                ended_with_eos=session.ended_with_eos, num_turns=session.num_turns, created_at=session.created_at,
-                expires_at=session.expires_at, adapter=session.adapter,
-            ))
-
-        session.recoverable = self._journal_io(session, write)
+        entry = JournalEntry(
+            session_id=session.session_id, token_ids=session.token_ids, image_digests=session.image_digests,
+            ended_with_eos=session.ended_with_eos, num_turns=session.num_turns, created_at=session.created_at,
+            expires_at=session.expires_at, adapter=session.adapter,
+        )
+        known = ChainMap(image_bytes, self._image_bytes)  # this turn's images, and those kept before
+        session.recoverable = self._journal_io(session, lambda: journal.write_session(entry, known))
         if not session.recoverable:  # a stale entry would bring back an older transcript after a crash
             self._journal_io(None, lambda: journal.remove(session.session_id))
+        for digest in dict.fromkeys(session.image_digests):
+            if digest in self._image_bytes and is_digest(digest) and journal.has_image(digest):
+                self._drop_image_bytes(digest)
 
     def _journal_io(self, session: SessionState | None, operation: Callable[[], None]) -> bool:
+        """Run a journal operation; False when it failed (a filesystem error, a cap, or an id or digest
+        that cannot name a file: BadRequest), counted and logged once per session."""
         try:
             operation()
             return True
-        except OSError as exc:
+        except (OSError, BadRequest) as exc:
             self.num_journal_write_errors += 1
             if session is None or session.recoverable:  # log once per session (until it recovers)
-                logger.warning("journal write failed%s: %s", f" for session {session.session_id}; it is not "
+                logger.warning("journal write failed%s: %s", f" for session {redact(session.session_id)}; it is not "
                                "crash-recoverable until a later turn is journaled" if session else "", exc)
             return False
 
@@ -272,11 +334,15 @@ class Sessions:
             if entry.expires_at <= now or entry.session_id in self.store:
                 self.journal.remove(entry.session_id)
                 continue
+            try:
+                self._check_token_ids(entry)
+            except BadRequest as exc:
+                logger.warning("skipping journal entry of session %s: %s", redact(entry.session_id), exc.message)
+                self.journal.remove(entry.session_id)
+                continue
             self._adopt(entry, now)
             self.num_journal_restored += 1
-        for path in self.journal.images_dir.iterdir():
-            if path.name not in self.embeddings:
-                self.journal.remove_image(path.name)
+        self.journal.remove_images_except(self.embeddings)
         if self.num_journal_restored:
             logger.info("restored %d sessions from the journal at %s", self.num_journal_restored,
                         self.journal.directory)
@@ -293,52 +359,93 @@ class Sessions:
 
     # ------------------------------------------------------------------ migration (drain)
 
-    def export(self, session: SessionState) -> dict:
-        """An idle session as JSON (transcript and images), then forgotten here ("moved")."""
-        if self.journal is None:
-            raise BadRequest("exporting a session needs the journal (RESIDENT_JOURNAL_DIR)")
-        images = {d: base64.b64encode(self.journal.read_image(d)).decode() for d in dict.fromkeys(session.image_digests)}
+    def export(self, session: SessionState, now: float) -> dict:
+        """An idle session as JSON (transcript, image bytes, settings), for its move to another backend.
+        It stays here, marked as moving, until ``forget_moved``, ``resume_move`` or its timeout
+        (``end_overdue_moves``). Who calls this: the engine's admin code, once no request is in flight
+        on the session and no other move of it is under way."""
+        assert session.session_id not in self._moving, "a second export waits for the move under way"
+        images = {d: base64.b64encode(self._encoded_image(d)).decode() for d in dict.fromkeys(session.image_digests)}
         exported = {"session_id": session.session_id, "token_ids": list(session.token_ids),
                     "image_digests": list(session.image_digests), "ended_with_eos": session.ended_with_eos,
                     "num_turns": session.num_turns, "created_at": session.created_at,
                     "expires_at": session.expires_at, "adapter": session.adapter, "images": images}
-        self.forget(session, "moved to another backend")
+        self._moving[session.session_id] = now + self.move_timeout_s
         return exported
 
+    def is_moving(self, session_id: str) -> bool:
+        """Exported, and its move neither confirmed nor aborted yet."""
+        return session_id in self._moving
+
+    def forget_moved(self, session: SessionState) -> None:
+        """The move is confirmed (the target imported the session): forget it here. Raises SessionExists
+        when it is not moving (never exported, or its move timed out and it serves here again): then
+        the caller must drop the copy it imported elsewhere, not this one."""
+        if self._moving.pop(session.session_id, None) is None:
+            raise SessionExists(f"session {session.session_id} is live on this backend, not moving (its move timed "
+                                f"out after {self.move_timeout_s:g} s, or it was never exported); it stays here")
+        self.forget(session, "moved to another backend")
+
+    def resume_move(self, session: SessionState) -> bool:
+        """The move is aborted (no target took the session): it serves here again. Whether it was moving."""
+        return self._moving.pop(session.session_id, None) is not None
+
+    def end_overdue_moves(self, now: float) -> list[str]:
+        """Moves neither confirmed nor aborted within ``move_timeout_s`` (the front that began them died):
+        those sessions serve here again. Returns their ids. Who calls this: the engine's admission, with
+        the reaper."""
+        overdue = [sid for sid, deadline in self._moving.items() if deadline <= now]
+        for session_id in overdue:
+            del self._moving[session_id]
+            logger.warning("the move of session %s was neither confirmed nor aborted within %g s; it serves "
+                           "here again", redact(session_id), self.move_timeout_s)
+        return overdue
+
     def import_(self, exported: dict, now: float) -> SessionState:
-        """Open an exported session here, KV recomputed on its next request."""
+        """Open an exported session here, KV recomputed on its next request. Checked like a journal entry
+        (``check_entry``), each image against its digest; refused with nothing left behind."""
+        if not isinstance(exported, dict):
+            raise BadRequest("import needs the exported session object in 'session'")
         try:
-            entry = JournalEntry(**{k: v for k, v in exported.items() if k != "images"})
-            images = {d: base64.b64decode(raw, validate=True) for d, raw in exported.get("images", {}).items()}
-            if not all(isinstance(t, int) for t in entry.token_ids) or not all(
-                    isinstance(d, str) and "/" not in d for d in [*entry.image_digests, *images]):
-                raise ValueError("token_ids must be integers and image digests plain names")
-            validate_session_id(entry.session_id)
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise BadRequest(f"not an exported session: {exc}") from None
+            entry = check_entry({k: v for k, v in exported.items() if k != "images"})
+            images = _decode_images(exported.get("images", {}))
+            self._check_token_ids(entry)
+        except InvalidSessionId:
+            raise
+        except BadRequest as exc:
+            raise BadRequest(f"not an exported session: {exc.message}") from None
         if entry.session_id in self.store:
             raise SessionExists(f"session {entry.session_id} is already live on this backend")
-        if self.journal is not None:
-            for digest, raw in images.items():
-                self.journal.write_image(digest, raw)
-        session = self._adopt(entry, now)
-        for digest in session.image_digests:
-            if self.journal is None or not self.journal.has_image(digest):
-                self.forget(session, "closed")
+        for digest in entry.image_digests:
+            if digest not in images and not self._has_encoded_image(digest):
                 raise SessionNotFound(f"session {entry.session_id}: image {digest[:12]} is missing from the export")
+        session = self._adopt(entry, now)
         self.journal_turn(session, images)
+        lacking = [d for d in dict.fromkeys(session.image_digests) if not self._has_encoded_image(d)]
+        if lacking:  # its KV could never be recomputed here
+            self.forget(session, "closed")
+            raise CapacityExceeded(f"session {entry.session_id}: no room to keep image {lacking[0][:12]} (memory for "
+                                   "images is full and the journal did not take it)", retry_after_s=5)
         return session
+
+    def _check_token_ids(self, entry: JournalEntry) -> None:
+        """Token ids the model can embed (an id past the vocabulary fails on the device, not here)."""
+        vocab_size = self.runner.info.vocab_size
+        if any(t >= vocab_size for t in entry.token_ids):
+            raise BadRequest(f"token_ids must be below the model's vocabulary size {vocab_size}")
 
     # ------------------------------------------------------------------ invariant
 
     def check(self, active_ids) -> list[str]:
         """Violations of the sessions' invariant: on the device, the KV holds the transcript but at most
         its last token (sampled, fed by the next step); elsewhere no device bytes are held; a session is
-        busy only with a request in flight (``active_ids``: the scheduler's)."""
-        problems = []
+        busy only with a request in flight (``active_ids``: the scheduler's), and never while moving."""
+        problems = [f"session {sid}: moving but not live" for sid in self._moving if sid not in self.store]
         for session in self.store.all_sessions():
             if session.busy and session.session_id not in active_ids:
                 problems.append(f"session {session.session_id}: busy without a request in flight")
+            if session.busy and session.session_id in self._moving:
+                problems.append(f"session {session.session_id}: a request in flight while it is moving")
             gap = len(session.token_ids) - session.kv.length
             if session.tier is Tier.DEVICE and not 0 <= gap <= 1:
                 problems.append(f"session {session.session_id}: KV holds {session.kv.length} tokens, "
@@ -346,3 +453,21 @@ class Sessions:
             if session.tier is not Tier.DEVICE and session.kv.length:
                 problems.append(f"session {session.session_id}: {session.tier.value} tier but KV on the device")
         return problems
+
+
+def _decode_images(images: object) -> dict[str, bytes]:
+    """An export's images (digest -> base64) as bytes, each checked against its sha256 digest: a shared
+    embedding is keyed by digest, so a wrong pair would feed another session's image to others."""
+    if not isinstance(images, dict):
+        raise BadRequest("images must be an object of digest -> base64 bytes")
+    decoded = {}
+    for digest, encoded in images.items():
+        validate_digest(digest)
+        try:
+            raw = base64.b64decode(encoded, validate=True)
+        except (TypeError, ValueError, binascii.Error):
+            raise BadRequest(f"image {digest[:12]} is not valid base64") from None
+        if hashlib.sha256(raw).hexdigest() != digest:
+            raise BadRequest(f"image {digest[:12]}: its bytes do not hash to its digest")
+        decoded[digest] = raw
+    return decoded

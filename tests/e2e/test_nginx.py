@@ -134,9 +134,10 @@ def test_a_moved_session_is_found_on_its_new_backend(proxy):
     opened = [open_session(url) for _ in range(3)]
     sid, home = next((s, b) for s, b in opened if b == 0)
 
-    async def move():  # what a front's drain does: export on the home backend, import on another
+    async def move():  # what a front's drain does: export on the home backend, import on another, confirm
         exported = backends[0]._admin({"sessions": "export", "session_id": sid})
         backends[2]._admin({"sessions": "import", "session": json.loads(exported.body)["session"]})
+        backends[0]._admin({"sessions": "forget", "session_id": sid})
 
     thread.call(move())
     for turn in (2, 3):

@@ -148,7 +148,7 @@ def test_sessions_with_different_deltas_decode_together(demo, engine):
 def test_session_restored_from_the_journal_rebuilds_positions(demo, tmp_path):
     name, path, reference, processor = demo
     journal = str(tmp_path / "journal")
-    sid = f"qwen-journal-{name}"
+    sid = f"qwen-journal-{name.replace('_', '-')}"  # a wire-valid id: the journal names its file by it
     images = [make_image(31, SIZES[1]), make_image(32, SIZES[2])]
     engine = started_engine(path, journal_dir=journal)
     try:
