@@ -51,6 +51,7 @@ def adapter_salt(name: str | None) -> int:
 @dataclass
 class FakeBank:
     slot_names: dict[int, str] = field(default_factory=dict)  # device slot -> adapter loaded there
+    dtype: torch.dtype = torch.float32
 
     def load(self, slot: int, adapter) -> None:
         self.slot_names[slot] = adapter.name

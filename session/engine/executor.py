@@ -4,20 +4,25 @@ chose the sequences, the output processor records the tokens returned here.
 
 Who calls this: the engine loop thread, inside ``Engine.step``. Each method either returns its
 tokens or raises with the session left consistent (the engine rolls the turn back and fails the
-request).
+request); ``decode`` returns, in place of a row's token, the error a row that could not be sampled
+fails with alone.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from session.engine.admin import registry_or_404
 from session.engine.requests import Sequence
-from session.errors import BadRequest, ContextLengthExceeded
+from session.errors import BadRequest, ContextLengthExceeded, ResidentError
 from session.model.sampling import ban_token, make_generator, sample_rows
 from session.speculative.controller import SpeculationController, StepCosts, batch_should_speculate
 from session.speculative.decoder import SpecRow
 from session.state.sessions import Sessions
+from session.types import redact
+
+logger = logging.getLogger(__name__)
 
 
 class Executor:
@@ -59,7 +64,10 @@ class Executor:
             k = self.config.num_speculative_tokens
             seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
             self.speculator.sync_draft(session.token_ids, session.draft_kv)
-        return sample_rows(ban_token(logits[None], self.runner.info.image_token_id), [request.sampling], [seq.generator])[0]
+        [token] = self._sample([seq], logits[None])
+        if isinstance(token, ResidentError):
+            raise token
+        return token
 
     def _prompt(self, seq: Sequence) -> list[int]:
         """The turn's new ids, each image placeholder expanded to that image's own count."""
@@ -72,10 +80,11 @@ class Executor:
                 raise BadRequest(f"the prompt has {placeholders} image placeholder tokens but its {len(images)} "
                                  f"images expand to {sum(images.num_tokens)}")
             return list(request.token_ids)
-        if session.num_turns == 0:
-            piece = self.formatter.opening(request.messages, images.num_tokens)
-        else:
-            piece = self.formatter.followup(request.messages, session.ended_with_eos, images.num_tokens)
+        first_turn = session.num_turns == 0
+        piece = request.rendered.piece(first_turn, session.ended_with_eos) if request.rendered else None
+        if piece is None:
+            piece = self.formatter.opening(request.messages, images.num_tokens) if first_turn else \
+                self.formatter.followup(request.messages, session.ended_with_eos, images.num_tokens)
         return piece.token_ids
 
     def _check_length(self, seq: Sequence) -> None:
@@ -104,8 +113,9 @@ class Executor:
             return []
         return chosen if batch_should_speculate([s.controller for s in chosen]) else []
 
-    def decode(self, rows: list[Sequence]) -> list[int]:
-        """One batched decode step: feeds each row's last token, returns each row's next token."""
+    def decode(self, rows: list[Sequence]) -> list[int | ResidentError]:
+        """One batched decode step: feeds each row's last token, returns each row's next token (or the
+        error of a row that could not be sampled: it fails alone, ``sample_rows``)."""
         if self.thread_tuner is not None:
             self.thread_tuner.choose(len(rows))
         began = time.perf_counter()
@@ -114,11 +124,21 @@ class Executor:
                                      adapter_slots=[s.adapter_slot for s in rows], **mrope)
         if self.thread_tuner is not None:
             self.thread_tuner.observe(len(rows), time.perf_counter() - began)
-        tokens = sample_rows(ban_token(logits, self.runner.info.image_token_id), [s.request.sampling for s in rows], [s.generator for s in rows])
+        tokens = self._sample(rows, logits)
         step_s = time.perf_counter() - began  # the cost speculation has to beat, at this batch size
         for seq in rows:
             if seq.controller is not None:
                 seq.controller.observe_plain(step_s)
+        return tokens
+
+    def _sample(self, rows: list[Sequence], logits) -> list[int | ResidentError]:
+        """logits [B, V] -> each row's next token, or the error its request fails with (logged here)."""
+        tokens = sample_rows(ban_token(logits, self.runner.info.image_token_id), [s.request.sampling for s in rows],
+                             [s.generator for s in rows])
+        for seq, token in zip(rows, tokens):
+            if isinstance(token, ResidentError):
+                logger.error("request %s (session %s) failed, %d other(s) in its step went on: %s", seq.request_id,
+                             redact(seq.session.session_id), len(rows) - 1, token.message, exc_info=token.__cause__)
         return tokens
 
     def speculate(self, rows: list[Sequence], speculating: list[Sequence]) -> list[list[int]]:

@@ -1,14 +1,16 @@
 """Many LoRA adapters on one base model, chosen per request.
 
 - ``load_adapter`` reads a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
-  and checks it against the base model: targets, ranks and shapes; any mismatch is a 400.
+  and checks it: the config's fields and their types, targets, ranks and shapes against the base
+  model, finite weights; anything wrong is a 400 (``InvalidAdapter``).
 - ``LoraBank`` holds device slots of stacked LoRA weights for every target linear of the language
   model; slot 0 is the base model (no adapter). ``LoRALinear`` wraps a base linear and, for each
   batch adds ``(x @ A^T) @ B^T`` (B pre-scaled by alpha / r) per row's adapter: one forward pass
   serves a batch that mixes adapters, with no per-row weight copies (see ``LoraBank.set_rows``).
 - ``AdapterRegistry`` is the bookkeeping: registered names and paths, a device LRU of slots
   (adapters of running requests and pinned ones are never evicted) and a host LRU of loaded
-  weights behind it; loaded lazily on first use.
+  weights behind it; loaded lazily on first use. Registered at run time only from inside
+  RESIDENT_ADAPTERS_DIR.
 
 Who calls this: the engine loop thread (acquire/release around each request, register and
 unregister through admin requests). Plain PEFT key names work for LLaVA and plain causal LMs.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from session.errors import AdapterInUse, AdapterNotFound, BadRequest, CapacityExceeded, InvalidAdapter
+from session.errors import AdapterInUse, AdapterNotFound, BadRequest, CapacityExceeded, Forbidden, InvalidAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -48,27 +51,28 @@ class AdapterWeights:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
 
 
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes; more is not one
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
 def load_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str], tuple[int, int]],
-                 max_rank: int) -> AdapterWeights:
-    """Read and validate a PEFT LoRA adapter; ``shapes`` maps (layer, target) -> (in, out) of the base."""
+                 max_rank: int, dtype: torch.dtype = torch.float32) -> AdapterWeights:
+    """Read and validate a PEFT LoRA adapter; ``shapes`` maps (layer, target) -> (in, out) of the base.
+    Every weight must be finite, also once scaled and in ``dtype`` (the bank's): one NaN or Inf in a
+    mixed batch's shared products would reach other rows (``LoRALinear``)."""
     path = Path(path)
     config_path, weights_path = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
         raise InvalidAdapter(f"{path} is not a PEFT adapter directory (needs adapter_config.json and "
                              "adapter_model.safetensors)")
+    rank, scale = lora_scale(name, read_config(name, config_path), max_rank)
     try:
-        config = json.loads(config_path.read_text())
         from safetensors.torch import load_file
 
         tensors = load_file(str(weights_path))
     except Exception as exc:
         raise InvalidAdapter(f"adapter {name!r} cannot be read: {exc}") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise InvalidAdapter(f"adapter {name!r} is {config.get('peft_type')}, only LORA is supported")
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or rank <= 0 or rank > max_rank:
-        raise InvalidAdapter(f"adapter {name!r} has rank {rank!r}; supported ranks are 1..{max_rank}")
-    scale = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY_RE.search(key)
@@ -79,7 +83,10 @@ def load_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str], tupl
         if (layer, target) not in shapes:
             raise InvalidAdapter(f"adapter {name!r} targets {target} of layer {layer}, which the base model "
                                  "does not have")
-        pairs.setdefault((layer, target), {})[which] = tensor.float()
+        pair = pairs.setdefault((layer, target), {})
+        if which in pair:
+            raise InvalidAdapter(f"adapter {name!r} has two lora_{which} weights for {(layer, target)}")
+        pair[which] = _finite(name, f"weight {key!r}", tensor, dtype)
     weights = {}
     for key, pair in pairs.items():
         if set(pair) != {"A", "B"}:
@@ -89,10 +96,69 @@ def load_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str], tupl
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
             raise InvalidAdapter(f"adapter {name!r} {key}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the "
                                  f"base ({fan_out} x {fan_in}) at rank {rank}")
-        weights[key] = (a.contiguous(), (b * scale).contiguous())
+        scaled = _finite(name, f"lora_B of {key} scaled by lora_alpha / r = {scale:g}", b * scale, dtype)
+        weights[key] = (a.contiguous(), scaled.contiguous())
     if not weights:
         raise InvalidAdapter(f"adapter {name!r} has no LoRA weights")
     return AdapterWeights(name=name, rank=rank, weights=weights)
+
+
+def read_config(name: str, config_path: Path) -> dict:
+    """adapter_config.json as a dict; anything else (too big, not UTF-8, not JSON, not an object) is a 400."""
+    try:
+        if config_path.stat().st_size > MAX_CONFIG_BYTES:
+            raise InvalidAdapter(f"adapter {name!r}: adapter_config.json is over {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise InvalidAdapter(f"adapter {name!r}: adapter_config.json is not UTF-8 JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise InvalidAdapter(f"adapter {name!r}: adapter_config.json must hold a JSON object, not "
+                             f"{_JSON_TYPES.get(type(config), type(config).__name__)}")
+    return config
+
+
+def lora_scale(name: str, config: dict, max_rank: int) -> tuple[int, float]:
+    """(rank, scale of B) from a PEFT LoRA config, every field we read checked for its type and range."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise InvalidAdapter(f"adapter {name!r} is {config.get('peft_type')!r}, only LORA is supported")
+    rank = config.get("r")
+    if type(rank) is not int or not 1 <= rank <= max_rank:
+        raise InvalidAdapter(f"adapter {name!r} has rank {rank!r}; supported ranks are 1..{max_rank} "
+                             "(an integer 'r')")
+    alpha = config.get("lora_alpha", rank)
+    if not _finite_number(alpha):
+        raise InvalidAdapter(f"adapter {name!r} has lora_alpha {alpha!r}; it must be a finite number")
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool) and rslora is not None:
+        raise InvalidAdapter(f"adapter {name!r} has use_rslora {rslora!r}; it must be true or false")
+    targets = config.get("target_modules")  # PEFT: a list of names, or one regular expression
+    if not (targets is None or isinstance(targets, str) or
+            (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise InvalidAdapter(f"adapter {name!r} has target_modules {targets!r}; it must be a list of module "
+                             "names (or a string)")
+    return rank, alpha / (rank ** 0.5 if rslora else rank)
+
+
+def _finite_number(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _finite(name: str, what: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in float32, if it is a floating-point weight whose values are finite in ``dtype`` too."""
+    if not tensor.is_floating_point():
+        raise InvalidAdapter(f"adapter {name!r}: {what} is {tensor.dtype}; LoRA weights are floating point")
+    if not torch.isfinite(tensor).all():
+        raise InvalidAdapter(f"adapter {name!r}: {what} has NaN or infinite values")
+    weight = tensor.float()
+    if not (torch.isfinite(weight).all() and torch.isfinite(weight.to(dtype)).all()):
+        raise InvalidAdapter(f"adapter {name!r}: {what} has values too large for float32 or {dtype} "
+                             "(RESIDENT_DTYPE)")
+    return weight
 
 
 class LoraBank:
@@ -109,7 +175,8 @@ class LoraBank:
         self.ranks = [0] * (num_slots + 1)  # slot -> its adapter's rank: only that much is computed
         self.dtype, self.device = dtype, device
         self.single: tuple[int, int] | None = None  # this forward: (slot, rank) shared by every row
-        self.mixed: tuple[tuple, torch.Tensor] | None = None  # this forward: (adapters present, row mask)
+        # this forward: (adapters present, row mask [B, 1, R] of 1s and 0s, its 0s as a bool [B, 1, R])
+        self.mixed: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
         self._cat_cache: dict = {}  # ((layer, target), adapters present) -> (A^T cat, B^T cat)
         self.version = 0  # bumped by every load: a slot's weights changed
         # CPU: our kernel for decode rows' deltas (csrc/lora.h; the runner sets it where the library
@@ -145,6 +212,8 @@ class LoraBank:
         concatenated A of all adapters present, a mask keeps each row's own adapter's columns, and
         one product with the concatenated B adds the deltas (3 kernels per linear, whatever the mix;
         the concatenations are cached per mix, as a decode batch keeps its mix for many steps).
+        The mask selects, it does not multiply: another adapter's columns of a row may overflow to
+        Inf, and Inf * 0 is NaN (the weights themselves are finite: ``load_adapter``).
         """
         self.single = None
         self.mixed = None
@@ -162,7 +231,7 @@ class LoraBank:
         for row, slot in enumerate(slots):
             if slot:
                 mask[row, :, offsets[slot][0]: offsets[slot][1]] = 1
-        self.mixed = (present, mask)
+        self.mixed = (present, mask, mask == 0)
 
     def factors(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's A^T [in, R] and B^T [R, out] for one linear: its one adapter's (``single``),
@@ -174,8 +243,13 @@ class LoraBank:
 
     @property
     def row_mask(self) -> torch.Tensor | None:
-        """This forward's mix's row mask [B, T, R] (``mixed``), or None."""
+        """This forward's mix's row mask [B, 1, R] (``mixed``; our kernels select on it), or None."""
         return self.mixed[1] if self.mixed is not None else None
+
+    @property
+    def row_drop(self) -> torch.Tensor | None:
+        """True where ``row_mask`` is 0: the columns of another adapter than the row's [B, 1, R], or None."""
+        return self.mixed[2] if self.mixed is not None else None
 
     def concatenated(self, key: tuple[int, str], present: tuple[tuple[int, int], ...]):
         """A^T of the adapters present side by side [in, R], and their B^T stacked [R, out] (cached)."""
@@ -205,7 +279,7 @@ class LoRALinear(nn.Module):
         if bank.single is None and bank.mixed is None:
             return y
         a, b = bank.factors(self.key)  # [in, R], [R, out]
-        mask = bank.row_mask  # [B, T, R]: each row keeps only its own adapter's columns; None: one adapter
+        mask = bank.row_mask  # [B, 1, R]: each row keeps only its own adapter's columns; None: one adapter
         if bank.kernel is not None and x.shape[-2] == 1 and not torch.compiler.is_compiling():
             # decode rows (one token each), eager: the kernel the C++ decode layer calls, so both give these
             # bits (a compiled graph, RESIDENT_COMPILE, traces ATen's products below)
@@ -214,7 +288,7 @@ class LoRALinear(nn.Module):
         elif mask is None:
             y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ a, b)
         else:
-            h = (x @ a) * mask  # [B, T, R]
+            h = (x @ a).masked_fill_(bank.row_drop, 0)  # [B, T, R]; a select (see ``LoraBank.set_rows``)
             y.view(-1, y.shape[-1]).addmm_(h.view(-1, h.shape[-1]), b)
         return y
 
@@ -257,11 +331,17 @@ class AdapterInfo:
 
 
 class AdapterRegistry:
-    """Registered adapters, a device LRU of bank slots and a host LRU of loaded weights."""
+    """Registered adapters, a device LRU of bank slots and a host LRU of loaded weights.
+
+    ``register`` (the admin API, and the journal's adapters at start-up) reads a directory the caller
+    names, so it takes only one inside ``adapters_dir`` (RESIDENT_ADAPTERS_DIR) once symlinks are
+    resolved: what the operator put there. Without an adapters dir nothing registers at run time.
+    """
 
     def __init__(self, bank: LoraBank, shapes: dict[tuple[int, str], tuple[int, int]], *, max_device: int,
-                 max_host: int, max_rank: int):
+                 max_host: int, max_rank: int, adapters_dir: str | Path | None = None):
         self.bank = bank
+        self.adapters_dir = Path(adapters_dir).resolve() if adapters_dir else None
         self.shapes = shapes
         self.max_host = max_host
         self.max_rank = max_rank
@@ -281,23 +361,46 @@ class AdapterRegistry:
         found = []
         for path in sorted(Path(directory).iterdir()) if Path(directory).is_dir() else []:
             if (path / "adapter_config.json").is_file() and path.name not in self._adapters:
-                if ADAPTER_NAME_RE.match(path.name):
+                if ADAPTER_NAME_RE.fullmatch(path.name):
                     self._adapters[path.name] = AdapterInfo(name=path.name, path=str(path))
                     found.append(path.name)
         return found
 
     def register(self, name: str, src: str, pinned: bool = False) -> AdapterInfo:
-        if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
-            raise BadRequest(f"adapter name must match {ADAPTER_NAME_RE.pattern}, got {name!r}")
+        """Register the adapter in ``src`` (see the class) under ``name``, its weights loaded and checked."""
+        if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
+            raise BadRequest(f"adapter name must match {ADAPTER_NAME_RE.pattern}, got {name!r:.200}")
         if name in self._adapters:
             raise AdapterInUse(f"adapter {name!r} is already registered; unregister it first")
-        weights = load_adapter(name, src, self.shapes, self.max_rank)  # validates before changing anything
-        info = self._adapters[name] = AdapterInfo(name=name, path=str(src), pinned=pinned)
+        path = self.resolve_src(src)
+        weights = self._load(name, path)  # validates before changing anything
+        info = self._adapters[name] = AdapterInfo(name=name, path=str(path), pinned=pinned)
         self._keep_on_host(info, weights)
         if pinned:
             self.acquire(name)
             self.release(name)
         return info
+
+    def resolve_src(self, src: str) -> Path:
+        """The directory ``src`` names (absolute, or relative to the adapters dir), symlinks resolved.
+        Forbidden (403) outside the adapters dir, or with none; asked before whether it exists, so
+        that paths outside cannot be probed."""
+        root = self.adapters_dir
+        if root is None:
+            raise Forbidden("adapters register at run time only from inside RESIDENT_ADAPTERS_DIR, which is not "
+                            "set on this server: set it, and copy the adapter's directory into it")
+        if not isinstance(src, str) or not src or "\0" in src:
+            raise BadRequest(f"src must name the adapter's directory inside RESIDENT_ADAPTERS_DIR, got {src!r:.200}")
+        message = f"adapter src {src!r:.200} is not inside RESIDENT_ADAPTERS_DIR ({root}); copy the adapter there"
+        try:
+            if not (root / src).resolve().is_relative_to(root):
+                raise Forbidden(message)
+            path = (root / src).resolve(strict=True)
+        except (OSError, RuntimeError):  # missing, unreadable, or a symlink loop
+            raise InvalidAdapter(f"adapter src {src!r:.200} does not exist in RESIDENT_ADAPTERS_DIR ({root})") from None
+        if not path.is_relative_to(root):  # a symlink made between the two looks
+            raise Forbidden(message)
+        return path
 
     def unregister(self, name: str, num_sessions: int, dry_run: bool = False) -> None:
         """Refused (409) while live sessions are bound to it or requests run with it."""
@@ -326,7 +429,7 @@ class AdapterRegistry:
         info = self.get(name)
         if not info.slot:
             if info.host is None:
-                self._keep_on_host(info, load_adapter(name, info.path, self.shapes, self.max_rank))
+                self._keep_on_host(info, self._load(name, info.path))
                 self.num_loads_from_disk += 1
             info.slot = self._take_slot()
             self.bank.load(info.slot, info.host)
@@ -340,6 +443,9 @@ class AdapterRegistry:
 
     def release(self, name: str) -> None:
         self._adapters[name].num_running -= 1
+
+    def _load(self, name: str, path: str | Path) -> AdapterWeights:
+        return load_adapter(name, path, self.shapes, self.max_rank, dtype=self.bank.dtype)
 
     def _take_slot(self) -> int:
         if self._free_slots:

@@ -1,9 +1,11 @@
-"""Choosing the next token: greedy, or temperature + top-p with a per-request seed."""
+"""Choosing the next token: greedy, or temperature + top-p with a per-request seed. A row that cannot
+be sampled (non-finite logits) fails alone: ``sample_rows`` returns its error in place of its token."""
 
 from __future__ import annotations
 
 import torch
 
+from session.errors import ResidentError
 from session.types import SamplingParams
 
 
@@ -25,22 +27,46 @@ def make_generator(params: SamplingParams, default_seed: int, device: torch.devi
     return generator
 
 
+NOT_FINITE = ("the model's output for this request is not finite (NaN or Inf logits), so no next token "
+              "could be sampled")
+
+
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [B, V] -> one token id per row. One host sync for the whole batch."""
-    greedy = logits.argmax(dim=-1)  # [B]
-    if all(p.greedy for p in params):
-        return greedy.tolist()
-    chosen = greedy.clone()
+                generators: list[torch.Generator | None]) -> list[int | ResidentError]:
+    """logits: [B, V] -> one token id per row, or the error that row's request fails with (500): its
+    logits hold NaN or +Inf (or only -Inf), or drawing from them raised. Only that row fails; the
+    others get the tokens they would get alone. One host sync for the whole batch."""
+    peak, chosen = logits.max(dim=-1)  # [B] each: max propagates NaN; the index is the first maximum's
+    usable = torch.isfinite(peak)  # [B]
+    failures: dict[int, ResidentError] = {}  # row -> what drawing its token raised
     for row, (p, gen) in enumerate(zip(params, generators)):
         if not p.greedy:
-            chosen[row] = sample_one(logits[row], p.temperature, p.top_p, gen)
-    return chosen.tolist()
+            try:
+                chosen[row], valid = draw(logits[row], p.temperature, p.top_p, gen)
+                usable[row] &= valid
+            except Exception as exc:
+                usable[row] = False
+                failures[row] = ResidentError(f"sampling this request's next token failed: {exc}")
+                failures[row].__cause__ = exc
+    tokens = torch.where(usable, chosen, -1).tolist()
+    return [token if token >= 0 else failures.get(row) or ResidentError(NOT_FINITE)
+            for row, token in enumerate(tokens)]
+
+
+def draw(logits: torch.Tensor, temperature: float, top_p: float,
+         generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [V] -> (one token drawn from ``warp_probs``, whether that is a distribution), with no host
+    sync. Where it is not one (non-finite logits, or logits / T overflowed) the draw is from uniform
+    weights instead, and its token is not used: on CUDA ``multinomial`` would assert on the device."""
+    probs = warp_probs(logits, temperature, top_p)
+    total = probs.sum()
+    valid = torch.isfinite(total) & (total > 0)  # a NaN or Inf anywhere in probs reaches its sum
+    return torch.multinomial(torch.where(valid, probs, 1.0), 1, generator=generator)[0], valid
 
 
 def sample_one(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """logits: [V] -> one token drawn from ``warp_probs``."""
-    return torch.multinomial(warp_probs(logits, temperature, top_p), 1, generator=generator)[0]
+    """logits: [V] -> one token drawn from ``warp_probs`` (``draw``'s token)."""
+    return draw(logits, temperature, top_p, generator)[0]
 
 
 def warp_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -29,8 +29,18 @@ def adapters_dir(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def cluster(adapters_dir, tmp_path_factory):
-    env = {"RESIDENT_THREADS": "1", "RESIDENT_ADAPTERS_DIR": str(adapters_dir), "RESIDENT_ADMIN_TOKEN": TOKEN}
+def served_dir(adapters_dir, tmp_path_factory):
+    """The backends' RESIDENT_ADAPTERS_DIR: the demo adapters, and ``staged/`` for those registered at
+    run time (only a directory inside it can be)."""
+    out = tmp_path_factory.mktemp("adapters").resolve() / "served"
+    shutil.copytree(adapters_dir, out)
+    (out / "staged").mkdir()
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(served_dir, tmp_path_factory):
+    env = {"RESIDENT_THREADS": "1", "RESIDENT_ADAPTERS_DIR": str(served_dir), "RESIDENT_ADMIN_TOKEN": TOKEN}
     with running_cluster(tmp_path_factory, "ad-backend", env, admin_token=TOKEN) as (front, _):
         yield f"http://127.0.0.1:{front.front.port}", front
 
@@ -50,7 +60,7 @@ def content(response):
     return response.json()["choices"][0]["message"]["content"]
 
 
-def test_register_use_unregister_while_serving(cluster, adapters_dir, tmp_path):
+def test_register_use_unregister_while_serving(cluster, served_dir):
     base, front = cluster
     stop, background = threading.Event(), []
 
@@ -64,11 +74,11 @@ def test_register_use_unregister_while_serving(cluster, adapters_dir, tmp_path):
         listed = requests.get(f"{base}/adapters", timeout=TIMEOUT).json()["adapters"]
         assert {a["name"] for a in listed} == {"tone", "domain", "customer", "terse"}
 
-        shutil.copytree(adapters_dir / "tone", tmp_path / "fresh")
-        registered = requests.post(f"{base}/adapters", json={"name": "fresh", "src": str(tmp_path / "fresh")},
-                                   timeout=TIMEOUT)
+        fresh = served_dir / "staged" / "fresh"
+        shutil.copytree(served_dir / "tone", fresh)
+        registered = requests.post(f"{base}/adapters", json={"name": "fresh", "src": str(fresh)}, timeout=TIMEOUT)
         assert registered.status_code == 200, registered.text
-        assert registered.json() == {"registered": "fresh", "src": str(tmp_path / "fresh"), "backends": 2}
+        assert registered.json() == {"registered": "fresh", "src": str(fresh), "backends": 2}
 
         plain = content(ask(base))
         assert content(ask(base, "fresh")) == content(ask(base, "tone")) != plain
@@ -87,16 +97,19 @@ def test_register_use_unregister_while_serving(cluster, adapters_dir, tmp_path):
     assert background and set(background) == {200}
 
 
-def test_bad_register_is_400_and_changes_nothing(cluster, tmp_path):
+def test_bad_register_is_400_and_changes_nothing(cluster, served_dir):
     base, _ = cluster
     before = requests.get(f"{base}/adapters", timeout=TIMEOUT).json()
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "adapter_config.json").write_text("{}")
-    response = requests.post(f"{base}/adapters", json={"name": "broken", "src": str(tmp_path / "broken")},
-                             timeout=TIMEOUT)
+    broken = served_dir / "staged" / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{}")
+    response = requests.post(f"{base}/adapters", json={"name": "broken", "src": str(broken)}, timeout=TIMEOUT)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_adapter"
     assert "not a PEFT adapter directory" in response.json()["error"]["message"]
+    outside = requests.post(f"{base}/adapters", json={"name": "etc", "src": "/etc"}, timeout=TIMEOUT)
+    assert outside.status_code == 403 and outside.json()["error"]["type"] == "forbidden"
+    assert "not inside RESIDENT_ADAPTERS_DIR" in outside.json()["error"]["message"]
     assert requests.get(f"{base}/adapters", timeout=TIMEOUT).json() == before
     assert requests.delete(f"{base}/adapters/never-was", timeout=TIMEOUT).status_code == 404
 

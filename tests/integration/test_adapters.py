@@ -12,7 +12,7 @@ import pytest
 from session.config import EngineConfig
 from session.engine import AdapterRequest, Engine, GenerationRequest
 from session.engine.events import AdminResult, EventStream, Failed, Finished
-from session.errors import AdapterInUse, AdapterMismatch, AdapterNotFound, InvalidAdapter
+from session.errors import AdapterInUse, AdapterMismatch, AdapterNotFound, BadRequest, Forbidden, InvalidAdapter
 from session.types import SamplingParams
 from tests.conftest import REPO, make_image
 from tests.integration.test_engine import QUESTIONS, finished, run, turn, user
@@ -35,8 +35,18 @@ def make_engine(tiny_model_path, adapters_dir, **overrides) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_path, adapters_dir):
-    eng = make_engine(tiny_model_path, adapters_dir)
+def served_dir(adapters_dir, tmp_path_factory) -> Path:
+    """RESIDENT_ADAPTERS_DIR of the module's engine: the demo adapters, and ``staged/`` for the ones
+    tests register at run time (no adapter_config.json there, so not found at start-up)."""
+    out = tmp_path_factory.mktemp("adapters").resolve() / "served"
+    shutil.copytree(adapters_dir, out)
+    (out / "staged").mkdir()
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path, served_dir):
+    eng = make_engine(tiny_model_path, served_dir)
     yield eng
     eng.stop()
 
@@ -50,6 +60,17 @@ def ask(engine, adapter, prompt_ids, max_tokens=12):
 def admin(engine, action, **kwargs):
     events = run(engine, AdapterRequest(action=action, stream=EventStream(), **kwargs))
     return events[-1]
+
+
+def poison_weights(path: Path) -> str:
+    """One value of the adapter's first lora_A made NaN; returns that weight's name."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    key = min(k for k in tensors if "lora_A" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(path))
+    return key
 
 
 PROMPT = [1, 57, 55, 859, 30, 225, 59, 76, 294, 328, 553]
@@ -139,10 +160,10 @@ def test_session_survives_its_adapter_leaving_the_device(tiny_model_path, adapte
         engine.stop()
 
 
-def test_register_use_unregister_then_404(engine, adapters_dir, tmp_path):
-    shutil.copytree(adapters_dir / "tone", tmp_path / "fresh")
-    result = admin(engine, "register", name="fresh", src=str(tmp_path / "fresh"))
-    assert result == AdminResult({"registered": "fresh", "src": str(tmp_path / "fresh")})
+def test_register_use_unregister_then_404(engine, served_dir):
+    shutil.copytree(served_dir / "tone", served_dir / "staged" / "fresh")
+    result = admin(engine, "register", name="fresh", src=str(served_dir / "staged" / "fresh"))
+    assert result == AdminResult({"registered": "fresh", "src": str(served_dir / "staged" / "fresh")})
     used = finished(ask(engine, "fresh", PROMPT))
     assert used.token_ids == finished(ask(engine, "tone", PROMPT)).token_ids  # same weights, same answer
     listed = {a["name"]: a for a in admin(engine, "list").body["adapters"]}
@@ -152,24 +173,94 @@ def test_register_use_unregister_then_404(engine, adapters_dir, tmp_path):
     assert isinstance(gone, Failed) and isinstance(gone.error, AdapterNotFound)
 
 
-def test_bad_adapters_are_refused_and_registry_unchanged(engine, adapters_dir, tmp_path):
+def test_bad_adapters_are_refused_and_registry_unchanged(engine, served_dir):
     before = admin(engine, "list").body
-    empty = tmp_path / "empty"
+    staged = served_dir / "staged"
+    empty = staged / "empty"
     empty.mkdir()
-    wrong_rank = tmp_path / "wrong-rank"
-    shutil.copytree(adapters_dir / "tone", wrong_rank)
+    wrong_rank = staged / "wrong-rank"
+    shutil.copytree(served_dir / "tone", wrong_rank)
     config = json.loads((wrong_rank / "adapter_config.json").read_text())
     (wrong_rank / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
-    too_big = tmp_path / "too-big"
-    shutil.copytree(adapters_dir / "tone", too_big)
+    too_big = staged / "too-big"
+    shutil.copytree(served_dir / "tone", too_big)
     (too_big / "adapter_config.json").write_text(json.dumps({**config, "r": 100}))
+    not_an_object = staged / "not-an-object"
+    shutil.copytree(served_dir / "tone", not_an_object)
+    (not_an_object / "adapter_config.json").write_text("[]")
+    nan_weights = staged / "nan-weights"
+    shutil.copytree(served_dir / "tone", nan_weights)
+    poison_weights(nan_weights / "adapter_model.safetensors")
     cases = [(empty, "not a PEFT adapter directory"), (wrong_rank, "do not fit the base"),
-             (too_big, "supported ranks are 1..64")]
+             (too_big, "supported ranks are 1..64"), (not_an_object, "must hold a JSON object, not an array"),
+             (nan_weights, "has NaN or infinite values")]
     for path, reason in cases:
         failed = admin(engine, "register", name=path.name, src=str(path))
         assert isinstance(failed, Failed) and isinstance(failed.error, InvalidAdapter)
         assert failed.error.status == 400 and reason in failed.error.message
     assert admin(engine, "list").body == before
+
+
+def test_registration_reads_only_inside_the_adapters_dir(engine, served_dir, tmp_path):
+    """src must resolve inside RESIDENT_ADAPTERS_DIR: no other path, no way out by '..' or a symlink,
+    and a path outside is refused before anything tells whether it exists."""
+    before = admin(engine, "list").body
+    outside = tmp_path / "outside"
+    shutil.copytree(served_dir / "tone", outside)
+    (served_dir / "staged" / "link").symlink_to(outside, target_is_directory=True)
+    escapes = [str(outside), "/etc", "/nonexistent/adapter", str(served_dir / "staged" / ".." / ".." / "outside"),
+               str(served_dir / "staged" / "link"), "staged/link", "../served-elsewhere"]
+    for src in escapes:
+        refused = admin(engine, "register", name="escape", src=src)
+        assert isinstance(refused, Failed) and isinstance(refused.error, Forbidden), src
+        assert refused.error.status == 403 and "not inside RESIDENT_ADAPTERS_DIR" in refused.error.message
+    missing = admin(engine, "register", name="missing", src="staged/missing")
+    assert isinstance(missing, Failed) and isinstance(missing.error, InvalidAdapter)
+    assert "does not exist in RESIDENT_ADAPTERS_DIR" in missing.error.message
+    for name, src in [("no-src", None), ("bad-src", 3), ("tone2\n", "tone"), ("x" * 129, "tone"), ("../up", "tone")]:
+        refused = admin(engine, "register", name=name, src=src)
+        assert isinstance(refused, Failed) and isinstance(refused.error, BadRequest), (name, src)
+    assert admin(engine, "list").body == before
+    shutil.copytree(served_dir / "tone", served_dir / "staged" / "relative")
+    registered = admin(engine, "register", name="relative", src="staged/relative")  # relative to the dir
+    assert registered == AdminResult({"registered": "relative", "src": str(served_dir / "staged" / "relative")})
+    assert finished(ask(engine, "relative", PROMPT)).token_ids == finished(ask(engine, "tone", PROMPT)).token_ids
+    admin(engine, "unregister", name="relative")
+
+
+def test_without_an_adapters_dir_nothing_registers_at_run_time(tiny_model_path, served_dir):
+    engine = Engine(EngineConfig(model_path=str(tiny_model_path))).start()
+    try:
+        refused = admin(engine, "register", name="tone", src=str(served_dir / "tone"))
+        assert isinstance(refused, Failed) and isinstance(refused.error, Forbidden)
+        assert refused.error.status == 403 and "RESIDENT_ADAPTERS_DIR" in refused.error.message
+        assert admin(engine, "list").body == {"adapters": []}
+    finally:
+        engine.stop()
+
+
+def test_journaled_adapters_are_checked_again_on_restart(tiny_model_path, adapters_dir, tmp_path):
+    """An adapter registered before a restart comes back only while its directory is still inside
+    the adapters dir."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    shutil.copytree(adapters_dir, first)
+    other.mkdir()
+    shutil.copytree(adapters_dir / "tone", first / "staged" / "kept")
+
+    def started(directory: Path) -> Engine:
+        return make_engine(tiny_model_path, directory, journal_dir=str(tmp_path / "journal"))
+
+    engine = started(first)
+    try:
+        assert admin(engine, "register", name="kept", src=str(first / "staged" / "kept")).body["registered"] == "kept"
+    finally:
+        engine.stop()
+    for directory, kept in [(first, True), (other, False)]:
+        engine = started(directory)
+        try:
+            assert ("kept" in engine.parts.adapters) == kept
+        finally:
+            engine.stop()
 
 
 def test_unregister_in_use_is_refused(engine):

@@ -24,6 +24,7 @@ import io
 import os
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -80,13 +81,15 @@ def _png(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults, speculative: str) -> Engine:
+def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults, speculative: str,
+            adapters_dir: Path) -> Engine:
     runner = FakeRunner(vocab_size=500, eos_token_ids=(2,), image_token_id=499)
     config = EngineConfig(
         model_path=str(tiny_model_path), max_batch_size=rng.choice([1, 2, 3]), max_queue=64,
         kv_block_tokens=8, device_budget_bytes=rng.choice([0, 1024, 2048]),
         host_budget_bytes=rng.choice([0, 512, 4096]), session_ttl_s=50.0, reaper_interval_s=0.001,
-        journal_dir=str(tmp_path), max_device_adapters=2, max_host_adapters=1, speculative=speculative,
+        journal_dir=str(tmp_path), adapters_dir=str(adapters_dir), max_device_adapters=2, max_host_adapters=1,
+        speculative=speculative,
         max_new_tokens=24, default_max_tokens=8, check_invariants=True, max_sessions=64,
     )
     engine = Engine(config, runner=runner, clock=clock)
@@ -127,11 +130,14 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
     now = [1000.0]
     faults = CURRENT["faults"] = Faults()
     # odd seeds speculate (prompt lookup): batched verify passes with plain rows riding along, rewinds
+    adapters_dir = tmp_path / "adapters"  # empty folders: the patched loader reads nothing
+    for name in ADAPTERS:
+        (adapters_dir / name).mkdir(parents=True, exist_ok=True)
     engine = _engine(rng, tiny_model_path, tmp_path / f"journal-{seed}", lambda: now[0], faults,
-                     speculative="ngram" if seed % 2 else "off")
+                     speculative="ngram" if seed % 2 else "off", adapters_dir=adapters_dir)
     runner: FakeRunner = engine.parts.runner
     for name in ADAPTERS:
-        engine.parts.adapters.register(name, f"/nonexistent/{name}")
+        engine.parts.adapters.register(name, name)
     images = [_png(i) for i in range(3)]
     pixels = [engine.preprocess_images([Image.open(io.BytesIO(raw)).convert("RGB")]) for raw in images]
     sent: list[Sent] = []
@@ -240,7 +246,7 @@ def _collect(sent: list[Sent], sessions: dict[str, dict]) -> None:
 
 def test_random_schedules_keep_the_invariant(tiny_model_path, tmp_path, processing, monkeypatch):
     monkeypatch.setattr(session.engine.assembly, "_load_processing", processing)
-    def fake_load_adapter(name, path, shapes, max_rank):
+    def fake_load_adapter(name, path, shapes, max_rank, dtype):
         if CURRENT["faults"].take("adapter_load"):
             raise OSError(errno.EIO, "injected adapter load fault")
         return AdapterWeights(name=name, rank=1, weights={})

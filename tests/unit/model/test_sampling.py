@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from session.errors import BadRequest
-from session.model.sampling import make_generator, sample_one, sample_rows
+import session.model.sampling
+from session.errors import BadRequest, ResidentError
+from session.model.sampling import NOT_FINITE, make_generator, sample_one, sample_rows
 from session.serving.protocol import parse_request
 from session.types import SamplingParams
 
@@ -120,3 +121,42 @@ def test_any_seed_the_protocol_accepts_makes_a_generator(seed):
         assert "seed" in exc.message
         return
     assert make_generator(request.sampling, 0, CPU) is not None
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("bad", [[0.0, NAN, 1.0], [INF, 0.0, 1.0], [-INF, -INF, -INF], [NAN] * 3])
+def test_a_greedy_row_that_is_not_finite_fails_alone(bad):
+    logits = torch.tensor([[0.0, 5.0, 1.0], bad, [4.0, 1.0, -INF]])  # -Inf (a banned token) is fine
+    tokens = sample_rows(logits, [GREEDY] * 3, [None] * 3)
+    assert tokens[0] == 1 and tokens[2] == 0
+    assert isinstance(tokens[1], ResidentError) and tokens[1].status == 500 and tokens[1].message == NOT_FINITE
+
+
+@pytest.mark.parametrize("bad", [[0.0, NAN, 1.0], [INF, 0.0, 1.0], [3e38, -3e38, 0.0]])  # the last: logits / T overflow
+def test_a_sampled_row_that_is_not_finite_fails_alone(bad):
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], bad + [0.0], [0.0, 0.0, 0.0, 0.0]])
+    params = [sampled(seed=3), sampled(temperature=0.5, seed=4), sampled(seed=5)]
+    generators = [make_generator(p, 0, CPU) for p in params]
+    batched = [sample_rows(logits, params, generators) for _ in range(10)]
+    assert all(isinstance(tokens[1], ResidentError) and tokens[1].message == NOT_FINITE for tokens in batched)
+    assert [tokens[0] for tokens in batched] == draws(logits[0], params[0], 10)
+    assert [tokens[2] for tokens in batched] == draws(logits[2], params[2], 10)
+
+
+def test_a_row_whose_draw_raises_fails_alone(monkeypatch):
+    warp = session.model.sampling.warp_probs
+
+    def failing(logits, temperature, top_p):
+        if temperature == 0.7:
+            raise RuntimeError("injected sampling fault")
+        return warp(logits, temperature, top_p)
+
+    monkeypatch.setattr(session.model.sampling, "warp_probs", failing)
+    logits = torch.tensor([[0.0, 9.0, 1.0]] * 3)
+    params = [GREEDY, sampled(temperature=0.7, seed=1), sampled(seed=2)]
+    tokens = sample_rows(logits, params, [make_generator(p, 0, CPU) for p in params])
+    assert tokens[0] == 1 and isinstance(tokens[2], int)
+    assert isinstance(tokens[1], ResidentError) and "injected sampling fault" in tokens[1].message
+    assert isinstance(tokens[1].__cause__, RuntimeError)

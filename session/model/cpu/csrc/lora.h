@@ -1,12 +1,14 @@
 // LoRA deltas for decode rows on CPU (session/model/lora.py's LoRALinear, and the decode layer in
-// csrc/decode_layer.h): y[n] += ((x[n] A^T) * mask[n]) B^T for rows n of one token each, in float32,
+// csrc/decode_layer.h): y[n] += (x[n] A^T, masked by mask[n]) B^T for rows n of one token each, in float32,
 // rounded once into y. ATen's two products cost a oneDNN call each in bfloat16 (~10-20 us, 14 a layer);
 // this is one pass over A and B per row, vectorized 16 outputs at a time (csrc/simd.h).
 //
 // y [N, out] contiguous; x [N, in], rows contiguous; a = A^T [in, R], b = B^T [R, out], each row
 // contiguous (any row stride: a slot's slice of the bank); mask [N, R] contiguous, or None. All of the
-// layer's element type. h = x A^T is summed input by input in float32, masked, then each output adds
-// h[j] B^T[j] for j in order, in float32, and y + delta is rounded once.
+// layer's element type. h = x A^T is summed input by input in float32, then each output adds h[j] B^T[j]
+// for the j the mask keeps, in order, in float32, and y + delta is rounded once. The mask selects rather
+// than multiplies: a column of another adapter may overflow to Inf, and Inf * 0 is NaN; skipping a
+// dropped column leaves the sum's bits as adding its +0 did (the sum starts at +0, so it is never -0).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -71,12 +73,14 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
                           acc);
       simd::storeu(h.data() + c * 16, acc);
     }
-    if (m != nullptr)
-      for (int64_t j = 0; j < rank; ++j) h[j] *= to_float(m[n * rank + j]);
+    std::vector<int64_t> kept;  // the columns of the row's own adapter
+    kept.reserve(rank);
+    for (int64_t j = 0; j < rank; ++j)
+      if (m == nullptr || to_float(m[n * rank + j]) != 0.f) kept.push_back(j);
     for (int64_t o = 0; o < out; o += 16) {  // y += h B^T, 16 outputs at a time
       const int64_t width = std::min<int64_t>(16, out - o);
       V16 acc = simd::zero();
-      for (int64_t j = 0; j < rank; ++j) acc = simd::fmadd(simd::set1(h[j]), lora_load_part(bs + j * b_stride + o, width), acc);
+      for (const int64_t j : kept) acc = simd::fmadd(simd::set1(h[j]), lora_load_part(bs + j * b_stride + o, width), acc);
       alignas(64) float delta[16];
       simd::storeu(delta, acc);
       for (int64_t e = 0; e < width; ++e) ys[n * out + o + e] = from_float<Elem>(to_float(ys[n * out + o + e]) + delta[e]);
