@@ -45,12 +45,18 @@ class EngineConfig:
     max_image_bytes: int = 6 * 1024 * 1024  # encoded image size (SageMaker's payload limit)
     max_image_pixels: int = 4096 * 4096  # decoded width*height; guards decompression bombs
     max_images_per_request: int = 4
+    max_prompt_chars: int = 1_000_000  # characters of message text per request; more answers 400 in parsing
+    max_messages: int = 1024  # messages per request; more answers 400 in parsing
+    max_image_decodes: int = 2  # images decoded at once per worker (the rest wait): bounds their memory
     device_budget_bytes: int = 0  # device bytes for session KV caches; 0 = unlimited on CPU, 0.9 of free on CUDA
     device_budget_fraction: float = 0.0  # CUDA: this fraction of the memory free after loading (wins if > 0)
     host_budget_bytes: int = 2 << 30  # host-memory tier for demoted KV caches; 0 = none (demotion drops)
     max_session_tokens: int = 0  # per-session transcript cap; 0 = the context window
     journal_dir: str = ""  # crash-recovery journal (e.g. /dev/shm/resident-journal); "" = off
     journal_max_bytes: int = 32 << 20  # the journal's cap (Docker's /dev/shm is 64 MiB); 0 = none
+    # One session's share of the journal: its entry and the images no other journaled session names.
+    # A session past it serves on, not crash-recoverable (logged once, journal_write_errors); 0 = none.
+    journal_session_max_bytes: int = 8 << 20
     heartbeat_file: str = ""  # touched by the engine loop (at least every second) for the watchdog; "" = off
     check_invariants: bool = False  # check the engine's invariant after every step (tests, load benchmark)
     session_id_tag: str = ""  # letters/digits appended to every new session id ("<uuid4>-<tag>"): routing
@@ -99,12 +105,14 @@ class EngineConfig:
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
         for name in ("max_context_tokens", "threads", "device_budget_bytes", "host_budget_bytes",
-                     "max_session_tokens", "max_device_adapters", "max_host_adapters", "journal_max_bytes"):
+                     "max_session_tokens", "max_device_adapters", "max_host_adapters", "journal_max_bytes",
+                     "journal_session_max_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",
                     "max_batch_size", "max_queue", "kv_block_tokens", "max_image_bytes", "max_image_pixels",
-                    "max_images_per_request", "max_lora_rank", "num_speculative_tokens", "speculative_max_batch"]
+                    "max_images_per_request", "max_prompt_chars", "max_messages", "max_image_decodes", "max_lora_rank",
+                    "num_speculative_tokens", "speculative_max_batch"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")

@@ -148,7 +148,37 @@ class BackendError(ResidentError):
 
 
 class BackendTimeout(ResidentError):
-    """The backend did not answer within the front's timeout (RESIDENT_FRONT_TIMEOUT_S)."""
+    """The backend did not answer within the front's timeout (RESIDENT_FRONT_TIMEOUT_S).
+    ``may_have_committed`` (in the body too, once the front has asked the backend to cancel): False
+    when the backend confirmed it stopped the request and rolled its turn back, so sending it again
+    is safe; True when the turn may be part of the session's transcript all the same."""
 
     status = 504
     type = "backend_timeout"
+
+    def __init__(self, message: str, *, may_have_committed: bool | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message, headers=headers)
+        self.may_have_committed = may_have_committed
+
+    def to_body(self) -> dict:
+        body = super().to_body()
+        if self.may_have_committed is not None:
+            body["error"]["may_have_committed"] = self.may_have_committed
+        return body
+
+
+class RequestTimeout(ResidentError):
+    """The client did not send its request (headers, then body) within the front's deadline."""
+
+    status = 408
+    type = "request_timeout"
+
+
+class TooManyRequests(ResidentError):
+    """One client has more requests in flight than the front allows it (RESIDENT_FRONT_MAX_REQUESTS_PER_CLIENT)."""
+
+    status = 429
+    type = "too_many_requests"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})

@@ -33,6 +33,15 @@ def validate_session_id(session_id: str) -> str:
     return session_id
 
 
+def redact(session_id: str | None) -> str:
+    """A session id as logs show it: its first 8 characters and its routing tag, never the whole id
+    (an id is a bearer credential: whoever reads it in a log could continue the session). Enough to
+    follow one session through the logs; 32 bits are no use as a credential."""
+    if not session_id or session_id == "NEW_SESSION" or len(session_id) <= 8:
+        return session_id or "-"
+    tag = session_id[37:] if len(session_id) > 37 and session_id[36] == "-" else ""
+    return f"{session_id[:8]}...{'-' + tag if tag else ''}"
+
 
 # ---------------------------------------------------------------- chat messages and sampling
 

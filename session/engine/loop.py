@@ -24,17 +24,19 @@ import time
 from collections.abc import Callable
 
 from session.config import EngineConfig
+from session.engine.admin import registry_or_404
 from session.engine.admission import Admission
 from session.engine.assembly import assemble, preprocess_images
 from session.engine.events import Cancelled, EventStream, Failed, Finished, Started
+from session.engine.prompt import RenderedTurn
 from session.engine.requests import CancelRequest, GenerationRequest, Sequence
 from session.engine.scheduler import StepPlan
 from session.engine.stats import EngineStats, snapshot
-from session.errors import CapacityExceeded, ResidentError, ServiceStopping
+from session.errors import CapacityExceeded, ResidentError, ServiceStopping, SessionNotFound
 from session.families.vision import NO_IMAGES, Images
 from session.model.runner import ModelRunner
 from session.model.threads import ComputeThread, one_thread_here
-from session.types import SamplingParams, new_session_id
+from session.types import SamplingParams, new_session_id, redact
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,27 @@ class Engine:
         if isinstance(event, Failed):
             raise event.error
 
+    def precheck(self, *, session_id: str | None, open_session: bool, adapter: str | None) -> None:
+        """Refuse early, from the caller's thread, what the loop would refuse anyway, before the caller
+        spends work on the request (decoding its images): a full queue, an unknown adapter, a session
+        this worker does not hold. Reads without locks, so it may let through what the loop then
+        refuses (the loop's checks stay the authority); it never refuses what the loop would take."""
+        if self._stop.is_set():
+            raise ServiceStopping()
+        if self._num_submitted + self._num_waiting >= self.config.max_queue:
+            raise CapacityExceeded(f"{self.config.max_queue} requests are already waiting", retry_after_s=1)
+        if adapter is not None:
+            registry_or_404(self.parts.adapters, adapter).get(adapter)
+        if session_id is not None and not open_session:
+            session = self.parts.store.peek(session_id)
+            if session is None or session.ephemeral:
+                raise SessionNotFound(f"session {session_id} is unknown on this worker (closed, expired or never "
+                                      "opened here); open a new one with NEW_SESSION")
+
+    def render_turn(self, messages, images: Images, first_turn: bool) -> RenderedTurn:
+        """A turn's prompt, rendered and tokenized on the caller's thread (``RenderedTurn``)."""
+        return self.parts.formatter.render_turn(messages, images.num_tokens, first_turn)
+
     def preprocess_images(self, images: list) -> Images:
         """PIL images -> Images (pixels, original sizes, token counts). Runs in the caller's thread
         (CPU work, no model), on that thread alone: a parallel operator here would give the caller an
@@ -169,6 +192,7 @@ class Engine:
         self._admit_arrivals(block=not scheduler.active)
         if self.clock() >= self._next_reap:
             self.parts.sessions.reap()
+            self.admission.end_overdue_moves()
             self._next_reap = self.clock() + self.config.reaper_interval_s
         plan = scheduler.schedule()
         ended: list[Sequence] = []
@@ -191,7 +215,7 @@ class Engine:
             token = self.parts.executor.prefill(seq)
         except Exception as exc:
             if not isinstance(exc, ResidentError):
-                logger.exception("prefill of request %s (session %s) failed", seq.request_id, seq.session.session_id)
+                logger.exception("prefill of request %s (session %s) failed", seq.request_id, redact(seq.session.session_id))
             ended.append(seq)
             self.end(seq, Failed(exc))
             return
@@ -210,8 +234,8 @@ class Engine:
         try:
             if speculating:
                 tokens = self.parts.executor.speculate(rows, speculating)
-            else:
-                tokens = [[token] for token in self.parts.executor.decode(rows)]
+            else:  # a row that could not be sampled has its error in place of its token
+                tokens = [t if isinstance(t, ResidentError) else [t] for t in self.parts.executor.decode(rows)]
         except Exception as exc:  # the caches are as before the step (rewound, or lengths not advanced)
             logger.exception("decode step failed for %d requests", len(rows))
             for seq in rows:
@@ -219,7 +243,11 @@ class Engine:
                 self.end(seq, Failed(exc))
             return
         for seq, row_tokens in zip(rows, tokens):
-            self._emit(seq, row_tokens, ended)
+            if isinstance(row_tokens, ResidentError):  # it fails alone (rolled back); the others go on
+                ended.append(seq)
+                self.end(seq, Failed(row_tokens))
+            else:
+                self._emit(seq, row_tokens, ended)
 
     def _emit(self, seq: Sequence, tokens: list[int], ended: list[Sequence]) -> None:
         """Hand sampled tokens to the output processor; end the request when one finishes it."""
@@ -304,7 +332,8 @@ class Engine:
 
     def _fail_everything(self, error: ResidentError) -> None:
         """At stop: every request in flight, queued or not yet admitted gets its final event."""
-        for item in self.parts.scheduler.take_all_queued():  # first, so that ending the active ones admits none
+        # First, so that ending the active ones admits none.
+        for item in self.parts.scheduler.take_all_queued() + self.admission.take_all_held():
             item.stream.put(Failed(error))
         for seq in list(self.parts.scheduler.sequences()):
             self.end(seq, Failed(error))

@@ -30,6 +30,24 @@ class PromptPiece:
     num_images: int  # images in token_ids (each placeholder expanded to that image's count)
 
 
+@dataclass(frozen=True)
+class RenderedTurn:
+    """A turn's prompt rendered ahead, on the caller's thread (``ChatFormatter.render_turn``), so that a
+    long prompt's templating and tokenizing never stall the engine's steps. A first turn (or a
+    stateless request) has its opening; a follow-up has both continuations, because whether the
+    previous answer ended with EOS is known only once the session's request in flight is done."""
+
+    opening: PromptPiece | None = None
+    after_eos: PromptPiece | None = None
+    after_cut: PromptPiece | None = None
+
+    def piece(self, first_turn: bool, ended_with_eos: bool) -> PromptPiece | None:
+        """The piece this turn needs now; None when it was not rendered ahead (the engine renders it)."""
+        if first_turn:
+            return self.opening
+        return self.after_eos if ended_with_eos else self.after_cut
+
+
 class ChatFormatter:
     def __init__(self, tokenizer, *, image_token: str | None, image_token_id: int | None,
                  eos_token_ids: tuple[int, ...]):
@@ -59,6 +77,17 @@ class ChatFormatter:
             raise BadRequest("this model's chat template cannot continue a conversation incrementally")
         return self._tokenize(self._closing(ended_with_eos) + full[len(self._probe_text):], messages,
                               image_tokens, add_special_tokens=False)
+
+    def render_turn(self, messages: tuple[Message, ...], image_tokens: tuple[int, ...],
+                    first_turn: bool) -> RenderedTurn:
+        """Every piece a turn may need (``RenderedTurn``). Thread-safe: templating is pure and a fast
+        tokenizer encodes concurrently while nothing changes its truncation or padding."""
+        if first_turn:
+            return RenderedTurn(opening=self.opening(messages, image_tokens))
+        after_eos = self.followup(messages, True, image_tokens)
+        same = self._closing(True) == self._closing(False)
+        return RenderedTurn(after_eos=after_eos,
+                            after_cut=after_eos if same else self.followup(messages, False, image_tokens))
 
     def _closing(self, ended_with_eos: bool) -> str:
         """What closes the previous answer's turn: the template's end of turn, less the EOS the model

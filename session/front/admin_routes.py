@@ -3,7 +3,7 @@
   POST /backends/{i}/drain, /backends/{i}/resume   move every session off backend i (admin token),
                                                    put it back into rotation (session/front/migration.py)
   POST /backends/{i}/restart                       drain, restart (make cluster only), resume
-  GET  /adapters, POST /adapters {"name", "src"}, DELETE /adapters/{name}
+  GET  /adapters, POST /adapters {"name", "src"}, DELETE /adapters/{name}   (admin token, like all of these)
 
 Adapters: the front sends an admin request (``X-Resident-Admin-Token``, a secret shared with its
 backends) to every backend. Registering validates on each and rolls back where it succeeded if
@@ -14,7 +14,6 @@ sessions use the adapter), then does it everywhere.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Callable
 
 from aiohttp import web
@@ -25,7 +24,7 @@ from session.front.config import ENV_PREFIX, FrontConfig
 from session.front.health import Health
 from session.front.migration import Migrator
 from session.front.router import Backend, Router
-from session.serving.protocol import ADMIN_TOKEN_HEADER, header, load_json_object
+from session.serving.protocol import ADMIN_TOKEN_HEADER, header, load_json_object, tokens_match
 
 
 class AdminRoutes:
@@ -81,8 +80,7 @@ class AdminRoutes:
         if not self.config.admin_token:
             raise Forbidden(f"the admin API is off: set {ENV_PREFIX}ADMIN_TOKEN and the backends' "
                             "RESIDENT_ADMIN_TOKEN to one secret (make cluster does)")
-        token = header(request.headers, ADMIN_TOKEN_HEADER) or ""
-        if not hmac.compare_digest(token.encode(), self.config.admin_token.encode()):
+        if not tokens_match(header(request.headers, ADMIN_TOKEN_HEADER), self.config.admin_token):
             raise Forbidden(f"send the cluster's admin token in {ADMIN_TOKEN_HEADER}")
 
     def _backend_at(self, request: web.Request) -> Backend:
@@ -94,10 +92,12 @@ class AdminRoutes:
     # ------------------------------------------------------------ adapters
 
     async def list_adapters(self, request: web.Request, body: bytes) -> web.Response:
+        self.check_token(request)
         [(status, answer)] = await self.on_every({"adapters": "list"}, self.router.healthy_backends[:1])
         return web.json_response(answer, status=status)
 
     async def register_adapter(self, request: web.Request, body: bytes) -> web.Response:
+        self.check_token(request)
         data = load_json_object(body)
         if set(data) - {"name", "src", "pinned"} or not isinstance(data.get("name"), str) \
                 or not isinstance(data.get("src"), str):
@@ -114,6 +114,7 @@ class AdminRoutes:
         return web.json_response({**answers[0][1], "backends": len(backends)})
 
     async def unregister_adapter(self, request: web.Request, body: bytes) -> web.Response:
+        self.check_token(request)
         name = request.match_info["name"]
         backends = self.router.healthy_backends
         for dry_run in (True, False):

@@ -22,8 +22,17 @@ class FrontConfig:
     backends: tuple[str, ...] = ()  # inference base URLs, e.g. http://127.0.0.1:9000
     management_urls: tuple[str, ...] = ()  # TorchServe management URLs, same order; empty: health = /ping
     model_name: str = "llava"  # the TorchServe model whose workers must be READY for a backend to be healthy
-    timeout_s: float = 60.0  # an answer (a stream: its first and each next chunk) must come within this
+    # An answer (a stream: its first and each next chunk) must come within this. Below SageMaker's 60 s, so
+    # that the front's 504 (which says whether the turn was rolled back) reaches the client, not SageMaker's.
+    timeout_s: float = 55.0
     max_request_bytes: int = 6 * 1024 * 1024  # SageMaker's payload limit; larger requests get 413
+    header_timeout_s: float = 10.0  # a request's head must arrive within this of its first byte (else: closed)
+    body_timeout_s: float = 30.0  # a request's body must arrive within this of its head (else: 408)
+    idle_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
+    max_connections: int = 1024  # open connections; one more is answered 503 and closed
+    # Requests in flight per client address (429 past it); 0: no limit. Behind a load balancer every
+    # request has its address: raise it or set 0 there (docs/DEPLOY.md).
+    max_requests_per_client: int = 64
     health_interval_s: float = 5.0  # between health probes of every backend
     health_timeout_s: float = 5.0  # for one probe, and for connecting to a backend
     unhealthy_after: int = 3  # failed probes in a row before a backend is taken out
@@ -67,9 +76,13 @@ class FrontConfig:
                 raise ConfigError(f"session id tag {tag!r} in {ENV_PREFIX}BACKEND_TAGS: use letters and digits, "
                                   "optionally ending in * (a prefix)")
         for name in ("timeout_s", "max_request_bytes", "health_interval_s", "health_timeout_s", "unhealthy_after",
-                     "default_session_ttl_s", "cancel_timeout_s"):
+                     "default_session_ttl_s", "cancel_timeout_s", "header_timeout_s", "body_timeout_s",
+                     "idle_timeout_s", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")
+        if self.max_requests_per_client < 0:
+            raise ConfigError(f"{ENV_PREFIX}MAX_REQUESTS_PER_CLIENT must be >= 0 (0: no limit), got "
+                              f"{self.max_requests_per_client}")
         if self.drain_s < 0:
             raise ConfigError(f"{ENV_PREFIX}DRAIN_S must be >= 0, got {self.drain_s}")
 

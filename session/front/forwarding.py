@@ -7,11 +7,17 @@ the front asks every backend (``session/front/locator.py``) before it answers 40
 front keeps state another needs. A session whose backend is down gets 410
 ``session_backend_unavailable`` (open a new session).
 
-Every forwarded invocation carries ``X-Resident-Request-Id`` (the client's, when it sent a valid
-one). TorchServe's async mode does not tell the backend when a client goes away, so when the client
-disconnects before its answer is complete, or the front's timeout fires, the front sends the
-backend a cancel for that id (``session/front/backend_client.py``), best effort: the engine stops
-the request and rolls its session's turn back.
+Every forwarded invocation carries ``X-Resident-Request-Id``, the front's own fresh id (never the
+client's). TorchServe's async mode does not tell the backend when a client goes away, so when the
+client disconnects before its answer is complete the front sends the backend a cancel for that id
+(``session/front/backend_client.py``), best effort: the engine stops the request and rolls its
+session's turn back.
+
+When the front's timeout fires, it waits for that cancel (up to ``cancel_timeout_s``) before it
+answers 504, and the 504 says which it was (``may_have_committed`` in its error): false, the
+backend stopped the request and rolled the turn back, so sending it again is safe; true, the
+request had finished there (its turn is in the session) or the cancel did not get through (it may
+still finish), so a client that sends it again may ask its question twice.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from session.front.locator import SessionLocator
 from session.front.migration import Migrator
 from session.front.router import Backend, Router
 from session.serving.protocol import NEW_SESSION, REQUEST_ID_HEADER, sse
+from session.types import redact
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +169,7 @@ class Forwarder:
             return None
         backend, expires_at = found
         self.router.pin(session_id, backend, expires_at)
-        logger.info("session %s found on backend %d", session_id, backend.index)
+        logger.info("session %s found on backend %d", redact(session_id), backend.index)
         return backend
 
     async def _exchange_counted(self, request: web.Request, backend: Backend, call: Call,
@@ -185,9 +192,11 @@ class Forwarder:
                     self.router.record_answer(backend, call.session_id, upstream.status, upstream.headers)
                     return await self._relay_stream(request, upstream, backend, call)
                 payload = await self._read_answer(upstream, backend, deadline)
-        except (BackendTimeout, asyncio.CancelledError):
+        except asyncio.CancelledError:
             self._cancel_later(backend, call.request_id)
             raise
+        except BackendTimeout as exc:
+            raise await self._rolled_back_or_not(backend, call, exc) from None
         error = error_of(payload) if upstream.status >= 400 else None
         self.router.record_answer(backend, call.session_id, upstream.status, upstream.headers,
                                   error["type"] if error else None)
@@ -259,15 +268,31 @@ class Forwarder:
         await response.write_eof()
         return response
 
+    async def _rolled_back_or_not(self, backend: Backend, call: Call, timeout: BackendTimeout) -> BackendTimeout:
+        """The 504 for a request the front gave up on, once the backend was told to cancel it: whether
+        its turn may have been committed all the same. The cancel runs as a task of its own (a client
+        that leaves meanwhile cancels only this wait)."""
+        self.num_cancels_sent += 1
+        cancelled = await asyncio.shield(self.in_background(self._cancel(backend, call.request_id)))
+        named = {REQUEST_ID_HEADER: call.request_id}
+        if cancelled:
+            return BackendTimeout(f"{timeout.message}; the request was stopped there and its turn rolled back: "
+                                  "sending it again is safe", may_have_committed=False, headers=named)
+        why = ("it had finished there before the cancel came, so its turn may be part of the session"
+               if cancelled is False else "the cancel did not reach it, so it may still finish there")
+        return BackendTimeout(f"{timeout.message}; {why}: check the session before sending it again",
+                              may_have_committed=True, headers=named)
+
     def _cancel_later(self, backend: Backend, request_id: str) -> None:
         """Tell the backend to stop ``request_id``, in the background (the caller may be cancelled itself)."""
         self.num_cancels_sent += 1
         self.in_background(self._cancel(backend, request_id))
 
-    async def _cancel(self, backend: Backend, request_id: str) -> None:
+    async def _cancel(self, backend: Backend, request_id: str) -> bool | None:
         cancelled = await self.admin.cancel(backend, request_id)
         logger.info("cancel of request %s on backend %d: %s", request_id, backend.index,
                     {True: "stopped", False: "already finished", None: "not delivered"}[cancelled])
+        return cancelled
 
     @staticmethod
     async def _single_part(request: web.Request, payload: bytes, headers: CIMultiDict,

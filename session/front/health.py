@@ -14,6 +14,7 @@ import aiohttp
 
 from session.front.config import FrontConfig
 from session.front.router import Backend, Router
+from session.types import redact
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class Health:
         while True:
             await self.check()
             for session_id in self.router.expire():
-                logger.info("session %s expired; its pin is forgotten", session_id)
+                logger.info("session %s expired; its pin is forgotten", redact(session_id))
             await asyncio.sleep(self.config.health_interval_s)
 
     async def check(self) -> None:

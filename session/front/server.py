@@ -4,7 +4,7 @@ One front stands before N backends (TorchServe instances running our handler, on
 device; or, in docker/compose.yaml, other fronts standing in for SageMaker instances). It serves:
 
   GET  /ping                                            200 while a backend is healthy, else 503
-  GET  /backends                                        each backend's health and counters (JSON)
+  GET  /backends                                        each backend's health and counters (JSON; admin token)
   POST /backends/{i}/drain, /backends/{i}/resume        move every session off backend i (admin token),
                                                         put it back into rotation (session/front/migration.py)
   POST /backends/{i}/restart                            drain, restart (make cluster only), resume
@@ -13,7 +13,7 @@ device; or, in docker/compose.yaml, other fronts standing in for SageMaker insta
                                                         the same SageMaker headers
   POST /endpoints/{name}/invocations                    SageMaker InvokeEndpoint
   GET  /adapters, POST /adapters {"name", "src"}, DELETE /adapters/{name}
-                                                        LoRA adapters on every backend at once (below)
+                                                        LoRA adapters on every backend at once (admin token)
   POST /endpoints/{name}/invocations-response-stream    SageMaker InvokeEndpointWithResponseStream:
        forwarded with "stream": true; each SSE chunk becomes a PayloadPart event as it arrives.
        It continues an existing session or serves a stateless request; it never opens a session.
@@ -22,7 +22,12 @@ The jobs live beside this file: forwarding and relaying (``forwarding``), the ad
 (``admin_routes``), backend health (``health``), the answers' headers and error shapes
 (``answers``), settings (``config``: ``FrontConfig`` from ``RESIDENT_FRONT_*``). ``X-Amzn-SageMaker-*``
 headers pass both ways; answers carry ``X-Resident-Backend: <backend index>`` and
-``X-Resident-Request-Id``.
+``X-Resident-Request-Id``: the front's own id for the request (a client's is never forwarded, so no
+client can name, and cancel, another's request on a backend). No other client header reaches a
+backend (``forwarding.Call``): ``X-Resident-Cancel`` and ``X-Resident-Admin-Token`` stop here.
+
+Abuse: connections are capped, each request's head and body have deadlines and each client's
+requests in flight are capped (``connections``); ``/ping`` is the only route that needs no body.
 """
 
 from __future__ import annotations
@@ -39,26 +44,19 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from multidict import CIMultiDict
 
-from session.errors import BadRequest, PayloadTooLarge, ResidentError
+from session.errors import BadRequest, PayloadTooLarge, RequestTimeout, ResidentError
 from session.front.admin_routes import AdminRoutes
 from session.front.answers import BACKEND_HEADER, error_response
 from session.front.backend_client import BackendAdmin
 from session.front.config import ENV_PREFIX, FrontConfig
+from session.front.connections import ClientLimiter, ConnectionGuard, GuardedSite
 from session.front.forwarding import Call, Forwarder
 from session.front.health import Health
 from session.front.locator import SessionLocator
 from session.front.migration import Migrator
 from session.front.router import Backend, Router
-from session.serving.protocol import (
-    NEW_SESSION,
-    NEW_SESSION_HEADER,
-    REQUEST_ID_HEADER,
-    REQUEST_ID_RE,
-    SESSION_HEADER,
-    header,
-    load_json_object,
-)
-from session.types import validate_session_id
+from session.serving.protocol import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, header, load_json_object
+from session.types import redact, validate_session_id
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("resident.front.access")
@@ -82,6 +80,8 @@ class Front:
                              unhealthy_after=config.unhealthy_after, default_ttl_s=config.default_session_ttl_s)
         # aiohttp refuses a body of client_max_size bytes or more; we allow exactly max_request_bytes.
         self.app = web.Application(client_max_size=config.max_request_bytes + 1, middlewares=[self._errors])
+        self.guard = ConnectionGuard(max_connections=config.max_connections, header_timeout_s=config.header_timeout_s)
+        self.limiter = ClientLimiter(config.max_requests_per_client)
         add = self.app.router
         add.add_get("/ping", self.ping)
         add.add_get("/backends", self.describe_backends)
@@ -126,10 +126,12 @@ class Front:
         self.admin_routes = AdminRoutes(config=config, router=self.router, admin=self.admin, migrator=self.migrator,
                                         health=self.health, restart=self._restart_backend)
         # handler_cancellation: a client that disconnects cancels its handler, which then cancels the backend's work.
+        # keepalive_timeout: an idle kept-alive connection is closed (aiohttp's default is an hour).
         self._runner = web.AppRunner(self.app, access_log_class=AccessLogger, access_log=access_logger,
-                                     handler_cancellation=True)
+                                     handler_cancellation=True, shutdown_timeout=config.drain_s,
+                                     keepalive_timeout=config.idle_timeout_s)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, shutdown_timeout=config.drain_s).start()
+        await GuardedSite(self._runner, host, port, self.guard).start()
         self._health_task = asyncio.create_task(self.health.run())
         logger.info("front listening on %s:%d for %d backend(s)", host, port, len(self.router.backends))
 
@@ -187,10 +189,15 @@ class Front:
                                  status=status)
 
     async def describe_backends(self, request: web.Request) -> web.Response:
+        """Internal URLs and counters: the admin token's, like the rest of the admin API."""
+        self.admin_routes.check_token(request)
         return web.json_response({"backends": [asdict(b) for b in self.router.backends],
                                   "num_sessions": len(self.router.pins), "num_cancels_sent": self.num_cancels_sent,
                                   "num_lookups": self.locator.num_lookups,
-                                  "num_lookup_fan_outs": self.locator.num_fan_outs})
+                                  "num_lookup_fan_outs": self.locator.num_fan_outs,
+                                  "connections": {"open": self.guard.num_open, "refused": self.guard.num_refused,
+                                                  "head_timeouts": self.guard.num_timed_out},
+                                  "num_client_limit_refusals": self.limiter.num_refused})
 
     async def invoke(self, request: web.Request) -> web.StreamResponse:
         """``/invocations``, ``/predictions/{model}``, ``/v1/chat/completions`` and InvokeEndpoint: one body,
@@ -230,16 +237,22 @@ class Front:
         if request.content_length is not None and request.content_length > limit:
             raise too_large
         try:
-            return await request.read()
+            return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {self.config.body_timeout_s:g} s "
+                                 f"({ENV_PREFIX}BODY_TIMEOUT_S)") from None
 
     # ------------------------------------------------------------ errors
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         try:
-            return await handler(request)
+            if request.path == "/ping":  # health checks come from the platform, at its own pace
+                return await handler(request)
+            with self.limiter.admit(request.remote):
+                return await handler(request)
         except ResidentError as exc:
             return error_response(request, exc.status, exc.to_body(), CIMultiDict(exc.headers))
         except web.HTTPException as exc:
@@ -252,13 +265,15 @@ class Front:
             raise
         except Exception:
             logger.exception("front: %s %s (session %s) failed", request.method, request.path,
-                             header(request.headers, SESSION_HEADER))
+                             redact(header(request.headers, SESSION_HEADER)))
             body = {"error": {"type": "internal_error", "message": "internal error in the front"}}
             return error_response(request, 500, body, CIMultiDict())
+        finally:
+            self.guard.request_done(request.transport)
 
 
 class AccessLogger(AbstractAccessLogger):
-    """One line per request, with the session id (for an open: the new id) and the backend."""
+    """One line per request, with the session id (for an open: the new id; shortened, ``redact``) and the backend."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         session_id = header(request.headers, SESSION_HEADER)
@@ -266,7 +281,7 @@ class AccessLogger(AbstractAccessLogger):
         if opened:
             session_id = opened.split(";", 1)[0]
         self.logger.info('%s "%s %s" %d %d %.3fs session=%s backend=%s', request.remote, request.method,
-                         request.path, response.status, response.body_length, time, session_id or "-",
+                         request.path, response.status, response.body_length, time, redact(session_id),
                          response.headers.get(BACKEND_HEADER, "-"))
 
 
@@ -280,6 +295,6 @@ def _session_id(request: web.Request) -> str | None:
 
 
 def _request_id(request: web.Request) -> str:
-    """The client's X-Resident-Request-Id when it is valid, else a fresh one."""
-    value = (header(request.headers, REQUEST_ID_HEADER) or "").strip()
-    return value if REQUEST_ID_RE.fullmatch(value) else uuid.uuid4().hex
+    """The front's own id for the request, always fresh: a client's X-Resident-Request-Id is never
+    forwarded (another client could reuse it and cancel this request on the backend by hanging up)."""
+    return uuid.uuid4().hex

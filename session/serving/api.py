@@ -19,6 +19,7 @@ from session.engine import AdapterRequest, CancelRequest, CloseRequest, Engine, 
 from session.engine.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started, TextDelta
 from session.errors import BadRequest, Forbidden, RequestCancelled, ResidentError
 from session.families.image_decode import decode_data_url
+from session.families.vision import NO_IMAGES
 from session.serving.protocol import (
     ADMIN_TOKEN_HEADER,
     CANCEL_HEADER,
@@ -30,6 +31,7 @@ from session.serving.protocol import (
     WORKER_HEADER,
     ChatRequest,
     CompletionIds,
+    PromptLimits,
     chunk_body,
     completion_body,
     header,
@@ -37,8 +39,9 @@ from session.serving.protocol import (
     new_session_header_value,
     parse_request,
     sse,
+    tokens_match,
 )
-from session.types import ImagePart
+from session.types import ImagePart, redact
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ def _request_id(headers: Mapping[str, str]) -> str | None:
 def error_response(exc: Exception, request_id: str = "", session_id: str | None = None) -> ApiResponse:
     if isinstance(exc, ResidentError):
         return ApiResponse(status=exc.status, body=exc.to_body(), headers=dict(exc.headers))
-    logger.error("request %s (session %s) failed", request_id, session_id, exc_info=exc)
+    logger.error("request %s (session %s) failed", request_id, redact(session_id), exc_info=exc)
     return ApiResponse(status=500, body={"error": {"type": "internal_error",
                                                    "message": f"internal error; request id {request_id}"}})
 
@@ -82,6 +85,10 @@ class ChatService:
         self.engine = engine
         self.model_name = model_name
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        config = engine.config
+        self.limits = PromptLimits(max_chars=config.max_prompt_chars, max_messages=config.max_messages)
+        self._image_decodes = asyncio.Semaphore(config.max_image_decodes)
+        self._live_ids: set[str] = set()  # request ids of this worker's generations not yet answered
 
     async def invoke(self, headers: Mapping[str, str], body) -> ApiResponse:
         """Called once per HTTP request by a front door, on its event loop."""
@@ -94,13 +101,15 @@ class ChatService:
         session_id = None
         try:
             config = self.engine.config
-            request_id = _request_id(headers) or request_id
+            request_id = self._own_request_id(headers) or request_id
+            token = header(headers, ADMIN_TOKEN_HEADER)
             if header(headers, CANCEL_HEADER) is not None:
+                self._check_token(token)
                 return await self._cancel(header(headers, CANCEL_HEADER).strip())
-            if header(headers, ADMIN_TOKEN_HEADER) is not None:
-                return await self._admin(header(headers, ADMIN_TOKEN_HEADER), body, request_id)
+            if token is not None:
+                return await self._admin(token, body, request_id)
             request = parse_request(body, headers, default_max_tokens=config.default_max_tokens,
-                                    max_new_tokens=config.max_new_tokens)
+                                    max_new_tokens=config.max_new_tokens, limits=self.limits)
             session_id = request.session_id
             if request.closes_session:
                 return await self._close(request, request_id)
@@ -108,13 +117,22 @@ class ChatService:
         except Exception as exc:
             return error_response(exc, request_id, session_id)
 
+    def _check_token(self, token: str | None) -> None:
+        if not tokens_match(token, self.engine.config.admin_token):
+            raise Forbidden(f"this needs the admin token (RESIDENT_ADMIN_TOKEN) in {ADMIN_TOKEN_HEADER}"
+                            if token is None else "bad admin token")
+
+    def _own_request_id(self, headers: Mapping[str, str]) -> str | None:
+        """The caller's request id, unless a request of this worker is already running under it: then
+        None (a fresh id), so that reusing an id neither fails nor tells the caller the id is live. The
+        front sends a fresh random id with each request; only a cancel carrying the admin token can
+        name one."""
+        request_id = _request_id(headers)
+        return None if request_id in self._live_ids else request_id
+
     async def _admin(self, token: str, body, request_id: str) -> ApiResponse:
         """Adapter administration, sent by the front to every backend: {"adapters": action, ...}."""
-        import hmac
-
-        expected = self.engine.config.admin_token
-        if not expected or not hmac.compare_digest(token, expected):
-            raise Forbidden("bad admin token")
+        self._check_token(token)
         data = body if isinstance(body, dict) else load_json_object(body)
         stream = EventStream(asyncio.get_running_loop())
         if "sessions" in data:
@@ -138,7 +156,8 @@ class ChatService:
         return ApiResponse(status=200, body=event.body, kind="admin")
 
     async def _cancel(self, target: str) -> ApiResponse:
-        """``X-Resident-Cancel: <request id>``: no token needed, the id itself is the secret."""
+        """``X-Resident-Cancel: <request id>``, with the admin token (the front sends it): a request id
+        is no secret, so one client could otherwise stop another's request."""
         if not REQUEST_ID_RE.fullmatch(target):
             raise BadRequest(f"{CANCEL_HEADER} must name a request id ({REQUEST_ID_RE.pattern})")
         stream = EventStream(asyncio.get_running_loop())
@@ -167,19 +186,52 @@ class ChatService:
                            headers={CLOSED_SESSION_HEADER: event.session_id}, kind="close")
 
     async def _generate(self, request: ChatRequest, request_id: str) -> ApiResponse:
+        self._live_ids.add(request_id)
+        try:
+            response = await self._start(request, request_id)
+        except BaseException:
+            self._live_ids.discard(request_id)
+            raise
+        response.headers[REQUEST_ID_HEADER] = request_id  # the id a cancel names (with the admin token)
+        if response.chunks is None:
+            self._live_ids.discard(request_id)
+        else:
+            response.chunks = self._until_done(response.chunks, request_id)
+        return response
+
+    async def _until_done(self, chunks: AsyncIterator[str], request_id: str) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self._live_ids.discard(request_id)
+            await chunks.aclose()  # its own clean-up (a disconnect cancels the generation) runs now
+
+    async def _start(self, request: ChatRequest, request_id: str) -> ApiResponse:
+        """Admission's cheap checks, then the request's own work off this loop and off the engine's thread
+        (images decoded, at most ``max_image_decodes`` at once; the prompt rendered and tokenized), then
+        the engine."""
         loop = asyncio.get_running_loop()
+        config = self.engine.config
         images = [p for m in request.messages for p in m.parts if isinstance(p, ImagePart)]
-        if len(images) > self.engine.config.max_images_per_request:
-            raise BadRequest(f"at most {self.engine.config.max_images_per_request} images per request")
-        decoded, prepared = await loop.run_in_executor(None, self._prepare_images, images)
-        opens = request.opens_session
+        if len(images) > config.max_images_per_request:
+            raise BadRequest(f"at most {config.max_images_per_request} images per request")
+        opens, adapter = request.opens_session, self._adapter(request)
+        if images:  # the costly part: refuse what the engine would refuse before paying for it
+            self.engine.precheck(session_id=request.session_id, open_session=opens, adapter=adapter)
+            async with self._image_decodes:
+                decoded, prepared = await loop.run_in_executor(None, self._prepare_images, images)
+        else:
+            decoded, prepared = [], NO_IMAGES
+        first_turn = opens or request.session_id is None
+        rendered = await loop.run_in_executor(None, self.engine.render_turn, request.messages, prepared, first_turn)
         stream = EventStream(loop, deltas=request.stream)  # a plain request reads Finished's text
         self.engine.submit(GenerationRequest(
             messages=request.messages, sampling=request.sampling, stream=stream,
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
             images=prepared, image_digests=tuple(d.digest for d in decoded),
-            image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=self._adapter(request),
-            speculative=request.speculative,
+            image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=adapter,
+            speculative=request.speculative, rendered=rendered,
         ))
         started = await self._next_event(stream, request_id)
         if isinstance(started, Failed):

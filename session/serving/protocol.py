@@ -5,6 +5,7 @@ Pure functions and dataclasses; no I/O. Used by the TorchServe handler and the f
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 import time
@@ -39,6 +40,14 @@ def format_expiry(epoch_s: float) -> str:
 
 def new_session_header_value(session_id: str, expires_at: float) -> str:
     return f"{session_id}; Expires={format_expiry(expires_at)}"
+
+
+def tokens_match(given: str | None, expected: str) -> bool:
+    """Whether a header's token equals the configured secret, in constant time; never for an unset
+    secret. Any text compares (a non-ASCII header is a mismatch, not an error)."""
+    if not expected or given is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
 
 
 def header(headers: Mapping[str, str], name: str) -> str | None:
@@ -79,8 +88,16 @@ _ALLOWED_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperatu
 _ROLES = ("system", "user", "assistant")
 
 
+@dataclass(frozen=True)
+class PromptLimits:
+    """What one request may carry, checked while parsing: before any of it reaches the engine's thread."""
+
+    max_chars: int = 1_000_000  # message text, all messages together (RESIDENT_MAX_PROMPT_CHARS)
+    max_messages: int = 1024  # RESIDENT_MAX_MESSAGES
+
+
 def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping[str, str], *,
-                  default_max_tokens: int, max_new_tokens: int) -> ChatRequest:
+                  default_max_tokens: int, max_new_tokens: int, limits: PromptLimits = PromptLimits()) -> ChatRequest:
     """Parse and validate an invocation; raises BadRequest with a message that says what to fix."""
     data = load_json_object(body)
     unknown = sorted(set(data) - _ALLOWED_FIELDS)
@@ -99,17 +116,17 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
             raise BadRequest(f"a CLOSE request needs the session id in the {SESSION_HEADER} header")
         return ChatRequest(messages=(), sampling=SamplingParams(max_tokens=0), session_id=session_id,
                            request_type=CLOSE)
-    messages = _parse_messages(data.get("messages"))
+    messages = _parse_messages(data.get("messages"), limits)
     if _get(data, "n", 1) != 1:
         raise BadRequest("only n=1 is supported")
     max_tokens = _get(data, "max_completion_tokens", _get(data, "max_tokens", default_max_tokens))
     max_tokens = _typed(max_tokens, int, "max_tokens")
     if not 1 <= max_tokens <= max_new_tokens:
         raise BadRequest(f"max_tokens must be between 1 and {max_new_tokens}, got {max_tokens}")
-    temperature = float(_typed(_get(data, "temperature", 0.0), (int, float), "temperature"))
+    temperature = _number(_get(data, "temperature", 0.0), "temperature")
     if not 0.0 <= temperature <= 2.0:
         raise BadRequest(f"temperature must be between 0 and 2, got {temperature}")
-    top_p = float(_typed(_get(data, "top_p", 1.0), (int, float), "top_p"))
+    top_p = _number(_get(data, "top_p", 1.0), "top_p")
     if not 0.0 < top_p <= 1.0:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
     stop = data.get("stop")
@@ -123,6 +140,7 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
         raise BadRequest("stop must be a string or a list of at most 4 strings")
     if any(s == "" for s in stop):
         raise BadRequest("stop strings must not be empty")
+    stop = tuple(_text(s, "stop") for s in stop)
     seed = data.get("seed")
     if seed is not None:
         seed = _typed(seed, int, "seed")
@@ -131,7 +149,7 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
     stream = _typed(_get(data, "stream", False), bool, "stream")
     model = data.get("model")
     if model is not None:
-        model = _typed(model, str, "model")
+        model = _text(model, "model")
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
     adapter = header(headers, ADAPTER_HEADER) or header(headers, INFERENCE_COMPONENT_HEADER)
     speculative = _typed(_get(data, "speculative", True), bool, "speculative")
@@ -170,6 +188,8 @@ def load_json_object(body: bytes | str | Mapping[str, Any] | None) -> dict:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise BadRequest("request body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise BadRequest(f"request body has a value out of range: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     return data
@@ -190,15 +210,35 @@ def _typed(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
     return value
 
 
+def _number(value: Any, name: str) -> float:
+    try:
+        return float(_typed(value, (int, float), name))
+    except OverflowError:
+        raise BadRequest(f"{name} is out of range") from None
+
+
+def _text(value: Any, name: str) -> str:
+    """A string that is valid Unicode text: JSON's \\ud800 escapes can make a lone surrogate, which no
+    tokenizer can encode."""
+    _typed(value, str, name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"{name} is not valid Unicode text: {exc.reason} at character {exc.start}") from None
+    return value
+
+
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
 
 
-def _parse_messages(raw: Any) -> tuple[Message, ...]:
+def _parse_messages(raw: Any, limits: PromptLimits) -> tuple[Message, ...]:
     if raw is None:
         raise BadRequest("missing 'messages': a list of {role, content}")
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty list")
+    if len(raw) > limits.max_messages:
+        raise BadRequest(f"{len(raw)} messages; at most {limits.max_messages} per request (RESIDENT_MAX_MESSAGES)")
     messages = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
@@ -207,12 +247,16 @@ def _parse_messages(raw: Any) -> tuple[Message, ...]:
         if role not in _ROLES:
             raise BadRequest(f"messages[{i}].role must be one of {list(_ROLES)}, got {role!r}")
         messages.append(Message(role=role, parts=_parse_content(m.get("content"), i)))
+    num_chars = sum(len(p.text) for m in messages for p in m.parts if isinstance(p, TextPart))
+    if num_chars > limits.max_chars:
+        raise BadRequest(f"the messages' text is {num_chars} characters; at most {limits.max_chars} per request "
+                         "(RESIDENT_MAX_PROMPT_CHARS)")
     return tuple(messages)
 
 
 def _parse_content(content: Any, i: int) -> tuple[TextPart | ImagePart, ...]:
     if isinstance(content, str):
-        return (TextPart(content),)
+        return (TextPart(_text(content, f"messages[{i}].content")),)
     if not isinstance(content, list) or not content:
         raise BadRequest(f"messages[{i}].content must be a string or a non-empty list of parts")
     parts: list[TextPart | ImagePart] = []
@@ -222,7 +266,7 @@ def _parse_content(content: Any, i: int) -> tuple[TextPart | ImagePart, ...]:
             raise BadRequest(f"{where} must be an object")
         kind = part.get("type")
         if kind == "text":
-            parts.append(TextPart(_typed(part.get("text"), str, f"{where}.text")))
+            parts.append(TextPart(_text(part.get("text"), f"{where}.text")))
         elif kind == "image_url":
             image_url = part.get("image_url")
             url = image_url.get("url") if isinstance(image_url, dict) else image_url

@@ -21,11 +21,14 @@ pytestmark = pytest.mark.e2e
 
 REQUEST_ID = "X-Resident-Request-Id"
 CANCEL = "X-Resident-Cancel"
+TOKEN = "X-Resident-Admin-Token"
+ADMIN_TOKEN = "life-admin-token"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path, tmp_path_factory):
-    ts = start(tmp_path_factory, "life", RESIDENT_MAX_NEW_TOKENS=2000, RESIDENT_CHECK_INVARIANTS="true")
+    ts = start(tmp_path_factory, "life", RESIDENT_MAX_NEW_TOKENS=2000, RESIDENT_CHECK_INVARIANTS="true",
+               RESIDENT_ADMIN_TOKEN=ADMIN_TOKEN)
     yield ts
     ts.stop()
 
@@ -56,12 +59,21 @@ def running_stream(server, session, request_id, max_tokens=600):
     raise AssertionError("the stream ended before any text")
 
 
+def cancel(server, request_id, token=ADMIN_TOKEN):
+    headers = {CANCEL: request_id} if token is None else {CANCEL: request_id, TOKEN: token}
+    return requests.post(f"{server.url}/invocations", data="{}", headers=headers, timeout=30)
+
+
 def test_cancel_rolls_the_turn_back_and_a_retry_answers_the_same(server):
     cancelled_session, _ = open_session(server)
     reference_session, _ = open_session(server)
     follow_up = chat("And the colours?", max_tokens=12)
     response, lines = running_stream(server, cancelled_session, "cancel-me-1")
-    answer = requests.post(f"{server.url}/invocations", data="{}", headers={CANCEL: "cancel-me-1"}, timeout=30)
+    # Without the admin token (or with a wrong one) a cancel is refused: a request id is no secret.
+    for token in (None, "wrong", "n\u00e4me"):
+        refused = cancel(server, "cancel-me-1", token=token)
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "forbidden", refused.text
+    answer = cancel(server, "cancel-me-1")
     assert answer.status_code == 200 and answer.json() == {"cancelled": True}
     rest = b"\n".join(lines)
     assert b"request_cancelled" in rest and b"[DONE]" not in rest
@@ -75,9 +87,9 @@ def test_cancel_rolls_the_turn_back_and_a_retry_answers_the_same(server):
     # The rolled-back turn had already fed the previous answer's last token: one more is cached.
     assert got["prompt_tokens_details"]["cached_tokens"] == want["prompt_tokens_details"]["cached_tokens"] + 1
     # Cancelling what is no longer running is a no-op, and a malformed id a 400.
-    again = requests.post(f"{server.url}/invocations", data="{}", headers={CANCEL: "cancel-me-1"}, timeout=30)
+    again = cancel(server, "cancel-me-1")
     assert again.json() == {"cancelled": False}
-    bad = requests.post(f"{server.url}/invocations", data="{}", headers={CANCEL: "no spaces!"}, timeout=30)
+    bad = cancel(server, "no spaces!")
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -175,16 +187,18 @@ def test_a_stuck_worker_is_restarted(tiny_model_path, tmp_path_factory):
         server.stop()
 
 
-def test_bad_and_duplicate_request_ids_are_400s(server):
+def test_a_bad_request_id_is_a_400_and_a_reused_live_one_is_replaced(server):
     bad = invoke(server, chat("hi"), headers={REQUEST_ID: "spaces are not allowed"})
     assert bad.status_code == 400
     assert bad.json()["error"] == {"type": "invalid_request_error",
                                    "message": "X-Resident-Request-Id must match [A-Za-z0-9][A-Za-z0-9-]{0,63}"}
     session, _ = open_session(server)
     response, lines = running_stream(server, session, "twice-1")
+    # Reusing a live id neither fails nor tells the caller it is live: the second request runs under
+    # an id of the server's, and a cancel of the id stops only the first.
     again = invoke(server, chat("hi", max_tokens=2), headers={REQUEST_ID: "twice-1"})
-    assert again.status_code == 400
-    assert again.json()["error"]["message"] == "request id 'twice-1' is already in flight"
-    cancelled = requests.post(f"{server.url}/invocations", data="{}", headers={CANCEL: "twice-1"}, timeout=30)
+    assert again.status_code == 200, again.text
+    assert again.headers[REQUEST_ID] != "twice-1" and len(again.headers[REQUEST_ID]) == 32
+    cancelled = cancel(server, "twice-1")
     assert cancelled.json() == {"cancelled": True}
     response.close()

@@ -134,7 +134,8 @@ async def test_drain_moves_every_session_and_any_front_follows_them():
             assert {p for p in b.router.pins} == set(on_0)  # b learnt the two moved ones by asking
             assert [await open_session(client_a) for _ in range(2)] != []
             assert backends[0].requests[-1]["session"] != "NEW_SESSION"  # no new session on the drained one
-            described = await (await client_a.get("/backends")).json()
+            assert (await client_a.get("/backends")).status == 403  # internal URLs: the admin token's
+            described = await (await client_a.get("/backends", headers={ADMIN_TOKEN_HEADER: TOKEN})).json()
             assert [x["draining"] for x in described["backends"]] == [True, False, False]
             resumed = await client_a.post("/backends/0/resume", headers={ADMIN_TOKEN_HEADER: TOKEN})
             assert await resumed.json() == {"backend": 0, "draining": False}
@@ -155,6 +156,42 @@ async def test_a_session_no_other_backend_takes_stays_on_its_source():
             assert await follow(client, sid) == (200, "backend 0 turn 2", "0")
 
 
+async def test_a_drain_whose_imports_all_fail_leaves_the_session_serving_on_its_source():
+    """Two-phase: the source kept the session while it was exported, so when no backend imports it (the
+    source would not take it back either) the source is told to resume it, and nothing is lost."""
+    async with fake_backends(2) as backends:
+        async with fronts(backends) as [(_, client)]:
+            sid, _ = await open_session(client)
+            backends[0].refuse_imports = backends[1].refuse_imports = True
+            report = await (await client.post("/backends/0/drain", headers={ADMIN_TOKEN_HEADER: TOKEN})).json()
+            assert (report["moved"], report["remaining"]) == (0, 1)
+            assert report["failed"] == {sid: "no other backend took it; it stays on the source"}
+            assert backends[0].admin_calls == ["list", "export", "resume", "list"]  # never imported back
+            assert backends[1].admin_calls == ["import"]
+            assert list(backends[0].sessions) == [sid] and backends[0].moving == {}
+            assert await follow(client, sid) == (200, "backend 0 turn 2", "0")
+
+
+async def test_a_confirm_the_source_refuses_takes_the_imported_copy_back():
+    """The source's move timed out (it serves the session again) before the front confirmed: the copy
+    imported on the target is removed, and the session stays where it serves."""
+    async with fake_backends(2) as backends:
+        async with fronts(backends) as [(front, client)]:
+            sid, _ = await open_session(client)
+            original = front.admin.import_session
+
+            async def import_then_time_out(backend, exported):
+                await original(backend, exported)
+                backends[0].moving.pop(sid).set()  # what the source's move timeout does
+
+            front.admin.import_session = import_then_time_out
+            report = await (await client.post("/backends/0/drain", headers={ADMIN_TOKEN_HEADER: TOKEN})).json()
+            assert report["moved"] == 0 and "the source kept it" in report["failed"][sid]
+            assert backends[1].admin_calls == ["import", "export", "forget"] and backends[1].sessions == {}
+            assert all(pin.backend.index == 0 for pin in front.router.pins.values())
+            assert await follow(client, sid) == (200, "backend 0 turn 2", "0")
+
+
 async def test_a_request_during_the_move_waits_for_it():
     async with fake_backends(2) as backends:
         async with fronts(backends) as [(front, client)]:
@@ -167,10 +204,12 @@ async def test_a_request_during_the_move_waits_for_it():
 
             front.admin.import_session = slow_import
             drain = asyncio.ensure_future(client.post("/backends/0/drain", headers={ADMIN_TOKEN_HEADER: TOKEN}))
-            await asyncio.sleep(0.1)  # exported, not yet imported
-            assert sid not in backends[0].sessions and sid not in backends[1].sessions
+            await asyncio.sleep(0.1)  # exported, not yet imported: the source keeps it, moving
+            assert sid in backends[0].moving and sid not in backends[1].sessions
             assert await follow(client, sid) == (200, "backend 1 turn 2", "1")
             assert (await (await drain).json())["moved"] == 1
+            assert [c for c in backends[0].admin_calls if c != "list"] == ["export", "forget"]  # once imported
+            assert sid not in backends[0].sessions and backends[0].moving == {}
 
 
 async def test_a_drain_whose_client_leaves_still_finishes():
@@ -209,6 +248,24 @@ async def test_a_session_whose_home_is_down_is_found_where_it_moved_else_410():
             backends[:] = []  # stopped already
 
 
+# ------------------------------------------------------------ the admin token
+
+
+async def test_the_adapter_api_and_the_backends_list_need_the_admin_token():
+    async with fake_backends(1) as backends:
+        async with fronts(backends) as [(_, client)]:
+            for method, path, body in (("GET", "/adapters", None), ("POST", "/adapters", {"name": "x", "src": "/etc"}),
+                                       ("DELETE", "/adapters/support", None), ("GET", "/backends", None)):
+                for headers in ({}, {ADMIN_TOKEN_HEADER: "wrong"}, {ADMIN_TOKEN_HEADER: "\u00fc"}):
+                    response = await client.request(method, path, json=body, headers=headers)
+                    assert response.status == 403, (method, path, headers)
+                    assert (await response.json())["error"]["type"] == "forbidden"
+            assert backends[0].admin_bodies == []  # none of them reached a backend
+            listed = await client.get("/adapters", headers={ADMIN_TOKEN_HEADER: TOKEN})
+            assert listed.status == 200 and [a["name"] for a in (await listed.json())["adapters"]] == ["support"]
+            assert backends[0].admin_bodies == [{"adapters": "list"}]
+
+
 # ------------------------------------------------------------ request ids and cancels
 
 
@@ -219,35 +276,73 @@ async def wait_for(condition, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_every_invocation_carries_a_request_id_the_clients_when_valid():
+CONTROL = {REQUEST_ID_HEADER: "victim-1", CANCEL_HEADER: "victim-1", ADMIN_TOKEN_HEADER: TOKEN}
+
+
+async def test_request_ids_are_the_fronts_and_no_control_header_reaches_a_backend():
     async with fake_backends(1) as backends:
         async with fronts(backends) as [(_, client)]:
-            kept = await client.post("/invocations", json=chat("a"), headers={REQUEST_ID_HEADER: "trace-42"})
-            fresh = await client.post("/invocations", json=chat("b"), headers={REQUEST_ID_HEADER: "bad id!"})
-            assert kept.headers[REQUEST_ID_HEADER] == "trace-42"
-            new_id = fresh.headers[REQUEST_ID_HEADER]
-            assert len(new_id) == 32 and new_id != "bad id!"
-            assert [r["request_id"] for r in backends[0].requests] == ["trace-42", new_id]
+            answers = [await client.post("/invocations", json=chat(text), headers=CONTROL) for text in ("a", "b")]
+            assert [a.status for a in answers] == [200, 200]  # a cancel header is no cancel at the front
+            ids = [a.headers[REQUEST_ID_HEADER] for a in answers]
+            assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids) and ids[0] != ids[1]
+            assert [r["request_id"] for r in backends[0].requests] == ids  # the client's "victim-1": never
+            for sent in (r["headers"] for r in backends[0].requests):
+                assert CANCEL_HEADER not in sent and ADMIN_TOKEN_HEADER not in sent
+            assert backends[0].cancels == []
 
 
-async def test_timeout_cancels_the_request_on_the_backend():
+async def test_a_client_that_reuses_a_request_id_cannot_cancel_anothers():
+    """The attack of issue #28: a second client reuses the victim's id (and its backend's tag) and hangs up."""
+    async with fake_backends(1) as backends:
+        async with fronts(backends) as [(_, client)]:
+            sid, _ = await open_session(client)
+            victim = asyncio.ensure_future(client.post("/invocations", json=chat("hold"),
+                                                       headers={SESSION_HEADER: sid, REQUEST_ID_HEADER: "v-1"}))
+            await wait_for(lambda: len(backends[0].requests) == 2)
+            with pytest.raises(asyncio.TimeoutError):
+                await client.post("/invocations", json=chat("hold"), headers={REQUEST_ID_HEADER: "v-1"},
+                                  timeout=aiohttp.ClientTimeout(total=0.3))
+            victim_id, attacker_id = backends[0].requests[1]["request_id"], backends[0].requests[2]["request_id"]
+            await wait_for(lambda: backends[0].cancelled == [attacker_id])  # only the attacker's own request
+            assert victim_id != attacker_id and not victim.done()
+            backends[0].release.set()
+            answer = await victim
+            assert answer.status == 200 and (await answer.json())["choices"][0]["message"]["content"] == \
+                "backend 0 turn 2"
+
+
+async def test_a_timeout_waits_for_the_cancel_and_says_the_turn_was_rolled_back():
     async with fake_backends(1) as backends:
         async with fronts(backends, timeout_s=0.3) as [(front, client)]:
-            response = await client.post("/invocations", json=chat("hold"), headers={REQUEST_ID_HEADER: "slow-1"})
-            assert response.status == 504
-            await wait_for(lambda: backends[0].cancelled == ["slow-1"])
-            assert backends[0].cancels == ["slow-1"]
+            response = await client.post("/invocations", json=chat("hold"))
+            sent = backends[0].requests[-1]["request_id"]
+            assert backends[0].cancelled == [sent] and backends[0].cancels == [sent]  # before the 504
+            assert response.status == 504 and response.headers[REQUEST_ID_HEADER] == sent
+            error = (await response.json())["error"]
+            assert (error["type"], error["may_have_committed"]) == ("backend_timeout", False)
+            assert "sending it again is safe" in error["message"]
             assert front.num_cancels_sent == 1
+
+
+async def test_a_timeout_whose_cancel_fails_says_the_turn_may_have_committed():
+    async with fake_backends(1, token="another-secret") as backends:  # the backend refuses the front's cancel
+        async with fronts(backends, timeout_s=0.3) as [(_, client)]:
+            response = await client.post("/invocations", json=chat("hold"))
+            assert response.status == 504 and backends[0].cancels == [] and backends[0].cancelled == []
+            error = (await response.json())["error"]
+            assert (error["type"], error["may_have_committed"]) == ("backend_timeout", True)
+            assert "check the session before sending it again" in error["message"]
 
 
 async def test_a_client_that_disconnects_cancels_its_request():
     async with fake_backends(1) as backends:
         async with fronts(backends) as [(front, client)]:
             with pytest.raises(asyncio.TimeoutError):
-                await client.post("/invocations", json=chat("hold"), headers={REQUEST_ID_HEADER: "gone-1"},
-                                  timeout=aiohttp.ClientTimeout(total=0.3))
-            await wait_for(lambda: backends[0].cancelled == ["gone-1"])
-            assert backends[0].cancels == ["gone-1"]
+                await client.post("/invocations", json=chat("hold"), timeout=aiohttp.ClientTimeout(total=0.3))
+            sent = backends[0].requests[-1]["request_id"]
+            await wait_for(lambda: backends[0].cancelled == [sent])
+            assert backends[0].cancels == [sent]
             assert front.router.backends[0].num_outstanding == 0
 
 
@@ -257,12 +352,12 @@ async def test_a_client_that_leaves_a_stream_cancels_it():
             sid, _ = await open_session(client)
             backends[0].release.set()
             backends[0].release = asyncio.Event()
-            response = await client.post("/invocations", json=chat("hold", stream=True),
-                                         headers={SESSION_HEADER: sid, REQUEST_ID_HEADER: "stream-1"})
+            response = await client.post("/invocations", json=chat("hold", stream=True), headers={SESSION_HEADER: sid})
             assert (await response.content.readany()).startswith(b"data: ")  # the first chunk, then it holds
+            sent = response.headers[REQUEST_ID_HEADER]
             response.close()
-            await wait_for(lambda: backends[0].cancels == ["stream-1"])
-            assert backends[0].cancelled == ["stream-1"]
+            await wait_for(lambda: backends[0].cancels == [sent])
+            assert backends[0].cancelled == [sent]
 
 
 async def test_a_finished_answer_sends_no_cancel():
