@@ -12,6 +12,15 @@ Run: python -m benchmarks.load --start-server [--sessions 24] [--turns 4] [--con
 sessions and stateless, max_tokens 1..128, disconnects, closes while busy), reporting completed,
 failed, cancelled and lost requests, p50/p99, and the server's invariant violations.
 Run: python -m benchmarks.load --start-server --mixed [--clients 64] [--duration 120]
+
+``--abuse``: the workload of benchmarks/abuse_load.py instead (security issue #28): one victim streams
+answers of its session alone (baseline), then while attackers send 6 requests (3 at a time) of one
+6,000,000-character message each, which the server must refuse with a 4xx. Reports the victim's chunk
+gaps (longest, p99) in both phases and each attacker's status, error type and time to answer; whether
+the longest gap under attack stayed under 0.5 s is printed, not enforced. The started server runs
+with the default limits (RESIDENT_MAX_PROMPT_CHARS, the 6 MiB request size): they are what is measured.
+Exits 1 if an attacker got a 5xx or no answer, or the victim's stream failed.
+Run: python -m benchmarks.load --start-server --abuse [--attacks 6] [--attack-concurrency 3]
 """
 
 from __future__ import annotations
@@ -91,6 +100,17 @@ def server_counters(metrics_url: str, metric: str = "SessionEvents", label: str 
     return out
 
 
+def server_env(args, run_dir: Path) -> dict[str, str]:
+    """The started server's settings: a small KV budget for load and mixed; the defaults for abuse,
+    whose limits (and engine without invariant checks) are what it measures."""
+    env = {"RESIDENT_JOURNAL_DIR": str(run_dir / "journal")}
+    if args.abuse:
+        return env
+    return {**env, "RESIDENT_DEVICE_BUDGET_BYTES": str(args.budget_bytes),
+            "RESIDENT_HOST_BUDGET_BYTES": str(args.host_budget_bytes), "RESIDENT_KV_BLOCK_TOKENS": "64",
+            "RESIDENT_CHECK_INVARIANTS": "true", "RESIDENT_MAX_QUEUE": "512"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server's /predictions/<model> or /invocations URL")
@@ -110,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--timeout", type=float, default=180.0, help="a request without an answer by then is lost")
+    parser.add_argument("--abuse", action="store_true", help="huge prompts vs a victim stream (benchmarks/abuse_load.py)")
+    parser.add_argument("--attacks", type=int, default=6, help="abuse: requests with a huge prompt")
+    parser.add_argument("--attack-concurrency", type=int, default=3)
+    parser.add_argument("--prompt-chars", type=int, default=6_000_000, help="abuse: characters in each huge prompt")
+    parser.add_argument("--victim-max-tokens", type=int, default=256, help="abuse: max_tokens of each streamed turn")
+    parser.add_argument("--victim-s", type=float, default=5.0, help="abuse: the victim streams at least this long")
+    parser.add_argument("--victim-image", action="store_true", help="abuse: the victim opens its sessions with an image")
     args = parser.parse_args(argv)
     # Room for every request in flight (mixed: 6 blocks of 64 tokens each, image and answer included) but
     # not for the idle sessions, which are demoted and restored.
@@ -125,18 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = REPO / "build" / f"load-{port}"
         run_dir.mkdir(parents=True, exist_ok=True)
         server = start_torchserve(port, run_dir=run_dir, model_path=args.model_path,
-                                  stdout=open(run_dir / "torchserve.log", "w"),
-                                  extra_env={"RESIDENT_DEVICE_BUDGET_BYTES": str(args.budget_bytes),
-                                             "RESIDENT_HOST_BUDGET_BYTES": str(args.host_budget_bytes),
-                                             "RESIDENT_KV_BLOCK_TOKENS": "64", "RESIDENT_CHECK_INVARIANTS": "true",
-                                             "RESIDENT_MAX_QUEUE": "512",
-                                             "RESIDENT_JOURNAL_DIR": str(run_dir / "journal")})
+                                  stdout=open(run_dir / "torchserve.log", "w"), extra_env=server_env(args, run_dir))
         url, metrics_url = f"{server.url}/predictions/llava", server.metrics_url
     try:
         if server is not None:
             server.wait_ready(600)
         if args.mixed:
             return report_mixed(args, url, metrics_url)
+        if args.abuse:
+            return report_abuse(args, url)
         before = server_counters(metrics_url) if metrics_url else {}
         result = asyncio.run(run_load(url, args.sessions, args.turns, args.concurrency, args.max_tokens))
         after = server_counters(metrics_url) if metrics_url else {}
@@ -183,6 +207,33 @@ def report_mixed(args, url: str, metrics_url: str | None) -> int:
     write_json(args.out / "load_mixed.json", {**result, "server": server, "clients": args.clients,
                                               "duration_s": args.duration})
     return 1 if outcomes.get("lost", 0) or server.get("invariant_violations", 0) else 0
+
+
+def report_abuse(args, url: str) -> int:
+    from benchmarks.abuse_load import AIM_GAP_S, run_abuse
+
+    result = asyncio.run(run_abuse(url, num_attacks=args.attacks, concurrency=args.attack_concurrency,
+                                   prompt_chars=args.prompt_chars, max_tokens=args.victim_max_tokens,
+                                   victim_s=args.victim_s, with_image=args.victim_image, timeout_s=args.timeout))
+    rows = []
+    for phase in ("baseline", "attack"):
+        v = result[phase]["victim"]
+        rows.append([phase, v["num_turns"], v["num_chunks"], v["longest_gap_s"], v["longest_gap_at_s"],
+                     v["p99_gap_s"], v["p50_gap_s"], v["num_failed"]])
+    print(format_table(["victim", "turns", "chunks", "longest gap s", "at s", "p99 gap s", "p50 gap s", "failed"],
+                       rows))
+    print()
+    print(format_table(["attacker answer", "error type", "n", "p50 answer s", "max answer s"],
+                       [[a["status"], a["error_type"], a["n"], a["p50_answer_s"], a["max_answer_s"]]
+                        for a in result["attack"]["attacks"]]))
+    longest = result["attack"]["victim"]["longest_gap_s"]
+    settings = result["settings"]
+    print(f"\n{args.attacks} prompts of {settings['prompt_chars']} characters ({settings['body_bytes']} B bodies), "
+          f"{args.attack_concurrency} at a time; victim max_tokens {args.victim_max_tokens}. Aim (longest gap under "
+          f"attack < {AIM_GAP_S} s): {'met' if longest < AIM_GAP_S else 'NOT met'} ({longest:.3f} s)")
+    write_json(args.out / "load_abuse.json", result)
+    failed_turns = sum(result[phase]["victim"]["num_failed"] for phase in ("baseline", "attack"))
+    return 1 if result["attack"]["num_failed_attacks"] or failed_turns else 0
 
 
 if __name__ == "__main__":

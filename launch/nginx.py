@@ -12,7 +12,12 @@ A backend started with RESIDENT_SESSION_ID_TAG=<tag> creates session ids ``<uuid
   reached, the request is tried on every backend in turn until one holds the session
   (``proxy_next_upstream http_404``); only a session found nowhere answers 404;
 - answers stream through unbuffered (server-sent events); ``/v1/chat/completions`` is sent to the
-  backends' ``/invocations`` (the same OpenAI body).
+  backends' ``/invocations`` (the same OpenAI body);
+- abuse is bounded as at the front: our control headers (``X-Resident-Cancel``,
+  ``X-Resident-Admin-Token``, ``X-Resident-Request-Id``) never reach a backend (the engine names the
+  request itself), request heads and bodies have deadlines, header buffers are small, a body past
+  64 KiB waits on disk rather than in memory, and each client address holds at most
+  ``max_requests_per_client`` connections (``limit_conn``, 429 past it).
 
 The aiohttp front (``make cluster``) stays for what nginx cannot do: the SageMaker runtime paths
 (AWS event stream for boto3), ``/backends/{i}/drain``, ``/adapters``, and 410 for a session whose
@@ -53,6 +58,10 @@ class NginxSite:
     max_request_bytes: int
     timeout_s: float  # an answer, or the next chunk of a stream
     connect_timeout_s: float
+    header_timeout_s: float = 10.0  # a client's request head
+    body_timeout_s: float = 30.0  # between two reads of a client's body
+    idle_timeout_s: float = 75.0  # an idle kept-alive client connection
+    max_requests_per_client: int = 64  # connections per client address (limit_conn); 0: no limit
 
 
 def site_from_config(config: FrontConfig, listen: str) -> NginxSite:
@@ -64,7 +73,9 @@ def site_from_config(config: FrontConfig, listen: str) -> NginxSite:
         servers.append(f"{parts.hostname}:{parts.port}")
     return NginxSite(servers=tuple(servers), tags=config.session_tags(), listen=listen,
                      max_request_bytes=config.max_request_bytes, timeout_s=config.timeout_s,
-                     connect_timeout_s=config.health_timeout_s)
+                     connect_timeout_s=config.health_timeout_s, header_timeout_s=config.header_timeout_s,
+                     body_timeout_s=config.body_timeout_s, idle_timeout_s=config.idle_timeout_s,
+                     max_requests_per_client=config.max_requests_per_client)
 
 
 def tag_regex(tag: str) -> str:
@@ -87,18 +98,32 @@ def render_http(site: NginxSite) -> str:
     for i, _ in tagged:
         lines += ["", f"upstream resident_b{i} {{", f"    server {site.servers[i]} max_fails=0;", "    keepalive 8;",
                   "}"]
+    if site.max_requests_per_client:
+        lines += ["", "limit_conn_zone $binary_remote_addr zone=resident_per_client:10m;"]
     lines += ["", _server(site)]
     return "\n".join(lines) + "\n"
 
 
 def _server(site: NginxSite) -> str:
     timeout, connect = _seconds(site.timeout_s), _seconds(site.connect_timeout_s)
+    per_client = (f"\n    limit_conn resident_per_client {site.max_requests_per_client};\n    limit_conn_status 429;"
+                  if site.max_requests_per_client else "")
     return f"""server {{
     listen {site.listen};
     client_max_body_size {site.max_request_bytes};
-    client_body_buffer_size {site.max_request_bytes};  # kept in memory: a moved session's request is sent again
+    client_body_buffer_size 64k;  # a larger body waits in a temp file (still sent again to search a moved session)
+    client_header_buffer_size 1k;
+    large_client_header_buffers 4 16k;
+    client_header_timeout {_seconds(site.header_timeout_s)};
+    client_body_timeout {_seconds(site.body_timeout_s)};
+    send_timeout {timeout};
+    keepalive_timeout {_seconds(site.idle_timeout_s)};{per_client}
     proxy_http_version 1.1;
     proxy_set_header Connection "";
+    # Ours, never a client's: a cancel or an admin call through here, or a request id another could name.
+    proxy_set_header X-Resident-Cancel "";
+    proxy_set_header X-Resident-Admin-Token "";
+    proxy_set_header X-Resident-Request-Id "";
     proxy_buffering off;  # server-sent events go out as they come
     proxy_connect_timeout {connect};
     proxy_read_timeout {timeout};

@@ -51,6 +51,9 @@ class EngineConfig:
     device_budget_bytes: int = 0  # device bytes for session KV caches; 0 = unlimited on CPU, 0.9 of free on CUDA
     device_budget_fraction: float = 0.0  # CUDA: this fraction of the memory free after loading (wins if > 0)
     host_budget_bytes: int = 2 << 30  # host-memory tier for demoted KV caches; 0 = none (demotion drops)
+    # Image embeddings in host memory; past it the least recently used whose image bytes are kept or
+    # journaled lose their tensor (re-encoded on their next prefill: session/state/embeddings.py). 0 = no bound.
+    max_embedding_bytes: int = 1 << 30
     max_session_tokens: int = 0  # per-session transcript cap; 0 = the context window
     journal_dir: str = ""  # crash-recovery journal (e.g. /dev/shm/resident-journal); "" = off
     journal_max_bytes: int = 32 << 20  # the journal's cap (Docker's /dev/shm is 64 MiB); 0 = none
@@ -106,7 +109,7 @@ class EngineConfig:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
         for name in ("max_context_tokens", "threads", "device_budget_bytes", "host_budget_bytes",
                      "max_session_tokens", "max_device_adapters", "max_host_adapters", "journal_max_bytes",
-                     "journal_session_max_bytes"):
+                     "journal_session_max_bytes", "max_embedding_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",

@@ -77,7 +77,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
         tokenizer, image_token=getattr(tokenizer, "image_token", None) if info.image_token_id else None,
         image_token_id=info.image_token_id, eos_token_ids=info.eos_token_ids)
     store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time)
-    embeddings = EmbeddingCache()
+    embeddings = EmbeddingCache(max_bytes=config.max_embedding_bytes)
     budget = device_budget(config, runner)
     memory = MemoryManager(device_budget_bytes=budget, host_budget_bytes=config.host_budget_bytes, store=store)
     journal = Journal(config.journal_dir, config.journal_max_bytes,

@@ -47,7 +47,7 @@ def snapshot(engine) -> EngineStats:
                 "demoted_to_host": memory.num_to_host, "dropped": memory.num_dropped,
                 "restored_from_host": memory.num_restored_from_host, "recomputed": memory.num_recomputed,
                 "restored_from_journal": sessions.num_journal_restored, "embedding_hits": embeddings.num_hits,
-                "embedding_misses": embeddings.num_misses,
+                "embedding_misses": embeddings.num_misses, "embedding_evictions": embeddings.num_evictions,
                 "overloaded": overloaded, "journal_write_errors": sessions.num_journal_write_errors},
         not_recoverable_sessions=not_recoverable,
         tokens={"generated": parts.outputs.num_generated_tokens, "prefilled": parts.executor.num_prefilled_tokens,

@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("resident.front.access")
 
 Route = Callable[[web.Request, bytes], Awaitable[web.StreamResponse]]
+MAX_HEADERS = 128  # a request with more is answered 400 (aiohttp >= 3.13.4 enforces it)
+MAX_LINE_BYTES = 8190  # the request line, and each header
 
 
 class Front:
@@ -129,7 +131,8 @@ class Front:
         # keepalive_timeout: an idle kept-alive connection is closed (aiohttp's default is an hour).
         self._runner = web.AppRunner(self.app, access_log_class=AccessLogger, access_log=access_logger,
                                      handler_cancellation=True, shutdown_timeout=config.drain_s,
-                                     keepalive_timeout=config.idle_timeout_s)
+                                     keepalive_timeout=config.idle_timeout_s, max_headers=MAX_HEADERS,
+                                     max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES)
         await self._runner.setup()
         await GuardedSite(self._runner, host, port, self.guard).start()
         self._health_task = asyncio.create_task(self.health.run())

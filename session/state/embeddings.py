@@ -1,14 +1,21 @@
-"""Image embeddings shared by content hash and reference-counted.
+"""Image embeddings shared by content hash and reference-counted, under a byte bound.
 
 Two sessions on the same image encode it once. Entries live in host memory: the KV cache
 already carries an image's effect, so the embedding is needed again only to recompute a
 session whose KV was dropped (or lost in a crash) — a few MB against the KV's hundreds.
-An entry's tensor may be absent (after a restart) until the engine recomputes it from the
-journaled image bytes. Bookkeeping only; the engine computes the tensors.
+An entry's tensor may be absent (after a restart, or evicted) until the engine recomputes it
+from the image's encoded bytes. Bookkeeping only; the engine computes the tensors.
+
+The bound: past ``max_bytes`` of tensors, ``evict`` drops tensors least recently used first
+(stored or read for a prefill), keeping each entry, its references and its grid. It drops only
+tensors whose image bytes can be got back (kept in memory or journaled), so an eviction costs
+one re-encode on that image's next prefill, never a session.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +34,16 @@ class EmbeddingEntry:
 
 
 class EmbeddingCache:
-    def __init__(self):
-        self._entries: dict[str, EmbeddingEntry] = {}  # digest -> entry
+    """Who calls this: ``Sessions`` on the engine loop thread (the stats snapshot reads the counters)."""
+
+    def __init__(self, max_bytes: int = 0):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 (0: no bound), got {max_bytes}")
+        self.max_bytes = max_bytes  # 0: no bound
+        self._entries: OrderedDict[str, EmbeddingEntry] = OrderedDict()  # digest -> entry, least recently used first
         self.num_hits = 0  # an image whose embedding was already here
         self.num_misses = 0  # an image we had to encode
+        self.num_evictions = 0  # tensors dropped by the bound
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -59,3 +72,34 @@ class EmbeddingCache:
 
     def get(self, digest: str) -> EmbeddingEntry:
         return self._entries[digest]
+
+    def store(self, digest: str, tensor: torch.Tensor, grid: tuple[int, int, int] | None = None) -> None:
+        """An acquired image's encoding (host tensor) and grid, now its most recently used."""
+        entry = self._entries[digest]
+        entry.tensor, entry.grid = tensor, grid
+        self._entries.move_to_end(digest)
+
+    def use(self, digest: str) -> torch.Tensor:
+        """The stored tensor, read for a prefill: it becomes the most recently used."""
+        entry = self._entries[digest]
+        assert entry.tensor is not None, f"image {digest[:12]} has no embedding: store it first"
+        self._entries.move_to_end(digest)
+        return entry.tensor
+
+    def evict(self, recoverable: Callable[[str], bool], keep: Collection[str] = ()) -> list[str]:
+        """Drop tensors, least recently used first, until at most ``max_bytes`` remain (or none may go).
+        Only those whose image ``recoverable(digest)`` says can be encoded again, never those in ``keep``
+        (the prefill about to use them). Returns the digests whose tensors went, in that order.
+        Who calls this: ``Sessions``, after each prefill's embeddings are gathered."""
+        excess = self.nbytes - self.max_bytes if self.max_bytes else 0
+        evicted = []
+        for digest, entry in self._entries.items():
+            if excess <= 0:
+                break
+            if entry.tensor is None or digest in keep or not recoverable(digest):
+                continue
+            excess -= entry.nbytes
+            entry.tensor = None  # the entry, its references and its grid stay: positions need the grid
+            evicted.append(digest)
+        self.num_evictions += len(evicted)
+        return evicted

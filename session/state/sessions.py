@@ -232,24 +232,33 @@ class Sessions:
             self._journal_io(None, lambda: journal.remove_image(digest))
 
     def _image_embeddings(self, old_digests: list[str], new_digests: list[str], images: Images) -> list[torch.Tensor]:
-        """Embeddings for each image occurrence, encoding only those no session has encoded yet."""
+        """Embeddings for each image occurrence (``old_digests``: the transcript's, when it is recomputed),
+        encoding only those not cached (never encoded, or evicted: re-encoded from their bytes); then the
+        cache's byte bound, sparing this prefill's images."""
         to_encode: dict[str, Images] = {}  # digest -> that one image
         for index, digest in enumerate(new_digests):
-            if self.embeddings.get(digest).tensor is None:
+            if self._count_lookup(digest):
                 to_encode.setdefault(digest, images.select(index))
-                self.embeddings.num_misses += 1
-            else:
-                self.embeddings.num_hits += 1
         for digest in old_digests:
-            if self.embeddings.get(digest).tensor is None and digest not in to_encode:
+            if self._count_lookup(digest) and digest not in to_encode:
                 to_encode[digest] = self.images_from_bytes(self._encoded_image(digest))
         if to_encode:
             batch = Images.join(to_encode.values())
             encoded = self.runner.encode_images(list(batch.pixels), list(batch.sizes), list(batch.grids) or None)
             for digest, tensor, grid in zip(to_encode, encoded, batch.grids or [None] * len(batch)):
-                entry = self.embeddings.get(digest)
-                entry.tensor, entry.grid = tensor.to("cpu", copy=True), grid
-        return [self.embeddings.get(d).tensor.to(self.runner.device) for d in old_digests + new_digests]
+                self.embeddings.store(digest, tensor.to("cpu", copy=True), grid)
+        digests = old_digests + new_digests
+        tensors = [self.embeddings.use(d).to(self.runner.device) for d in digests]
+        self.embeddings.evict(self._has_encoded_image, keep=set(digests))
+        return tensors
+
+    def _count_lookup(self, digest: str) -> bool:
+        """Is the image's embedding missing (to encode)? Counted as a miss, else as a hit."""
+        if self.embeddings.get(digest).tensor is None:
+            self.embeddings.num_misses += 1
+            return True
+        self.embeddings.num_hits += 1
+        return False
 
     # ------------------------------------------------------------------ image bytes
 
@@ -267,6 +276,8 @@ class Sessions:
         raise ResidentError(f"image {digest[:12]}: its bytes are neither kept in memory nor in the journal")
 
     def _has_encoded_image(self, digest: str) -> bool:
+        """Can the image's encoded bytes be got back (kept in memory, or journaled)? The embedding
+        cache's bound evicts only such images' tensors (``EmbeddingCache.evict``)."""
         return digest in self._image_bytes or (self.journal is not None and is_digest(digest)
                                                and self.journal.has_image(digest))
 

@@ -9,13 +9,14 @@ import threading
 import pytest
 import requests
 
-from session.serving.protocol import ADAPTER_HEADER, SESSION_HEADER
+from session.serving.protocol import ADAPTER_HEADER, ADMIN_TOKEN_HEADER, SESSION_HEADER
 from tests.conftest import REPO
 from tests.e2e.test_front import NEW_ID_RE, chat, running_cluster, sagemaker_client
 
 pytestmark = pytest.mark.e2e
 
 TOKEN = "test-admin-token"
+ADMIN = {ADMIN_TOKEN_HEADER: TOKEN}
 TIMEOUT = 60
 
 
@@ -71,12 +72,12 @@ def test_register_use_unregister_while_serving(cluster, served_dir):
     thread = threading.Thread(target=traffic)
     thread.start()
     try:
-        listed = requests.get(f"{base}/adapters", timeout=TIMEOUT).json()["adapters"]
+        listed = requests.get(f"{base}/adapters", headers=ADMIN, timeout=TIMEOUT).json()["adapters"]
         assert {a["name"] for a in listed} == {"tone", "domain", "customer", "terse"}
 
         fresh = served_dir / "staged" / "fresh"
         shutil.copytree(served_dir / "tone", fresh)
-        registered = requests.post(f"{base}/adapters", json={"name": "fresh", "src": str(fresh)}, timeout=TIMEOUT)
+        registered = requests.post(f"{base}/adapters", json={"name": "fresh", "src": str(fresh)}, headers=ADMIN, timeout=TIMEOUT)
         assert registered.status_code == 200, registered.text
         assert registered.json() == {"registered": "fresh", "src": str(fresh), "backends": 2}
 
@@ -86,7 +87,7 @@ def test_register_use_unregister_while_serving(cluster, served_dir):
                                                                  model="fresh"), timeout=TIMEOUT)
         assert content(by_body) == content(ask(base, "fresh"))
 
-        removed = requests.delete(f"{base}/adapters/fresh", timeout=TIMEOUT)
+        removed = requests.delete(f"{base}/adapters/fresh", headers=ADMIN, timeout=TIMEOUT)
         assert removed.status_code == 200 and removed.json() == {"unregistered": "fresh", "backends": 2}
         gone = ask(base, "fresh")
         assert gone.status_code == 404
@@ -99,19 +100,33 @@ def test_register_use_unregister_while_serving(cluster, served_dir):
 
 def test_bad_register_is_400_and_changes_nothing(cluster, served_dir):
     base, _ = cluster
-    before = requests.get(f"{base}/adapters", timeout=TIMEOUT).json()
+    before = requests.get(f"{base}/adapters", headers=ADMIN, timeout=TIMEOUT).json()
     broken = served_dir / "staged" / "broken"
     broken.mkdir()
     (broken / "adapter_config.json").write_text("{}")
-    response = requests.post(f"{base}/adapters", json={"name": "broken", "src": str(broken)}, timeout=TIMEOUT)
+    response = requests.post(f"{base}/adapters", json={"name": "broken", "src": str(broken)}, headers=ADMIN, timeout=TIMEOUT)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_adapter"
     assert "not a PEFT adapter directory" in response.json()["error"]["message"]
-    outside = requests.post(f"{base}/adapters", json={"name": "etc", "src": "/etc"}, timeout=TIMEOUT)
+    outside = requests.post(f"{base}/adapters", json={"name": "etc", "src": "/etc"}, headers=ADMIN, timeout=TIMEOUT)
     assert outside.status_code == 403 and outside.json()["error"]["type"] == "forbidden"
     assert "not inside RESIDENT_ADAPTERS_DIR" in outside.json()["error"]["message"]
-    assert requests.get(f"{base}/adapters", timeout=TIMEOUT).json() == before
-    assert requests.delete(f"{base}/adapters/never-was", timeout=TIMEOUT).status_code == 404
+    assert requests.get(f"{base}/adapters", headers=ADMIN, timeout=TIMEOUT).json() == before
+    assert requests.delete(f"{base}/adapters/never-was", headers=ADMIN, timeout=TIMEOUT).status_code == 404
+
+
+def test_the_adapter_api_refuses_anyone_without_the_admin_token(cluster, served_dir):
+    """Issue #28's reproduction: list, register ("/etc", or another tenant's name) and delete, tokenless."""
+    base, _ = cluster
+    before = requests.get(f"{base}/adapters", headers=ADMIN, timeout=TIMEOUT).json()
+    attempts = [("GET", f"{base}/adapters", None), ("POST", f"{base}/adapters", {"name": "tone", "src": "/etc"}),
+                ("POST", f"{base}/adapters", {"name": "mine", "src": str(served_dir / "domain")}),
+                ("DELETE", f"{base}/adapters/tone", None)]
+    for method, path, body in attempts:
+        for headers in ({}, {ADMIN_TOKEN_HEADER: "guess"}, {ADMIN_TOKEN_HEADER: TOKEN + "x"}):
+            answer = requests.request(method, path, json=body, headers=headers, timeout=TIMEOUT)
+            assert (answer.status_code, answer.json()["error"]["type"]) == (403, "forbidden"), (method, body)
+    assert requests.get(f"{base}/adapters", headers=ADMIN, timeout=TIMEOUT).json() == before
 
 
 def test_session_keeps_its_adapter_and_blocks_unregister(cluster):
@@ -123,12 +138,12 @@ def test_session_keeps_its_adapter_and_blocks_unregister(cluster):
     assert mismatch.status_code == 400 and mismatch.json()["error"]["type"] == "adapter_mismatch"
     follow = ask(base, session=session_id, text="And tomorrow?")
     assert follow.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    busy = requests.delete(f"{base}/adapters/tone", timeout=TIMEOUT)
+    busy = requests.delete(f"{base}/adapters/tone", headers=ADMIN, timeout=TIMEOUT)
     assert busy.status_code == 409 and busy.json()["error"]["type"] == "adapter_in_use"
     closed = requests.post(f"{base}/invocations", json={"requestType": "CLOSE"}, headers={SESSION_HEADER: session_id},
                            timeout=TIMEOUT)
     assert closed.status_code == 200
-    assert "tone" in {a["name"] for a in requests.get(f"{base}/adapters", timeout=TIMEOUT).json()["adapters"]}
+    assert "tone" in {a["name"] for a in requests.get(f"{base}/adapters", headers=ADMIN, timeout=TIMEOUT).json()["adapters"]}
 
 
 def test_boto3_inference_component_selects_the_adapter(cluster):

@@ -93,8 +93,9 @@ def test_a_second_front_and_a_rolling_restart_lose_no_session(tiny_model_path, t
             assert opened.status_code == 200, opened.text
             sessions.append((opened.headers[NEW_SESSION_HEADER].split(";")[0], opened.headers[BACKEND_HEADER]))
         assert sorted(b for _, b in sessions) == ["0", "0", "0", "1", "1", "1"]
-        backend_urls = [b["url"] for b in requests.get(cluster_url + "/backends", timeout=10).json()["backends"]]
         token = (REPO / "build" / f"cluster-{port}" / "admin-token").read_text().strip()
+        backend_urls = [b["url"] for b in requests.get(cluster_url + "/backends", headers={ADMIN_TOKEN_HEADER: token},
+                                                       timeout=10).json()["backends"]]
 
         second_port = free_port()
         second_url = f"http://127.0.0.1:{second_port}"

@@ -17,12 +17,14 @@ import pytest
 import requests
 import yaml
 
+from session.serving.protocol import ADMIN_TOKEN_HEADER
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.e2e
 
 DOCKER = REPO / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile.cuda", DOCKER / "Dockerfile.neuron"]
+ADMIN_TOKEN = "docker-e2e-admin-token"
 
 
 def tool(name: str) -> str:
@@ -55,6 +57,9 @@ def test_dockerfile_is_wired_for_sagemaker(dockerfile):
     assert sources and all((REPO / src).exists() for src in sources), sources  # the build context has them
     base = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M).group(1)
     assert base.startswith("public.ecr.aws/") and ":" in base  # public, pinned by tag
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users == ["10001:10001"]  # the server never runs as root: the user made for it
+    assert text.index("USER 10001") < text.index("ENTRYPOINT") and "useradd --system --uid 10001" in text
 
 
 def test_compose_runs_two_instances_behind_a_router():
@@ -79,7 +84,7 @@ def test_entrypoint_runs_other_commands_as_given():
 def serve_env(port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PORT", "BACKENDS", "MODEL", "HOST")}
     env.update({"SAGEMAKER_BIND_TO_PORT": str(port), "HOST": "127.0.0.1", "RESIDENT_PYTHON": sys.executable,
-                "RESIDENT_FRONT_HEALTH_INTERVAL_S": "0.5"})
+                "RESIDENT_FRONT_HEALTH_INTERVAL_S": "0.5", "RESIDENT_ADMIN_TOKEN": ADMIN_TOKEN})
     return env
 
 
@@ -100,7 +105,7 @@ def test_entrypoint_serves_the_demo_model_and_stops_cleanly_on_sigterm(tiny_mode
             except requests.ConnectionError:
                 pass
             time.sleep(0.5)
-        backends = requests.get(url + "/backends", timeout=10).json()["backends"]
+        backends = requests.get(url + "/backends", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN}, timeout=10).json()["backends"]
         assert [(b["index"], b["url"]) for b in backends] == [(0, f"http://127.0.0.1:{port + 10}")]  # one CPU
         response = requests.post(url + "/invocations", timeout=60, json={
             "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4})

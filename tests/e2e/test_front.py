@@ -21,13 +21,20 @@ from launch.torchserve import MODEL_NAME, start_torchserve
 from session.front.answers import BACKEND_HEADER
 from session.front.config import FrontConfig
 from session.front.server import Front
-from session.serving.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER, WORKER_HEADER
+from session.serving.protocol import (
+    ADMIN_TOKEN_HEADER,
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+    WORKER_HEADER,
+)
 from tests.conftest import free_port, image_url
 
 pytestmark = pytest.mark.e2e
 
 NEW_ID_RE = re.compile(r"^([a-zA-Z0-9](-*[a-zA-Z0-9])*); Expires=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 TIMEOUT = 60
+ADMIN_TOKEN = "front-e2e-admin-token"
 
 
 class FrontThread:
@@ -81,7 +88,8 @@ def running_cluster(tmp_path_factory, prefix: str, env: dict[str, str], **front_
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_path, tmp_path_factory):
-    with running_cluster(tmp_path_factory, "backend", {"RESIDENT_THREADS": "1"}, timeout_s=TIMEOUT) as running:
+    with running_cluster(tmp_path_factory, "backend", {"RESIDENT_THREADS": "1", "RESIDENT_ADMIN_TOKEN": ADMIN_TOKEN},
+                         timeout_s=TIMEOUT, admin_token=ADMIN_TOKEN) as running:
         yield running
 
 
@@ -120,7 +128,10 @@ def sagemaker_client(cluster):
 def test_ping_and_backends(cluster):
     ping = requests.get(url(cluster) + "/ping", timeout=TIMEOUT)
     assert (ping.status_code, ping.json()) == (200, {"status": "Healthy", "healthy_backends": 2, "backends": 2})
-    described = requests.get(url(cluster) + "/backends", timeout=TIMEOUT).json()
+    refused = requests.get(url(cluster) + "/backends", timeout=TIMEOUT)  # internal URLs: not for anyone
+    assert (refused.status_code, refused.json()["error"]["type"]) == (403, "forbidden")
+    described = requests.get(url(cluster) + "/backends", headers={ADMIN_TOKEN_HEADER: ADMIN_TOKEN},
+                             timeout=TIMEOUT).json()
     assert [(b["index"], b["healthy"], b["num_outstanding"]) for b in described["backends"]] == \
         [(0, True, 0), (1, True, 0)]
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +24,16 @@ import requests
 
 from launch.nginx import main as nginx_main, render_http, render_main, site_from_config
 from session.front.config import FrontConfig
-from session.serving.protocol import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
+from session.serving.protocol import (
+    ADMIN_TOKEN_HEADER,
+    CANCEL_HEADER,
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION_HEADER,
+    REQUEST_ID_HEADER,
+    SESSION_HEADER,
+)
 from tests.conftest import free_port
-from tests.fake_backend import LoopThread, SessionBackend
+from tests.fake_backend import TOKEN, LoopThread, SessionBackend
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +83,8 @@ def proxy(tmp_path):
     thread = LoopThread()
     backends = [thread.call(SessionBackend(i).start()) for i in range(3)]
     port = free_port()
-    config = FrontConfig.from_env({}, backends=tuple(b.url for b in backends), timeout_s=10)
+    config = FrontConfig.from_env({}, backends=tuple(b.url for b in backends), timeout_s=10, header_timeout_s=1,
+                                  max_requests_per_client=8)
     site = site_from_config(config, f"127.0.0.1:{port}")
     tmp_path.chmod(0o755)
     try:
@@ -177,6 +186,40 @@ def test_the_openai_path_through_nginx(proxy):
                                          extra_headers={SESSION_HEADER: sid})
     assert "".join(c.choices[0].delta.content or "" for c in stream) == f"backend {backend} turn 2 "
     assert backends[backend].requests[-1]["path"] == "/invocations"
+
+
+def test_control_headers_never_reach_a_backend(proxy):
+    url, backends, _ = proxy
+    answer = requests.post(url + "/invocations", json=chat("hi"), timeout=TIMEOUT,
+                           headers={CANCEL_HEADER: "victim-1", ADMIN_TOKEN_HEADER: TOKEN, REQUEST_ID_HEADER: "victim-1"})
+    assert answer.status_code == 200, answer.text  # an ordinary turn: the cancel never got through
+    [sent] = [r["headers"] for b in backends for r in b.requests]
+    assert not {CANCEL_HEADER, ADMIN_TOKEN_HEADER, REQUEST_ID_HEADER} & set(sent)
+    assert all(b.cancels == [] and b.admin_bodies == [] for b in backends)
+
+
+def test_a_slow_request_head_is_cut_off_and_one_client_holds_few_connections(proxy):
+    url, _, _ = proxy
+    port = int(url.rsplit(":", 1)[1])
+    slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+    slow.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+    began, received = time.monotonic(), b""
+    while chunk := slow.recv(4096):
+        received += chunk
+    assert time.monotonic() - began < 4  # closed after client_header_timeout (1 s), not nginx's default 60 s
+    assert received == b"" or received.startswith(b"HTTP/1.1 408")
+    slow.close()
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(8)]
+    for conn in held:  # each one mid-request, so each is a connection limit_conn counts
+        conn.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")
+    time.sleep(0.2)
+    refused = requests.post(url + "/invocations", json=chat("hi"), timeout=TIMEOUT)
+    assert refused.status_code == 429
+    for conn in held:
+        conn.close()
+    time.sleep(0.2)
+    assert requests.post(url + "/invocations", json=chat("hi"), timeout=TIMEOUT).status_code == 200
 
 
 def test_the_shipped_snippet_is_what_the_generator_writes(capsys):

@@ -171,6 +171,7 @@ def test_a_client_that_leaves_or_a_timeout_cancels_the_turn(cluster):
     streamed = requests.post(front_a.url + "/invocations", stream=True, timeout=TIMEOUT,
                              json=chat("Tell me a very long story.", max_tokens=900, stream=True),
                              headers={SESSION_HEADER: left, REQUEST_ID_HEADER: "e2e-leaves-1"})
+    assert streamed.headers[REQUEST_ID_HEADER] not in ("e2e-leaves-1", "")  # the front's own id, not the client's
     assert next(streamed.iter_lines()).startswith(b"data: ")
     streamed.close()  # the client leaves after the first chunk
 
@@ -194,6 +195,7 @@ def test_a_client_that_leaves_or_a_timeout_cancels_the_turn(cluster):
         timed_out, _ = open_session(front_a.url, 63)
         slow = post(url, chat("Tell me a very long story.", max_tokens=900), session=timed_out)
         assert (slow.status_code, slow.json()["error"]["type"]) == (504, "backend_timeout")
+        assert slow.json()["error"]["may_have_committed"] is False  # the cancel was confirmed before the 504
         assert impatient.front.num_cancels_sent == 1
     finally:
         impatient.stop()
@@ -204,7 +206,7 @@ def test_a_client_that_leaves_or_a_timeout_cancels_the_turn(cluster):
         # more than in a session never cancelled (the rolled-back turn's prefill kept its first token).
         assert [(a[0], a[3]) for a in after] == [(e[0], e[2]) for e in expected]
         assert all(a[1] > 0 for a in after)
-    described = requests.get(front_a.url + "/backends", timeout=TIMEOUT).json()
+    described = requests.get(front_a.url + "/backends", headers={ADMIN_TOKEN_HEADER: TOKEN}, timeout=TIMEOUT).json()
     assert described["num_cancels_sent"] == 1  # the stream the client left
 
 

@@ -81,6 +81,19 @@ def test_ping(server):
     assert response.json()["status"] == "Healthy"
 
 
+def test_the_management_api_registers_and_unregisters_nothing(server):
+    """Issue #28: a local process could POST /models?url=... and load a handler of its own."""
+    registered = requests.post(f"{server.management_url}/models", timeout=TIMEOUT,
+                               params={"url": "evil.mar", "model_name": "evil", "initial_workers": "1"})
+    assert registered.status_code == 405
+    assert requests.delete(f"{server.management_url}/models/llava", timeout=TIMEOUT).status_code == 405
+    described = requests.get(f"{server.management_url}/models/llava", timeout=TIMEOUT)  # what the watchdog reads
+    assert described.status_code == 200 and described.json()[0]["workers"][0]["status"] == "READY"
+    assert [m["modelName"] for m in requests.get(f"{server.management_url}/models", timeout=TIMEOUT).json()["models"]] \
+        == ["llava"]
+    assert server.worker_statuses() == ["READY"]
+
+
 def test_open_follow_up_close_with_exact_headers(server):
     before = time.time()
     session_id, opened = open_session(server)
