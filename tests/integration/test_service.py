@@ -219,3 +219,16 @@ def test_two_thousand_fuzzed_bodies_get_no_5xx(service):
     asyncio.run(go())
     assert sum(statuses.values()) == 2000
     assert statuses.get(400, 0) > 1000 and statuses.get(200, 0) > 200, statuses  # both paths were exercised
+
+
+def test_session_ids_are_never_logged_in_full(service, caplog):
+    caplog.set_level("INFO")
+    status, _, headers = call(service, chat("hello"), {SESSION: "NEW_SESSION"})
+    assert status == 200
+    session_id = headers["X-Amzn-SageMaker-New-Session-Id"].split(";")[0]
+    assert call(service, chat("more"), {SESSION: session_id})[0] == 200
+    assert call(service, chat("x" * 5001), {SESSION: session_id})[0] == 400
+    assert call(service, b'{"requestType": "CLOSE"}', {SESSION: session_id})[0] == 200
+    assert call(service, chat("after"), {SESSION: session_id})[0] == 404
+    assert caplog.records  # the engine logged at INFO meanwhile
+    assert session_id not in caplog.text

@@ -248,6 +248,23 @@ async def test_a_session_whose_home_is_down_is_found_where_it_moved_else_410():
             backends[:] = []  # stopped already
 
 
+# ------------------------------------------------------------ logs
+
+
+async def test_the_front_never_logs_a_session_id_in_full(caplog):
+    caplog.set_level("INFO")
+    async with fake_backends(2) as backends:
+        async with fronts(backends, num_fronts=2) as [(_, client_a), (_, client_b)]:
+            sid, _ = await open_session(client_a)
+            assert (await follow(client_b, sid))[0] == 200  # b routes it by its tag
+            async with client_a.post("/invocations", json={"requestType": "CLOSE"},
+                                     headers={SESSION_HEADER: sid}) as closed:
+                assert closed.status == 200
+    access = [r for r in caplog.records if r.name == "resident.front.access"]
+    assert len(access) == 3 and f"session={sid[:8]}...-b" in caplog.text  # shortened, with its routing tag
+    assert sid not in caplog.text
+
+
 # ------------------------------------------------------------ the admin token
 
 
