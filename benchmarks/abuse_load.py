@@ -11,11 +11,14 @@ Two phases in one run:
   RESIDENT_MAX_PROMPT_CHARS) without holding up the victim. The victim streams until the last
   attacker has its answer and ``lead_s`` more, and for at least ``victim_s``.
 
-The attackers run on their own thread and event loop, so that writing their 6 MB bodies cannot
-delay this client's reading of the victim's chunks (the delay measured is the server's).
+The attackers run on their own thread and event loop, so that writing their 6 MB bodies does not
+queue ahead of the victim's reads on one loop; they still share this process and the machine's CPUs
+with the server, so a busy machine shows in the numbers of both phases.
 
 A victim turn's gaps are the times between consecutive SSE chunks, the first one measured from
-sending the request: a stalled engine shows as a long wait for the first chunk too.
+sending the request: a stalled engine shows as a long wait for the first chunk too. Besides the whole
+phases, the gaps that overlap the attack window (first attack sent to last one answered) are summarised
+on their own: what the victim saw while the huge bodies were in flight.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ NEW_SESSION_ID = "X-Amzn-SageMaker-New-Session-Id"
 # The front's limit (RESIDENT_FRONT_MAX_REQUEST_BYTES, SageMaker's payload limit); TorchServe's own
 # max_request_size in config.properties is a little larger, so a body under this reaches the handler.
 MAX_REQUEST_BYTES = 6 * 1024 * 1024
+NAN = float("nan")
+MESSAGE_CHARS = 160
 AIM_GAP_S = 0.5  # the longest gap the victim may see under attack (issue #28)
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "watch")
 FOLLOWUPS = ("Tell me a long story.", "Go on.", "And then what happened?", "Describe it in detail.")
@@ -56,6 +61,11 @@ class AttackResult:
     error_type: str
     sent_s: float  # on the phase's clock
     answer_s: float  # from sending to the whole answer read
+    message: str = ""  # the error's message, cut to MESSAGE_CHARS: it should name the limit
+
+    @property
+    def answered_s(self) -> float:
+        return self.sent_s + self.answer_s
 
 
 # ---------------------------------------------------------------- pure parts
@@ -83,23 +93,46 @@ def turn_gaps(turn: VictimTurn) -> list[float]:
     return [later - earlier for earlier, later in zip(times, times[1:])]
 
 
-def victim_summary(turns: Sequence[VictimTurn]) -> dict:
-    """Chunks and gaps over a phase's turns; ``longest_gap_at_s``: when that gap ended (phase clock)."""
+def victim_summary(turns: Sequence[VictimTurn], window: tuple[float, float] | None = None) -> dict:
+    """Chunks and gaps over a phase's turns. ``longest_gap_at_s``: when that gap ended (phase clock);
+    ``longest_first_chunk_s``: the longest wait from a request to its first chunk. With ``window``
+    (start, end), the same for the chunks whose gap overlaps it: what the victim saw while attacked."""
     gaps = [(gap, end) for t in turns for gap, end in zip(turn_gaps(t), t.chunk_s)]
-    longest = max(gaps, default=(float("nan"), float("nan")))
+    summary = {"num_turns": len(turns), "num_failed": sum(bool(t.error) for t in turns),
+               **_gap_numbers(gaps),
+               "longest_first_chunk_s": max((t.chunk_s[0] - t.sent_s for t in turns if t.chunk_s), default=NAN)}
+    if window is not None:
+        inside = [(gap, end) for gap, end in gaps if end - gap < window[1] and end > window[0]]
+        summary["window"] = {"start_s": window[0], "end_s": window[1], **_gap_numbers(inside)}
+    return summary
+
+
+def _gap_numbers(gaps: Sequence[tuple[float, float]]) -> dict:
+    """gaps: (seconds, when it ended) per chunk. ``chunks_per_s``: over the time those gaps cover (the
+    streaming time, pauses between turns left out)."""
+    longest, at = max(gaps, default=(NAN, NAN))
     values = [gap for gap, _ in gaps]
-    return {"num_turns": len(turns), "num_chunks": sum(len(t.chunk_s) for t in turns),
-            "num_failed": sum(bool(t.error) for t in turns), "longest_gap_s": longest[0],
-            "longest_gap_at_s": longest[1], "p99_gap_s": percentile(values, 99), "p50_gap_s": percentile(values, 50)}
+    return {"num_chunks": len(gaps), "chunks_per_s": len(gaps) / sum(values) if values else NAN,
+            "longest_gap_s": longest, "longest_gap_at_s": at,
+            "p99_gap_s": percentile(values, 99), "p50_gap_s": percentile(values, 50)}
+
+
+def attack_window(results: Sequence[AttackResult]) -> tuple[float, float] | None:
+    """From the first attack sent to the last one answered (phase clock); None without attacks."""
+    if not results:
+        return None
+    return min(r.sent_s for r in results), max(r.answered_s for r in results)
 
 
 def attack_summary(results: Sequence[AttackResult]) -> list[dict]:
-    """One row per (status, error type): how many, and their p50 and longest time to answer."""
-    groups: dict[tuple[int, str], list[float]] = {}
+    """One row per (status, error type): how many, their p50 and longest time to answer, the first message."""
+    groups: dict[tuple[int, str], list[AttackResult]] = {}
     for r in results:
-        groups.setdefault((r.status, r.error_type), []).append(r.answer_s)
-    return [{"status": status, "error_type": error, "n": len(times), "p50_answer_s": percentile(times, 50),
-             "max_answer_s": max(times)} for (status, error), times in sorted(groups.items())]
+        groups.setdefault((r.status, r.error_type), []).append(r)
+    return [{"status": status, "error_type": error, "n": len(group),
+             "p50_answer_s": percentile([r.answer_s for r in group], 50),
+             "max_answer_s": max(r.answer_s for r in group), "message": group[0].message}
+            for (status, error), group in sorted(groups.items())]
 
 
 def attack_failed(result: AttackResult) -> bool:
@@ -184,10 +217,16 @@ class Victim:
 
 
 def _error_type(payload: bytes) -> str:
+    return _error(payload)[0]
+
+
+def _error(payload: bytes) -> tuple[str, str]:
+    """An error body's (type, message)."""
     try:
-        return json.loads(payload).get("error", {}).get("type", "?")
+        error = json.loads(payload).get("error", {})
+        return error.get("type", "?"), error.get("message", "")
     except (ValueError, AttributeError):
-        return "not JSON"
+        return "not JSON", payload[:MESSAGE_CHARS].decode(errors="replace")
 
 
 # ---------------------------------------------------------------- the attackers
@@ -202,16 +241,17 @@ async def attack(url: str, body: bytes, num_attacks: int, concurrency: int, time
     async def one() -> AttackResult:
         async with gate:
             sent = time.perf_counter()
-            status, error = 0, "no answer"
+            status, error, message = 0, "no answer", ""
             try:
                 async with asyncio.timeout(timeout_s):
                     async with http.post(url, data=body, headers=headers) as response:
-                        status, error = response.status, _error_type(await response.read())
+                        payload = await response.read()
+                        status, (error, message) = response.status, _error(payload)
             except TimeoutError:
                 error = "timed out"
             except aiohttp.ClientError as exc:
                 error = f"connection: {type(exc).__name__}"
-            return AttackResult(status, error, sent - began, time.perf_counter() - sent)
+            return AttackResult(status, error, sent - began, time.perf_counter() - sent, message[:MESSAGE_CHARS])
 
     async with aiohttp.ClientSession() as http:
         return list(await asyncio.gather(*(one() for _ in range(num_attacks))))
@@ -223,7 +263,7 @@ async def attack(url: str, body: bytes, num_attacks: int, concurrency: int, time
 async def run_phase(http, url: str, *, victim_s: float, lead_s: float, max_tokens: int, with_image: bool,
                     body: bytes | None, num_attacks: int, concurrency: int, timeout_s: float) -> dict:
     """One phase: the victim alone (``body`` None) or under attack."""
-    began = time.perf_counter()
+    began, began_at = time.perf_counter(), time.time()
     victim, stop = Victim(http, url, max_tokens, with_image, began), asyncio.Event()
     streaming = asyncio.create_task(victim.run(stop))
     attacks: list[AttackResult] = []
@@ -234,8 +274,10 @@ async def run_phase(http, url: str, *, victim_s: float, lead_s: float, max_token
     await asyncio.sleep(max(0.0, victim_s - (time.perf_counter() - began)))
     stop.set()
     await streaming
-    return {"victim": victim_summary(victim.turns), "num_sessions": victim.num_sessions,
-            "attacks": attack_summary(attacks), "num_failed_attacks": sum(map(attack_failed, attacks)), "wall_s": time.perf_counter() - began,
+    return {"victim": victim_summary(victim.turns, attack_window(attacks)), "num_sessions": victim.num_sessions,
+            "attacks": attack_summary(attacks), "num_failed_attacks": sum(map(attack_failed, attacks)),
+            "wall_s": time.perf_counter() - began,
+            "began_at": began_at,  # Unix time of the phase clock's 0, to match server logs
             "turns": [asdict(t) for t in victim.turns], "attack_results": [asdict(a) for a in attacks]}
 
 

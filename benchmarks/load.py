@@ -15,9 +15,10 @@ Run: python -m benchmarks.load --start-server --mixed [--clients 64] [--duration
 
 ``--abuse``: the workload of benchmarks/abuse_load.py instead (security issue #28): one victim streams
 answers of its session alone (baseline), then while attackers send 6 requests (3 at a time) of one
-6,000,000-character message each, which the server must refuse with a 4xx. Reports the victim's chunk
-gaps (longest, p99) in both phases and each attacker's status, error type and time to answer; whether
-the longest gap under attack stayed under 0.5 s is printed, not enforced. The started server runs
+6,000,000-character message each, which the server must refuse with a 4xx. Reports the victim's chunks
+per second and gaps between chunks (longest, p99) alone, in the attack phase and while attacks were in
+flight, and each attacker's status, error type and time to answer; whether the longest gap in the
+attack phase stayed under 0.5 s is printed, not enforced. The started server runs
 with the default limits (RESIDENT_MAX_PROMPT_CHARS, the 6 MiB request size): they are what is measured.
 Exits 1 if an attacker got a 5xx or no answer, or the victim's stream failed.
 Run: python -m benchmarks.load --start-server --abuse [--attacks 6] [--attack-concurrency 3]
@@ -130,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--timeout", type=float, default=180.0, help="a request without an answer by then is lost")
-    parser.add_argument("--abuse", action="store_true", help="huge prompts vs a victim stream (benchmarks/abuse_load.py)")
+    parser.add_argument("--abuse", action="store_true", help="huge prompts vs a stream (benchmarks/abuse_load.py)")
     parser.add_argument("--attacks", type=int, default=6, help="abuse: requests with a huge prompt")
     parser.add_argument("--attack-concurrency", type=int, default=3)
     parser.add_argument("--prompt-chars", type=int, default=6_000_000, help="abuse: characters in each huge prompt")
     parser.add_argument("--victim-max-tokens", type=int, default=256, help="abuse: max_tokens of each streamed turn")
     parser.add_argument("--victim-s", type=float, default=5.0, help="abuse: the victim streams at least this long")
-    parser.add_argument("--victim-image", action="store_true", help="abuse: the victim opens its sessions with an image")
+    parser.add_argument("--victim-image", action="store_true", help="abuse: the victim opens with an image")
     args = parser.parse_args(argv)
     # Room for every request in flight (mixed: 6 blocks of 64 tokens each, image and answer included) but
     # not for the idle sessions, which are demoted and restored.
@@ -215,25 +216,36 @@ def report_abuse(args, url: str) -> int:
     result = asyncio.run(run_abuse(url, num_attacks=args.attacks, concurrency=args.attack_concurrency,
                                    prompt_chars=args.prompt_chars, max_tokens=args.victim_max_tokens,
                                    victim_s=args.victim_s, with_image=args.victim_image, timeout_s=args.timeout))
-    rows = []
-    for phase in ("baseline", "attack"):
-        v = result[phase]["victim"]
-        rows.append([phase, v["num_turns"], v["num_chunks"], v["longest_gap_s"], v["longest_gap_at_s"],
-                     v["p99_gap_s"], v["p50_gap_s"], v["num_failed"]])
-    print(format_table(["victim", "turns", "chunks", "longest gap s", "at s", "p99 gap s", "p50 gap s", "failed"],
-                       rows))
+    baseline, attack = result["baseline"]["victim"], result["attack"]["victim"]
+    rows = [_gap_row("baseline", baseline, baseline), _gap_row("attack", attack, attack)]
+    if "window" in attack:
+        window = attack["window"]
+        rows.append(_gap_row(f"  while attacked ({window['start_s']:.2f}-{window['end_s']:.2f} s)", window, {}))
+    print(format_table(["victim", "turns", "chunks", "chunks/s", "longest gap s", "at s", "p99 gap s", "p50 gap s",
+                        "longest first chunk s", "failed"], rows))
+    attacks = result["attack"]["attacks"]
     print()
     print(format_table(["attacker answer", "error type", "n", "p50 answer s", "max answer s"],
-                       [[a["status"], a["error_type"], a["n"], a["p50_answer_s"], a["max_answer_s"]]
-                        for a in result["attack"]["attacks"]]))
-    longest = result["attack"]["victim"]["longest_gap_s"]
-    settings = result["settings"]
+                       [[a["status"], a["error_type"], a["n"], a["p50_answer_s"], a["max_answer_s"]] for a in attacks]))
+    for a in attacks:
+        print(f"  {a['status']} {a['error_type']}: {a['message']}")
+    longest, settings = attack["longest_gap_s"], result["settings"]
     print(f"\n{args.attacks} prompts of {settings['prompt_chars']} characters ({settings['body_bytes']} B bodies), "
-          f"{args.attack_concurrency} at a time; victim max_tokens {args.victim_max_tokens}. Aim (longest gap under "
-          f"attack < {AIM_GAP_S} s): {'met' if longest < AIM_GAP_S else 'NOT met'} ({longest:.3f} s)")
+          f"{args.attack_concurrency} at a time; victim max_tokens {args.victim_max_tokens}. Aim (longest gap in the "
+          f"attack phase < {AIM_GAP_S} s): {'met' if longest < AIM_GAP_S else 'NOT met'} ({longest:.3f} s)")
     write_json(args.out / "load_abuse.json", result)
-    failed_turns = sum(result[phase]["victim"]["num_failed"] for phase in ("baseline", "attack"))
-    return 1 if result["attack"]["num_failed_attacks"] or failed_turns else 0
+    num_failed_turns = baseline["num_failed"] + attack["num_failed"]
+    num_failed_attacks = result["attack"]["num_failed_attacks"]
+    if num_failed_turns or num_failed_attacks:
+        print(f"FAILED: {num_failed_turns} victim turns failed, {num_failed_attacks} attackers got a 5xx or no answer")
+    return 1 if num_failed_turns or num_failed_attacks else 0
+
+
+def _gap_row(label: str, gaps: dict, phase: dict) -> list:
+    """A table row from victim_summary's numbers; ``phase`` adds its per-turn columns (blank without)."""
+    return [label, phase.get("num_turns", ""), gaps["num_chunks"], gaps["chunks_per_s"], gaps["longest_gap_s"],
+            gaps["longest_gap_at_s"], gaps["p99_gap_s"], gaps["p50_gap_s"], phase.get("longest_first_chunk_s", ""),
+            phase.get("num_failed", "")]
 
 
 if __name__ == "__main__":

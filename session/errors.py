@@ -66,14 +66,18 @@ class PayloadTooLarge(ResidentError):
     type = "payload_too_large"
 
 
-class CapacityExceeded(ResidentError):
-    """Overload: the caller should retry later. Carries ``Retry-After``."""
-
-    status = 503
-    type = "capacity_exceeded"
+class RetryLater(ResidentError):
+    """An error the caller should retry after a while: carries ``Retry-After``."""
 
     def __init__(self, message: str, retry_after_s: int = 1):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class CapacityExceeded(RetryLater):
+    """Overload: the caller should retry later."""
+
+    status = 503
+    type = "capacity_exceeded"
 
 
 class RequestCancelled(ResidentError):
@@ -174,11 +178,8 @@ class RequestTimeout(ResidentError):
     type = "request_timeout"
 
 
-class TooManyRequests(ResidentError):
+class TooManyRequests(RetryLater):
     """One client has more requests in flight than the front allows it (RESIDENT_FRONT_MAX_REQUESTS_PER_CLIENT)."""
 
     status = 429
     type = "too_many_requests"
-
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message, headers={"Retry-After": str(retry_after_s)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -36,6 +37,26 @@ def tiny_model_path() -> Path:
 
     ensure_demo_models(only=["tiny"])
     return TINY_MODEL
+
+
+@pytest.fixture(scope="session")
+def adapters_dir(tiny_model_path) -> Path:
+    """The tiny model's four demo LoRA adapters (model_store/build_adapters.py), built once."""
+    from model_store.build_adapters import build_all
+
+    out = REPO / "models" / "adapters-tiny"
+    build_all(tiny_model_path, out, count=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def served_dir(adapters_dir, tmp_path_factory) -> Path:
+    """A RESIDENT_ADAPTERS_DIR: the demo adapters, and ``staged/`` for the ones tests register at run
+    time (only a directory inside it can be; no adapter_config.json there, so not found at start-up)."""
+    out = tmp_path_factory.mktemp("adapters").resolve() / "served"
+    shutil.copytree(adapters_dir, out)
+    (out / "staged").mkdir()
+    return out
 
 
 def make_image(seed: int, size: tuple[int, int] = (64, 48)) -> Image.Image:

@@ -10,7 +10,6 @@ import pytest
 import requests
 
 from session.serving.protocol import ADAPTER_HEADER, ADMIN_TOKEN_HEADER, SESSION_HEADER
-from tests.conftest import REPO
 from tests.e2e.test_front import NEW_ID_RE, chat, running_cluster, sagemaker_client
 
 pytestmark = pytest.mark.e2e
@@ -18,25 +17,6 @@ pytestmark = pytest.mark.e2e
 TOKEN = "test-admin-token"
 ADMIN = {ADMIN_TOKEN_HEADER: TOKEN}
 TIMEOUT = 60
-
-
-@pytest.fixture(scope="module")
-def adapters_dir(tiny_model_path):
-    from model_store.build_adapters import build_all
-
-    out = REPO / "models" / "adapters-tiny"
-    build_all(tiny_model_path, out, count=4)
-    return out
-
-
-@pytest.fixture(scope="module")
-def served_dir(adapters_dir, tmp_path_factory):
-    """The backends' RESIDENT_ADAPTERS_DIR: the demo adapters, and ``staged/`` for those registered at
-    run time (only a directory inside it can be)."""
-    out = tmp_path_factory.mktemp("adapters").resolve() / "served"
-    shutil.copytree(adapters_dir, out)
-    (out / "staged").mkdir()
-    return out
 
 
 @pytest.fixture(scope="module")

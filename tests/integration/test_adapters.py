@@ -14,34 +14,15 @@ from session.engine import AdapterRequest, Engine, GenerationRequest
 from session.engine.events import AdminResult, EventStream, Failed, Finished
 from session.errors import AdapterInUse, AdapterMismatch, AdapterNotFound, BadRequest, Forbidden, InvalidAdapter
 from session.types import SamplingParams
-from tests.conftest import REPO, make_image
+from tests.conftest import make_image
 from tests.integration.test_engine import QUESTIONS, finished, run, turn, user
 
 ADAPTERS = ["tone", "domain", "customer", "terse"]
 
 
-@pytest.fixture(scope="session")
-def adapters_dir(tiny_model_path) -> Path:
-    from model_store.build_adapters import build_all
-
-    out = REPO / "models" / "adapters-tiny"
-    build_all(tiny_model_path, out, count=4)
-    return out
-
-
 def make_engine(tiny_model_path, adapters_dir, **overrides) -> Engine:
     config = EngineConfig(model_path=str(tiny_model_path), adapters_dir=str(adapters_dir), **overrides)
     return Engine(config).start()
-
-
-@pytest.fixture(scope="module")
-def served_dir(adapters_dir, tmp_path_factory) -> Path:
-    """RESIDENT_ADAPTERS_DIR of the module's engine: the demo adapters, and ``staged/`` for the ones
-    tests register at run time (no adapter_config.json there, so not found at start-up)."""
-    out = tmp_path_factory.mktemp("adapters").resolve() / "served"
-    shutil.copytree(adapters_dir, out)
-    (out / "staged").mkdir()
-    return out
 
 
 @pytest.fixture(scope="module")
