@@ -11,17 +11,26 @@ probe conversation with and without the new messages and take the difference:
 The text after the assistant content in P (``end_of_turn``, "</s>" here) is prepended when the
 model did not itself end its answer with EOS (it stopped on max_tokens or a stop string); when it
 did, only what the template puts after that EOS is (ChatML: the newline after <|im_end|>).
+
+Templates differ in the content they take (``detect_content_form``): multimodal ones take a list of
+parts (``[{"type": "text", "text": ...}, {"type": "image"}]``), many text ones only a string (they
+concatenate ``message['content']``). The formatter finds out once, from the probe, and renders
+every message in the form its template takes; what the template renders is never changed. A
+system prompt a template injects when the conversation has none (SmolLM2's) is in P and F alike,
+so an opening carries it and a follow-up's delta does not repeat it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from session.errors import BadRequest
+from session.errors import BadRequest, ConfigError
 from session.types import ImagePart, Message
 
 _USER_PROBE = "\u2063probe-user\u2063"
 _ASSISTANT_PROBE = "\u2063probe-assistant\u2063"
+LIST_CONTENT, STRING_CONTENT = "list", "string"
+TEXT_PART_SEPARATOR = "\n"  # between a message's text parts, for a template that takes a string (as vLLM joins them)
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,8 @@ class ChatFormatter:
         self.image_token = image_token
         self.image_token_id = image_token_id
         self.eos_token_ids = eos_token_ids
-        probe = [_message("user", _USER_PROBE), _message("assistant", _ASSISTANT_PROBE)]
+        self.content_form = detect_content_form(lambda messages: self._render(messages, generation_prompt=False))
+        probe = [self._probe_message("user", _USER_PROBE), self._probe_message("assistant", _ASSISTANT_PROBE)]
         self._probe = probe
         self._probe_text = self._render(probe, generation_prompt=False)
         self.end_of_turn = self._probe_text.split(_ASSISTANT_PROBE, 1)[1]
@@ -66,13 +76,13 @@ class ChatFormatter:
     def opening(self, messages: tuple[Message, ...], image_tokens: tuple[int, ...] = ()) -> PromptPiece:
         """The whole prompt of a first turn (or a stateless request), with BOS. ``image_tokens``: the
         placeholder count of each image of ``messages``, in order (``session.families.vision.Images.num_tokens``)."""
-        text = self._render([_template_message(m) for m in messages], generation_prompt=True)
+        text = self._render([self._template_message(m) for m in messages], generation_prompt=True)
         return self._tokenize(text, messages, image_tokens, add_special_tokens=True)
 
     def followup(self, messages: tuple[Message, ...], ended_with_eos: bool,
                  image_tokens: tuple[int, ...] = ()) -> PromptPiece:
         """Only the tokens a follow-up adds after the transcript so far."""
-        full = self._render(self._probe + [_template_message(m) for m in messages], generation_prompt=True)
+        full = self._render(self._probe + [self._template_message(m) for m in messages], generation_prompt=True)
         if not full.startswith(self._probe_text):
             raise BadRequest("this model's chat template cannot continue a conversation incrementally")
         return self._tokenize(self._closing(ended_with_eos) + full[len(self._probe_text):], messages,
@@ -100,6 +110,17 @@ class ChatFormatter:
                     return stripped[len(eos_text):]
         return end_of_turn
 
+    def _probe_message(self, role: str, text: str) -> dict:
+        return _list_message(role, text) if self.content_form == LIST_CONTENT else {"role": role, "content": text}
+
+    def _template_message(self, message: Message) -> dict:
+        """A message in the form the template takes: its parts, or its text parts joined."""
+        if self.content_form == LIST_CONTENT:
+            return {"role": message.role, "content": message.template_content()}
+        if any(isinstance(p, ImagePart) for p in message.parts):
+            raise BadRequest("this model's chat template takes text content only; remove the image_url parts")
+        return {"role": message.role, "content": TEXT_PART_SEPARATOR.join(p.text for p in message.parts)}
+
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
 
@@ -123,9 +144,27 @@ class ChatFormatter:
         return PromptPiece(token_ids=ids, num_images=num_images)
 
 
-def _message(role: str, text: str) -> dict:
+def detect_content_form(render) -> str:
+    """Which content the chat template takes, from a probe conversation ``render(messages) -> text``:
+    LIST_CONTENT when it renders a list of parts as their text, else STRING_CONTENT when it renders a
+    string. A string-only template either raises on a list (``'...' + message['content']``: TypeError)
+    or prints the list's Python repr into the prompt; both mean strings. Lists win where both work
+    (multimodal templates take both, and only lists carry images). Raises ConfigError when neither
+    renders the probe's text. Who calls this: ``ChatFormatter``, once at start-up."""
+    failures = []
+    for form, make in ((LIST_CONTENT, _list_message), (STRING_CONTENT, lambda role, text: {"role": role,
+                                                                                            "content": text})):
+        try:
+            text = render([make("user", _USER_PROBE), make("assistant", _ASSISTANT_PROBE)])
+        except Exception as exc:  # jinja2's errors, or the TypeError of str + list inside the template
+            failures.append(f"{form} content: {type(exc).__name__}: {exc}")
+            continue
+        if _USER_PROBE in text and _ASSISTANT_PROBE in text and "'type': 'text'" not in text:
+            return form
+        failures.append(f"{form} content: the probe's text is not rendered as text")
+    raise ConfigError("the model's chat template renders neither list nor string message content ("
+                      + "; ".join(failures) + ")")
+
+
+def _list_message(role: str, text: str) -> dict:
     return {"role": role, "content": [{"type": "text", "text": text}]}
-
-
-def _template_message(message: Message) -> dict:
-    return {"role": message.role, "content": message.template_content()}

@@ -28,6 +28,7 @@ from session.model.cpu import attention as cpu_attention, fused_layer, linear as
 from session.model.cpu.kernels import cpu_flags
 from session.model.cpu.packed_linear import can_pack, pack_linears
 from session.model.decode_paths import BatchedPath, CpuKernelPath, PerRowPath
+from session.model.generation_defaults import describe as describe_unapplied, unapplied_generation_defaults
 from session.model.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ class ModelRunner:
         self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
+        unapplied = unapplied_generation_defaults(self.model.generation_config)
+        if unapplied:
+            logger.warning(describe_unapplied(unapplied))
         # decode attention on CPU: our kernel, one call per layer (session/model/cpu/attention.py)
         self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.info.head_dim % 16 == 0
                               and cpu_attention.supports(self.kv_dtype))

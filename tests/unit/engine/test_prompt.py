@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
 import transformers
 
 from session.engine.prompt import ChatFormatter
-from session.errors import BadRequest
+from session.errors import BadRequest, ConfigError
 from session.types import ImagePart, Message, TextPart
 
 REPO = Path(__file__).resolve().parents[3]
@@ -200,3 +201,77 @@ def test_text_only_model_refuses_images(tokenizer):
     with pytest.raises(BadRequest) as info:
         formatter.opening((user(IMAGE, "hi"),))
     assert info.value.message == "this model is text-only; remove the image_url parts"
+
+
+# ------------------------------------------------------------ templates that take strings, lists, or neither
+
+# SmolLM2-135M-Instruct's template (ChatML): it concatenates message['content'] as a string, and injects
+# a system prompt when the conversation has none.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Prints content as it is: a list would become its Python repr in the prompt.
+PRINTS_CONTENT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+# Iterates the parts: a string has none.
+ITERATES_PARTS = ("{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"
+                  "</s>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def with_template(tokenizer, template: str):
+    copy = deepcopy(tokenizer)
+    copy.chat_template = template
+    return copy
+
+
+def text_formatter(tokenizer) -> ChatFormatter:
+    return ChatFormatter(tokenizer, image_token=None, image_token_id=None, eos_token_ids=(tokenizer.eos_token_id,))
+
+
+@pytest.mark.parametrize("template, form", [(SMOLLM2_TEMPLATE, "string"), (PRINTS_CONTENT, "string"),
+                                            (ITERATES_PARTS, "list")])
+def test_the_content_form_the_template_takes_is_detected(tokenizer, formatter, template, form):
+    assert text_formatter(with_template(tokenizer, template)).content_form == form
+    assert formatter.content_form == "list"  # the demo LLaVA's template takes both: lists, which carry images
+
+
+def test_a_string_template_renders_what_the_model_would_be_given(tokenizer):
+    smol = with_template(tokenizer, SMOLLM2_TEMPLATE)
+    formatter = text_formatter(smol)
+    piece = formatter.opening((user("Hi there", "and hello"),))
+    expected = smol.apply_chat_template([{"role": "user", "content": "Hi there\nand hello"}],
+                                        add_generation_prompt=True, tokenize=False)
+    assert expected.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # injected
+    assert piece.token_ids == smol(expected)["input_ids"]
+
+
+def test_a_string_template_continues_a_session_as_the_stateless_prompt(tokenizer):
+    """The injected system prompt is in the opening once, and the follow-up's delta does not repeat it."""
+    smol = with_template(tokenizer, SMOLLM2_TEMPLATE)
+    formatter = text_formatter(smol)
+    first, second = user("What is this?"), user("And that?")
+    followup = formatter.followup((second,), ended_with_eos=False)
+    assert "system" not in smol.decode(followup.token_ids)
+    stateful = (formatter.opening((first,)).token_ids + encode(smol, " It is a cat.") + followup.token_ids)
+    stateless = formatter.opening((first, assistant(" It is a cat."), second)).token_ids
+    assert smol.decode(stateful) == smol.decode(stateless)
+    assert formatter.end_of_turn == "<|im_end|>\n"
+
+
+def test_a_string_template_refuses_images_with_a_clear_400(tokenizer, image_id):
+    smol = with_template(tokenizer, SMOLLM2_TEMPLATE)
+    formatter = ChatFormatter(smol, image_token="<image>", image_token_id=image_id,
+                              eos_token_ids=(smol.eos_token_id,))
+    with pytest.raises(BadRequest) as info:
+        formatter.opening((user(IMAGE, "hi"),), (16,))
+    assert info.value.message == "this model's chat template takes text content only; remove the image_url parts"
+
+
+def test_a_template_that_renders_neither_form_stops_start_up_with_both_reasons(tokenizer):
+    broken = with_template(tokenizer, "{{ raise_exception('broken on purpose') }}")
+    with pytest.raises(ConfigError) as info:
+        text_formatter(broken)
+    assert "renders neither list nor string message content" in info.value.args[0]
+    assert info.value.args[0].count("broken on purpose") == 2
