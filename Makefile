@@ -24,6 +24,7 @@ install: $(VENV)/.installed
 
 models: install
 	$(PY) -m model_store.build_models --only tiny
+	$(PY) -m model_store.build_smollm2
 
 serve: install
 	$(PY) -m launch serve
