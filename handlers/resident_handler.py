@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.metrics.metric_type_enum import MetricTypes
@@ -35,11 +36,18 @@ class ResidentHandler:
         self._emitted = {}  # counter key -> value last emitted (TorchServe counters take increments)
 
     def initialize(self, context):
-        props = context.system_properties
-        section = (context.model_yaml_config or {}).get("handler", {})
-        config = EngineConfig.from_sources(section, os.environ, base_dir=props.get("model_dir"))
-        engine = Engine(config).start()
-        engine.warmup()
+        """Called by TorchServe once per worker process. Whatever raises here is also written to
+        RESIDENT_INIT_ERROR_FILE: TorchServe only logs it and starts the worker again, forever, so the
+        launcher (launch/torchserve.py ``wait_ready``) stops at that file instead."""
+        try:
+            props = context.system_properties
+            section = (context.model_yaml_config or {}).get("handler", {})
+            config = EngineConfig.from_sources(section, os.environ, base_dir=props.get("model_dir"))
+            engine = Engine(config).start()
+            engine.warmup()
+        except Exception as exc:
+            _record_init_failure(exc, os.environ.get("RESIDENT_INIT_ERROR_FILE"))
+            raise
         self.service = ChatService(engine, model_name=context.model_name)
         self.metrics = context.metrics
         logger.info("resident engine ready: model %s on %s", config.model_path, engine.parts.runner.device)
@@ -122,6 +130,21 @@ class ResidentHandler:
     def _chunk(text: str, context):
         send_intermediate_predict_response([text], context.request_ids, "Intermediate Prediction success", 200,
                                            context)
+
+
+def _record_init_failure(exc: Exception, path: str | None) -> None:
+    """Write ``exc`` where the launcher looks: its one-line summary, then the traceback. Written whole
+    (a temp file renamed into place), because the launcher polls the file while it is written."""
+    if not path:  # not started by our launcher
+        return
+    summary = " ".join(f"{type(exc).__name__}: {exc}".split())
+    temp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temp, "w") as out:
+            out.write(summary + "\n\n" + "".join(traceback.format_exception(exc)))
+        os.replace(temp, path)
+    except OSError:  # the worker's own exception is the one to raise; the launcher then times out
+        logger.exception("cannot write %s", path)
 
 
 def _serialise_socket_writes():

@@ -4,7 +4,9 @@
 
 PORT (default 8080) sets the inference port, SAGEMAKER_BIND_TO_PORT wins when set; MODEL names a
 Hugging Face checkpoint directory (default: the demo LLaVA, built on first use); HOST the bind
-address (default 127.0.0.1). Ctrl-C or SIGTERM stops everything it started.
+address (default 127.0.0.1). Ctrl-C or SIGTERM stops everything it started; so does a model worker
+that fails to start (status 1, its exception on stderr), at once rather than after
+RESIDENT_STARTUP_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -12,11 +14,20 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 from launch.cluster import run_cluster, run_front
-from launch.torchserve import DEFAULT_MODEL, REPO, PortInUse, ensure_demo_models, start_torchserve
+from launch.torchserve import (
+    DEFAULT_MODEL,
+    REPO,
+    PortInUse,
+    TorchServe,
+    WorkerInitError,
+    ensure_demo_models,
+    start_torchserve,
+)
 from launch.watchdog import watch
 from session.errors import ConfigError
 from session.families.support import check_checkpoint
@@ -62,17 +73,31 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_ready(timeout_s=float(os.environ.get("RESIDENT_STARTUP_TIMEOUT_S", "900")))
         watchdog = watch(server, os.environ)
         print(f"serving {model} on {server.url} (logs: {server.run_dir}/logs); Ctrl-C stops", flush=True)
-        while True:  # the watchdog may replace the process: wait for whichever is current
-            process = server.process
-            process.wait()
-            if process is server.process:
-                return process.returncode or 0
+        return wait_for_exit(server)
+    except WorkerInitError as exc:  # TorchServe would start the worker again and again: stop instead
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the clean-up short
             signal.signal(signum, signal.SIG_IGN)
         if watchdog is not None:
             watchdog.stop()
         server.stop()
+
+
+def wait_for_exit(server: TorchServe) -> int:
+    """Until TorchServe exits (its status) or a watchdog restart's worker fails to start (raises
+    WorkerInitError). The watchdog may replace the process: wait for whichever is current."""
+    while True:
+        process = server.process
+        try:
+            process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            if (failure := server.init_failure()) is not None:
+                raise failure from None
+            continue
+        if process is server.process:
+            return process.returncode or 0
 
 
 if __name__ == "__main__":

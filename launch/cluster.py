@@ -27,6 +27,9 @@ Ctrl-C or SIGTERM: the front stops listening and lets requests in flight finish
 (RESIDENT_FRONT_DRAIN_S, 10 s), then every backend's process group is stopped by PID, in parallel,
 within SageMaker's 30 s grace. Should every backend process exit, the front stops too (status 1), so
 that a supervisor (SageMaker, compose) sees the failure rather than a front answering 503 forever.
+Should a backend's model worker fail to start (it raised in ``initialize``) before it ever served,
+everything stops at once (status 1, the worker's exception on stderr): the other backends load the
+same checkpoint. One that served and fails only after a restart is left down alone.
 """
 
 from __future__ import annotations
@@ -48,7 +51,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.torchserve import DEFAULT_MODEL, MODEL_NAME, REPO, TorchServe, ensure_demo_models, start_torchserve
+from launch.torchserve import (
+    DEFAULT_MODEL,
+    MODEL_NAME,
+    REPO,
+    TorchServe,
+    WorkerInitError,
+    ensure_demo_models,
+    start_torchserve,
+)
 from launch.watchdog import watch
 from session.errors import ConfigError
 from session.families.support import check_checkpoint
@@ -164,6 +175,17 @@ def start_backends(num: int, devices: Devices, *, front_port: int, model: Path,
     return backends
 
 
+def raise_init_failure(backends: list[TorchServe]) -> None:
+    """Raise the first WorkerInitError of a backend that never started, if any: called every second
+    while the front runs (through its ``backends_alive``), so that a checkpoint no worker can load
+    stops the whole cluster within seconds of the first failure. A backend that served and then fails
+    to come back from a restart (a one-off: out of memory, say) stops alone: its watchdog gives up on
+    it, the front takes it out of rotation, and the others keep serving."""
+    for backend in backends:
+        if not backend.ever_ready and (failure := backend.init_failure()) is not None:
+            raise failure
+
+
 def stop_backends(backends: list[TorchServe]) -> None:
     """Stop every backend's process group (by PID), all at once."""
     if backends:
@@ -221,7 +243,8 @@ def write_admin_token(run_root: Path, token: str) -> Path:
 async def serve_front(config: FrontConfig, host: str, port: int,
                       backends_alive: Callable[[], bool] = lambda: True,
                       restart_backend: Callable[[int], None] | None = None) -> bool:
-    """Run the front until SIGTERM or SIGINT (True), or until no backend process is left (False)."""
+    """Run the front until SIGTERM or SIGINT (True), or until no backend process is left (False). What
+    ``backends_alive`` raises (a backend's WorkerInitError) stops the front and is raised here."""
     front = Front(config, restart_backend=restart_backend)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -280,6 +303,7 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
               f"{token_file}); Ctrl-C stops", flush=True)
 
         def alive() -> bool:  # a backend being restarted counts as alive
+            raise_init_failure(backends)
             return restarter.restarting or any(b.process.poll() is None for b in backends)
 
         return _serve(config, host, port, alive, restarter.restart)
@@ -288,6 +312,9 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except WorkerInitError as exc:  # TorchServe would start the worker again and again: stop instead
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):  # a second Ctrl-C must not cut the clean-up short
             signal.signal(signum, signal.SIG_IGN)

@@ -9,7 +9,10 @@ can outlive ``torchserve --stop``.
 No instance outlives its launcher: a guard process (launch/guard.py) stops the group as soon as the
 launcher is gone, even after SIGKILL. A clean stop removes the instance's journal (the default one
 under /dev/shm); a watchdog restart keeps it, so the sessions come back. A port already in use
-fails the start at once, naming the port and, where it can be seen, the process holding it.
+fails the start at once, naming the port and, where it can be seen, the process holding it. A
+worker whose ``initialize`` raises writes the exception to RESIDENT_INIT_ERROR_FILE (see
+handlers/resident_handler.py); ``wait_ready`` raises it as WorkerInitError at once rather than
+wait out its timeout while TorchServe starts the worker again and again.
 """
 
 from __future__ import annotations
@@ -58,10 +61,29 @@ def build_archive(store: Path, config_file: Path = REPO / "model_store" / "model
 
 
 STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
+INIT_ERROR_FILE = "init-error.txt"  # in the run dir: the worker's exception line, then its traceback
 
 
 class PortInUse(RuntimeError):
     pass
+
+
+class WorkerInitError(RuntimeError):
+    """The model's worker raised in ``initialize``: ``summary`` is its exception line, ``log`` the log
+    with the whole traceback. TorchServe would retry it forever; the launchers stop instead."""
+
+    def __init__(self, summary: str, log: Path):
+        super().__init__(f"the model worker failed to start: {summary} (see {_shown(log)})")
+        self.summary = summary
+        self.log = log
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working directory when under it (build/serve-8080/...), else whole."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 def check_ports_free(host: str, port: int, count: int = 5) -> None:
@@ -106,6 +128,7 @@ class TorchServe:
     num_restarts: int = 0
     guard: subprocess.Popen | None = None  # launch/guard.py: stops this instance if the launcher dies
     journal_dir: str = ""  # removed on a clean stop (the launcher chose it)
+    ever_ready: bool = False  # its worker was READY once (set by wait_ready): it started, whatever comes later
 
     @property
     def url(self) -> str:
@@ -120,12 +143,16 @@ class TorchServe:
         return f"http://{self.host}:{self.port + 2}"
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
-        """Block until the model's worker is READY (TorchServe's /ping says Healthy before that)."""
+        """Block until the model's worker is READY (TorchServe's /ping says Healthy before that).
+        Raises WorkerInitError as soon as the worker reports that ``initialize`` raised."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if (failure := self.init_failure()) is not None:
+                raise failure
             if self.process.poll() is not None:
                 raise RuntimeError(f"TorchServe exited with {self.process.returncode}; see {self.run_dir}/logs")
             if self.worker_statuses() == ["READY"]:
+                self.ever_ready = True
                 return
             time.sleep(0.5)
         raise TimeoutError(f"TorchServe on port {self.port} not ready after {timeout_s}s; see {self.run_dir}/logs")
@@ -160,6 +187,19 @@ class TorchServe:
         except FileNotFoundError:
             return None
 
+    @property
+    def init_error_file(self) -> Path:
+        return self.run_dir / INIT_ERROR_FILE
+
+    def init_failure(self) -> WorkerInitError | None:
+        """The worker's start-up failure since this instance (re)started, else None. Polled by
+        ``wait_ready`` and, for failures after a watchdog restart, by the launchers' wait loops."""
+        try:
+            summary = self.init_error_file.read_text().split("\n", 1)[0]
+        except FileNotFoundError:
+            return None
+        return WorkerInitError(summary, self.run_dir / "logs" / "model_log.log")
+
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM the instance's process group, then SIGKILL what is left; remove its journal. Idempotent."""
         _stop_group(self.process, timeout_s)
@@ -170,6 +210,7 @@ class TorchServe:
         _stop_group(self.process, STOP_TIMEOUT_S)
         self._release_guard(keep_journal=True)
         self.heartbeat_file.unlink(missing_ok=True)
+        self.init_error_file.unlink(missing_ok=True)
         self.process = _launch(self.cmd, self.run_dir, self.env, self.stdout)
         self.guard = _guard(self.process, self.journal_dir)
         self.num_restarts += 1
@@ -206,6 +247,7 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
     env.setdefault("RESIDENT_JOURNAL_DIR", str(shm / f"resident-journal-{port}"))
     env.update({
         "RESIDENT_HEARTBEAT_FILE": str(run_dir / "heartbeat"),  # the watchdog's liveness signal
+        "RESIDENT_INIT_ERROR_FILE": str(run_dir / INIT_ERROR_FILE),  # wait_ready's start-up failure signal
         "TMPDIR": str(run_dir / "tmp"),  # TorchServe's pid file lives here: one per instance
         "LOG_LOCATION": str(run_dir / "logs"), "METRICS_LOCATION": str(run_dir / "logs"),
         "RESIDENT_MODEL_PATH": str(Path(model_path).resolve()),
@@ -214,7 +256,8 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
     })
     cmd = [bin_path("torchserve"), "--start", "--foreground", "--ncs", "--disable-token-auth",
            "--ts-config", str(props), "--model-store", str(store), "--models", f"{MODEL_NAME}={MODEL_NAME}"]
-    (run_dir / "heartbeat").unlink(missing_ok=True)
+    for stale in ("heartbeat", INIT_ERROR_FILE):  # a previous run's, in the same run dir
+        (run_dir / stale).unlink(missing_ok=True)
     process = _launch(cmd, run_dir, env, stdout)
     journal_dir = env["RESIDENT_JOURNAL_DIR"] if own_journal else ""
     return TorchServe(process=process, port=port, run_dir=run_dir, host=host, env=env, cmd=cmd, stdout=stdout,

@@ -10,7 +10,9 @@ Liveness is read out of band, never by queueing behind requests: the worker must
 management API and the engine loop's heartbeat file (touched every iteration, at least once a
 second, see session/engine/loop.py) must be fresher than ``stall_s``. A saturated engine still turns its
 loop every step, so load never looks like a failure; a dead worker (no READY) or a loop stuck in
-one step for longer than ``stall_s`` does.
+one step for longer than ``stall_s`` does. A worker that raises in ``initialize`` (WorkerInitError,
+at start or after a restart) is never restarted: the same checkpoint and settings would fail the
+same way, so the watchdog stops watching and the launcher, which polls the same file, stops the launch.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from launch.torchserve import TorchServe
+from launch.torchserve import TorchServe, WorkerInitError
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,9 @@ class Watchdog:
     def _run(self) -> None:
         try:  # a model still loading is not a failure
             self.server.wait_ready(self.ready_timeout_s)
+        except WorkerInitError as exc:  # a restart would fail the same way: the launcher stops instead
+            logger.error("TorchServe on port %d: %s; not watching it", self.server.port, exc)
+            return
         except Exception:
             logger.warning("TorchServe on port %d not ready at start; probing anyway", self.server.port)
         while not self._stop.wait(self.interval_s):
@@ -74,6 +79,10 @@ class Watchdog:
                         return
                     self.server.restart()
                 self.server.wait_ready(self.ready_timeout_s)
+            except WorkerInitError as exc:
+                logger.error("restarting TorchServe on port %d failed: %s; not restarting it again",
+                             self.server.port, exc)
+                return
             except Exception:
                 logger.exception("restarting TorchServe on port %d failed; will retry", self.server.port)
             self.num_failures = 0

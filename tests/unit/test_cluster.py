@@ -1,13 +1,19 @@
-"""launch/cluster.py: how many backends, their ports and per-backend settings."""
+"""launch/cluster.py: how many backends, their ports and per-backend settings; launch/torchserve.py and
+launch/watchdog.py: a worker that fails to start stops the launch at once, never restarted."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from launch import cluster
+from launch import cluster, torchserve
 from launch.cluster import Devices, backend_base_port, backend_env, num_backends, session_id_tag, write_admin_token
+from launch.torchserve import TorchServe, WorkerInitError
+from launch.watchdog import Watchdog
 from session.errors import ConfigError
 
 CUDA, NEURON, CPU = Devices("cuda", 2), Devices("neuron", 4), Devices("cpu", 1)
@@ -74,3 +80,104 @@ def test_a_front_alone_shares_the_backends_admin_token(monkeypatch):
     assert cluster.run_front(8080, {**env, "RESIDENT_ADMIN_TOKEN": "shared", "RESIDENT_FRONT_ADMIN_TOKEN": "own"}) == 0
     assert cluster.run_front(8080, env) == 0
     assert seen == ["shared", "own", ""]
+
+
+class FakeProcess:
+    """A TorchServe frontend that keeps running (as it does while it retries a failing worker)."""
+
+    pid = -1  # never signalled: the tests that stop one replace _stop_group
+    returncode = None
+
+    def poll(self):
+        return None
+
+
+class LoadingServer(TorchServe):
+    """Its worker never becomes READY; the management API is not asked."""
+
+    def worker_statuses(self) -> list[str]:
+        return ["UNLOADING"]
+
+
+def test_wait_ready_raises_the_workers_init_error_as_soon_as_it_is_written(tmp_path):
+    server = LoadingServer(process=FakeProcess(), port=1, run_dir=tmp_path)
+    summary = "ConfigError: the model's chat template renders neither (list content: TemplateError: broken)"
+    writer = threading.Timer(0.3, lambda: server.init_error_file.write_text(summary + "\n\nTraceback ...\n"))
+    writer.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerInitError) as raised:
+        server.wait_ready(timeout_s=60)
+    assert time.monotonic() - started < 5  # half a second's poll after the file, not the timeout
+    assert raised.value.summary == summary
+    assert raised.value.log == tmp_path / "logs" / "model_log.log"
+    assert str(raised.value) == f"the model worker failed to start: {summary} (see {tmp_path}/logs/model_log.log)"
+    writer.join()
+
+
+def test_without_the_file_wait_ready_still_times_out(tmp_path):
+    server = LoadingServer(process=FakeProcess(), port=1, run_dir=tmp_path)
+    assert server.init_failure() is None
+    with pytest.raises(TimeoutError):
+        server.wait_ready(timeout_s=0.2)
+
+
+def test_a_start_removes_a_previous_runs_init_error_and_tells_the_worker_where_to_write(tmp_path, monkeypatch):
+    launched = []
+    monkeypatch.setattr(torchserve, "check_ports_free", lambda host, port: None)
+    monkeypatch.setattr(torchserve, "build_archive", lambda store, **kwargs: store / "llava")
+    monkeypatch.setattr(torchserve, "_launch", lambda cmd, run_dir, env, stdout: launched.append(env) or FakeProcess())
+    monkeypatch.setattr(torchserve, "_guard", lambda process, journal_dir: None)
+    monkeypatch.setattr(torchserve, "_stop_group", lambda process, timeout_s: None)  # no group to signal
+    (tmp_path / "init-error.txt").write_text("TypeError: from the run before\n")
+    server = torchserve.start_torchserve(8080, run_dir=tmp_path)
+    assert not server.init_error_file.exists() and server.init_failure() is None
+    assert launched[0]["RESIDENT_INIT_ERROR_FILE"] == str(tmp_path.resolve() / "init-error.txt")
+    server.init_error_file.write_text("TypeError: this run\n")
+    server.restart()  # a watchdog restart starts afresh too
+    assert not server.init_error_file.exists() and len(launched) == 2
+
+
+class FailingServer:
+    """wait_ready raises WorkerInitError; counts restarts."""
+
+    port = 1
+    num_restarts = 0
+
+    def wait_ready(self, timeout_s):
+        raise WorkerInitError("TypeError: broken", Path("logs/model_log.log"))
+
+    def worker_statuses(self):
+        return []
+
+    def restart(self):
+        self.num_restarts += 1
+
+
+def test_the_watchdog_never_restarts_a_worker_that_failed_to_start():
+    server = FailingServer()
+    watchdog = Watchdog(server, interval_s=0.01, failures_to_restart=1).start()
+    watchdog._thread.join(5)
+    assert not watchdog._thread.is_alive()  # it stopped watching: the launcher stops the launch
+    assert server.num_restarts == 0
+
+
+def test_a_backends_init_error_stops_the_cluster(tmp_path):
+    backends = [LoadingServer(process=FakeProcess(), port=p, run_dir=tmp_path / str(p)) for p in (1, 2)]
+    for backend in backends:
+        backend.run_dir.mkdir()
+    cluster.raise_init_failure(backends)  # none yet
+    backends[1].init_error_file.write_text("TypeError: broken\n")
+    with pytest.raises(WorkerInitError, match="TypeError: broken"):
+        cluster.raise_init_failure(backends)
+
+
+def test_a_backend_that_served_and_fails_after_a_restart_stops_alone(tmp_path):
+    backends = [LoadingServer(process=FakeProcess(), port=p, run_dir=tmp_path / str(p)) for p in (1, 2)]
+    for backend in backends:
+        backend.run_dir.mkdir()
+    backends[1].ever_ready = True  # it served before its restart failed
+    backends[1].init_error_file.write_text("OutOfMemoryError: CUDA out of memory\n")
+    cluster.raise_init_failure(backends)  # the cluster goes on with backend 0
+    backends[0].init_error_file.write_text("TypeError: broken\n")  # one that never started: fatal
+    with pytest.raises(WorkerInitError, match="TypeError: broken"):
+        cluster.raise_init_failure(backends)
