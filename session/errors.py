@@ -80,6 +80,18 @@ class CapacityExceeded(RetryLater):
     type = "capacity_exceeded"
 
 
+class DeviceOutOfMemory(CapacityExceeded):
+    """The accelerator ran out of memory for this request alone (its batch was retried smaller first);
+    the device is fine and the worker serves on."""
+
+
+class DeviceFailed(ResidentError):
+    """The accelerator failed with a sticky CUDA error (its context is unusable): every request in flight
+    fails with this and the worker exits to be restarted. ``__cause__`` is the CUDA error."""
+
+    type = "device_error"
+
+
 class RequestCancelled(ResidentError):
     """The request was cancelled before it finished (its session was closed, or a cancel named it)."""
 

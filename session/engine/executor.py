@@ -115,7 +115,20 @@ class Executor:
 
     def decode(self, rows: list[Sequence]) -> list[int | ResidentError]:
         """One batched decode step: feeds each row's last token, returns each row's next token (or the
-        error of a row that could not be sampled: it fails alone, ``sample_rows``)."""
+        error of a row that could not be sampled: it fails alone, ``sample_rows``). When it raises,
+        every row is as before the step (cache length, sampling generator), so the engine may run the
+        same rows again and each gets the token it would have got (its retry after an OOM)."""
+        lengths = [s.session.kv.length for s in rows]
+        states = generator_states(rows)
+        try:
+            return self._decode(rows)
+        except BaseException:
+            for seq, length in zip(rows, lengths):
+                seq.session.kv.crop(length)  # the stepper advances lengths after its pass, sampling comes later
+            restore_generators(rows, states)
+            raise
+
+    def _decode(self, rows: list[Sequence]) -> list[int | ResidentError]:
         if self.thread_tuner is not None:
             self.thread_tuner.choose(len(rows))
         began = time.perf_counter()
@@ -145,9 +158,11 @@ class Executor:
         """One speculative step for every row of the step, in one target pass: the rows in ``speculating``
         draft (or look up) up to their k tokens, the others (requests that turned speculation off) ride
         along as plain rows. Returns each row's accepted tokens; both caches of each row then hold its
-        transcript extended by them, but its last token. On failure every row's caches are rewound (the
-        error propagates: the rows fail)."""
+        transcript extended by them, but its last token. On failure every row's caches are rewound and
+        its generator is as before the step (the error propagates: the rows fail, or after an OOM the
+        engine decodes them again without speculation)."""
         chosen = {id(s) for s in speculating}
+        states = generator_states(rows)
         spec_rows = [SpecRow(s.session.token_ids, s.session.kv, s.session.draft_kv,
                              s.controller.k if id(s) in chosen else 0,
                              max_new=s.request.sampling.max_tokens - len(s.generated), sampling=s.request.sampling,
@@ -157,6 +172,7 @@ class Executor:
         except BaseException:
             for seq in rows:
                 self.rewind(seq)
+            restore_generators(rows, states)
             raise
         for seq, result in zip(rows, results):
             if id(seq) in chosen:
@@ -166,3 +182,15 @@ class Executor:
     def rewind(self, seq: Sequence) -> None:
         """Tokens of a speculative run after the one that ended the request were dropped: crop the caches."""
         self.speculator.rewind(seq.session.token_ids, seq.session.kv, seq.session.draft_kv)
+
+
+def generator_states(rows: list[Sequence]) -> list:
+    """Each row's sampling generator state (None: a greedy row has no generator), taken before a step."""
+    return [None if s.generator is None else s.generator.get_state() for s in rows]
+
+
+def restore_generators(rows: list[Sequence], states: list) -> None:
+    """Undo what a failed step drew: each sampled row draws the same numbers when it runs again."""
+    for seq, state in zip(rows, states):
+        if state is not None:
+            seq.generator.set_state(state)

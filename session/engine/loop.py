@@ -12,6 +12,11 @@ gets exactly one final event (Finished, Failed or Cancelled) whatever fails; on 
 session's KV holds its transcript but at most the last sampled token; a session is busy exactly
 while a request on it is in flight. A failed or cancelled turn is rolled back, so the session is as
 it was before it and a retry answers the same.
+
+Device faults (session/engine/faults.py): a decode step that runs out of device memory is run again
+in smaller batches within the same step, and a request that does not fit alone fails with a 503; a
+fatal CUDA error fails every request, stops the heartbeat and hands the error to ``on_fatal``, which
+by default ends the worker process so that it is restarted.
 """
 
 from __future__ import annotations
@@ -28,11 +33,19 @@ from session.engine.admin import registry_or_404
 from session.engine.admission import Admission
 from session.engine.assembly import assemble, preprocess_images
 from session.engine.events import Cancelled, EventStream, Failed, Finished, Started
+from session.engine.faults import Fault, classify, device_failed, exit_worker, free_cached_memory, out_of_memory
 from session.engine.prompt import RenderedTurn
 from session.engine.requests import CancelRequest, GenerationRequest, Sequence
 from session.engine.scheduler import StepPlan
 from session.engine.stats import EngineStats, snapshot
-from session.errors import CapacityExceeded, ResidentError, ServiceStopping, SessionNotFound
+from session.errors import (
+    CapacityExceeded,
+    DeviceFailed,
+    DeviceOutOfMemory,
+    ResidentError,
+    ServiceStopping,
+    SessionNotFound,
+)
 from session.families.vision import NO_IMAGES, Images
 from session.model.runner import ModelRunner
 from session.model.threads import ComputeThread, one_thread_here
@@ -43,9 +56,14 @@ logger = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 on_fatal: Callable[[BaseException], None] = exit_worker):
+        """``on_fatal(error)`` is called once, on the loop thread, after a fatal device error (the CUDA
+        error) has failed every request; the default ends the process (tests pass a recorder)."""
         self.config = config
         self.clock = clock
+        self.on_fatal = on_fatal
+        self.fatal_error: DeviceFailed | None = None  # set once the device is lost: the engine runs nothing more
         self._compute = ComputeThread("resident-engine")  # loads the model here, runs the loop later
         try:
             parts = self._compute.call(lambda: assemble(config, runner, clock))
@@ -62,6 +80,8 @@ class Engine:
         self.heartbeat = time.monotonic()  # the loop's last iteration
         self._heartbeat_written = 0.0
         self.num_overloaded = 0  # requests failed 503 in the loop (no memory to free); loop thread only
+        self.num_oom_retries = 0  # decode batches run again in smaller ones after an OOM; loop thread only
+        self.num_oom_failures = 0  # requests failed 503 because they ran out of device memory alone
         self.num_queue_full = 0  # submissions refused 503 (queue full); under _submit_lock
         self.num_cancelled = 0
         self.num_failed = 0
@@ -182,12 +202,18 @@ class Engine:
         while not self._stop.is_set():
             try:
                 self.step()
-            except Exception:  # never let the loop die; step() already ended the requests it touched
-                logger.exception("engine loop iteration failed")
+            except Exception as exc:  # never let the loop die; step() already ended the requests it touched
+                if classify(exc) is not Fault.FATAL:
+                    logger.exception("engine loop iteration failed")
+                    continue
+                self.fatal_error = device_failed(exc)  # outside the executor's calls (admission, the reaper)
+                self._halt()
         self._fail_everything(ServiceStopping())
 
     def step(self) -> None:
         """One iteration: admit, reap, then schedule -> run -> process one step."""
+        if self.fatal_error is not None:  # the device is lost: nothing more runs on it
+            return
         scheduler = self.parts.scheduler
         self._admit_arrivals(block=not scheduler.active)
         if self.clock() >= self._next_reap:
@@ -201,6 +227,8 @@ class Engine:
                 self._run_prefill(seq, ended)
             if plan.decode:
                 self._run_decode(plan.decode, ended)
+        except DeviceFailed as exc:  # from the guarded calls: set before the step closes, so no heartbeat
+            self.fatal_error = exc
         except BaseException as exc:  # a fault outside the guarded calls: end what the plan holds
             for seq in plan.prefill + plan.decode:
                 self.end(seq, Failed(exc))
@@ -209,15 +237,21 @@ class Engine:
         finally:
             scheduler.complete(plan, ended)
             self._after_step(plan)
+        if self.fatal_error is not None:
+            self._halt()
 
     def _run_prefill(self, seq: Sequence, ended: list[Sequence]) -> None:
+        error = None
         try:
             token = self.parts.executor.prefill(seq)
         except Exception as exc:
-            if not isinstance(exc, ResidentError):
-                logger.exception("prefill of request %s (session %s) failed", seq.request_id, redact(seq.session.session_id))
+            error = self._step_error(exc, f"prefill of request {seq.request_id} (session "
+                                          f"{redact(seq.session.session_id)})")
+        if error is not None:  # out of the except block: the traceback no longer holds the pass's tensors
+            if isinstance(error, DeviceOutOfMemory):
+                free_cached_memory(self.parts.runner.device)
             ended.append(seq)
-            self.end(seq, Failed(exc))
+            self.end(seq, Failed(error))
             return
         session = seq.session
         self.parts.outputs.start(seq)
@@ -227,27 +261,60 @@ class Engine:
             prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens))
         self._emit(seq, [token], ended)
 
-    def _run_decode(self, rows: list[Sequence], ended: list[Sequence]) -> None:
+    def _run_decode(self, rows: list[Sequence], ended: list[Sequence], speculate: bool = True) -> None:
         """One batched step for every decoding row: speculative (one target pass verifies every row's
-        proposals, plain rows ride along) when any row's controller wants it, else a plain decode."""
-        speculating = self.parts.executor.speculating(rows)
+        proposals, plain rows ride along) when any row's controller wants it, else a plain decode.
+        Out of device memory, the same rows run again in smaller batches (``_decode_smaller``)."""
+        speculating = self.parts.executor.speculating(rows) if speculate else []
+        error = None
         try:
             if speculating:
                 tokens = self.parts.executor.speculate(rows, speculating)
             else:  # a row that could not be sampled has its error in place of its token
                 tokens = [t if isinstance(t, ResidentError) else [t] for t in self.parts.executor.decode(rows)]
-        except Exception as exc:  # the caches are as before the step (rewound, or lengths not advanced)
-            logger.exception("decode step failed for %d requests", len(rows))
+        except Exception as exc:  # every row is as before the step (executor.decode, executor.speculate)
+            error = self._step_error(exc, f"decode step for {len(rows)} requests")
+        if isinstance(error, DeviceOutOfMemory):  # out of the except block: the failed pass's tensors are freed
+            free_cached_memory(self.parts.runner.device)
+            if len(rows) > 1 or speculating:
+                self._decode_smaller(rows, ended)
+                return
+        if error is not None:
             for seq in rows:
                 ended.append(seq)
-                self.end(seq, Failed(exc))
+                self.end(seq, Failed(error))
             return
         for seq, row_tokens in zip(rows, tokens):
             if isinstance(row_tokens, ResidentError):  # it fails alone (rolled back); the others go on
                 ended.append(seq)
-                self.end(seq, Failed(row_tokens))
+                self.end(seq, Failed(out_of_memory(row_tokens) if classify(row_tokens) is Fault.OUT_OF_MEMORY
+                                     else row_tokens))
             else:
                 self._emit(seq, row_tokens, ended)
+
+    def _decode_smaller(self, rows: list[Sequence], ended: list[Sequence]) -> None:
+        """A decode step ran out of device memory: run the same rows again within this step, without
+        speculation (its passes need more memory), in two halves, each halved again while it runs out;
+        a row that runs out alone fails with a 503. The failed step left every row as before it, so
+        each row that fits gets exactly the tokens it would have got."""
+        self.num_oom_retries += 1
+        half = (len(rows) + 1) // 2  # one speculating row: run again alone, as a plain row
+        for part in (rows[:half], rows[half:]):
+            if part:
+                self._run_decode(part, ended, speculate=False)
+
+    def _step_error(self, exc: Exception, what: str) -> Exception:
+        """What the requests of a failed executor call fail with: a 503 when it ran out of device
+        memory, ``exc`` itself otherwise (logged, unless a ResidentError). A fatal device error raises
+        DeviceFailed instead: ``step`` then fails every request and stops the engine."""
+        fault = classify(exc)
+        if fault is Fault.FATAL:
+            raise device_failed(exc) from exc
+        if fault is Fault.OUT_OF_MEMORY:
+            return out_of_memory(exc)
+        if not isinstance(exc, ResidentError):
+            logger.error("%s failed", what, exc_info=exc)
+        return exc
 
     def _emit(self, seq: Sequence, tokens: list[int], ended: list[Sequence]) -> None:
         """Hand sampled tokens to the output processor; end the request when one finishes it."""
@@ -272,6 +339,7 @@ class Engine:
             self.num_cancelled += isinstance(event, Cancelled)
             self.num_failed += isinstance(event, Failed)
             self.num_overloaded += isinstance(event, Failed) and isinstance(event.error, CapacityExceeded)
+            self.num_oom_failures += isinstance(event, Failed) and isinstance(event.error, DeviceOutOfMemory)
         if seq.adapter_slot:
             self.parts.adapters.release(session.adapter)
             seq.adapter_slot = 0
@@ -293,7 +361,8 @@ class Engine:
             for problem in problems:
                 logger.error("engine invariant violated: %s", problem)
             self.num_invariant_violations += len(problems)
-        self._beat()
+        if self.fatal_error is None:  # a lost device must look dead to the watchdog
+            self._beat()
         if not self.parts.scheduler.active or time.monotonic() - self._stats_at >= 0.02:
             self._publish_stats()
 
@@ -330,8 +399,21 @@ class Engine:
                 self._num_submitted -= 1
             self.admission.admit(item)
 
+    def _halt(self) -> None:
+        """The device is lost (``fatal_error``): refuse new requests, fail every request with a 500,
+        stop the loop and the heartbeat, and hand the CUDA error to ``on_fatal`` (once). Loop thread."""
+        error = self.fatal_error
+        logger.critical("the device failed, failing every request and stopping the engine: %s", error.__cause__,
+                        exc_info=error.__cause__)
+        with self._submit_lock:  # submit() and precheck() refuse from here on (ServiceStopping)
+            self._stop.set()
+        self._fail_everything(error)
+        self._publish_stats()
+        self.on_fatal(error.__cause__)
+
     def _fail_everything(self, error: ResidentError) -> None:
-        """At stop: every request in flight, queued or not yet admitted gets its final event."""
+        """At stop (or when the device is lost): every request in flight, queued or not yet admitted
+        gets its final event."""
         # First, so that ending the active ones admits none.
         for item in self.parts.scheduler.take_all_queued() + self.admission.take_all_held():
             item.stream.put(Failed(error))

@@ -3,7 +3,7 @@
 Each schedule is drawn from a seeded generator: arrivals of stateless requests, new sessions and
 follow-ups (with images, with adapters), random ``max_tokens``, closes (also of busy sessions),
 cancels, expiry (a fake clock), a device budget that forces demotion, and faults injected in the
-runner (prefill, decode, image encoding), the journal (ENOSPC / EIO on entries and on images) and
+runner (prefill, decode, image encoding, out of device memory in a prefill or a decode), the journal (ENOSPC / EIO on entries and on images) and
 adapter loads. More requests run than one step takes (max_batch_size 1..3), so rows finish
 mid-batch while others wait: the state the rotation bug needed. After every step:
 
@@ -190,7 +190,8 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
         elif action < 0.85:
             now[0] += rng.choice([1.0, 60.0])  # 60: every idle session expires
         else:
-            kind = rng.choice(["prefill", "decode", "encode", "journal_entry", "journal_image", "adapter_load"])
+            kind = rng.choice(["prefill", "decode", "encode", "oom_prefill", "oom_decode", "journal_entry",
+                               "journal_image", "adapter_load"])
             if kind in runner.fail:
                 runner.fail[kind] += 1
             else:
