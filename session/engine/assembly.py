@@ -22,7 +22,7 @@ from session.engine.scheduler import Scheduler
 from session.errors import BadRequest, ConfigError
 from session.families.vision import NO_IMAGES, ImagePreprocessor, Images
 from session.model.backend import ModelBackend, Stepper
-from session.model.runner import ModelRunner
+from session.model.runner import ModelRunner, select_device
 from session.state.embeddings import EmbeddingCache
 from session.state.journal import Journal
 from session.state.memory import MemoryManager
@@ -66,6 +66,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     import time
 
     runner = runner or ModelRunner.from_config(config)
+    select_device(runner.device)  # a runner built elsewhere (a benchmark's) was made on another thread
     thread_tuner = _thread_tuner(config, runner)
     info = runner.info
     max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)

@@ -15,6 +15,12 @@ Graphs hold the base model: a step with LoRA rows runs eagerly (the adapter mix 
 A pool that grew (session/model/kv_cache.py; not on CUDA, where the pool is reserved from the budget)
 moved its tensors, so every graph is captured again.
 
+Everything is on the model's device, named, never "the current device": every graph is captured,
+after a warm-up, on one side stream of that device, so that a process serving cuda:1 captures its
+kernels there rather than on a stream of GPU 0 (torch.cuda.graph's own stream, made on the current
+device, would capture nothing of cuda:1's work: an empty graph, stale logits on every replay). A
+replay, the copy of its plan and of its logits run on that device's current stream, in that order.
+
 Who calls this: ``ModelRunner.decode`` on the engine loop thread, CUDA only.
 """
 
@@ -57,6 +63,10 @@ class DecodeGraphs:
         self.batch_buckets = tuple(batch_buckets)
         self.graphs: dict[tuple[int, int], Captured] = {}
         self.memory = torch.cuda.graph_pool_handle()
+        # one capture stream for every graph: graphs sharing a memory pool are to be captured on the same
+        # stream (torch.cuda.graph), and their warm-up runs there too, so that the state it builds per
+        # stream (cuBLAS workspaces) is the state the capture finds
+        self.stream = torch.cuda.Stream(runner.device)
         self.pool_address = None  # the pool tensors the graphs were captured over
 
     def fits(self, kvs: list[PagedKVCache]) -> bool:
@@ -75,7 +85,7 @@ class DecodeGraphs:
         num_rows, num_blocks = key
         rows = [[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1, num_blocks))]
         rows += [[0, *pad_row(1, num_blocks, pool.block_tokens)]] * (num_rows - len(kvs))
-        captured.plan.copy_(torch.tensor(rows))
+        captured.plan.copy_(torch.tensor(rows))  # on the device's current stream, then the replay on it too
         captured.graph.replay()
         return captured.logits[: len(kvs)].clone()
 
@@ -88,12 +98,15 @@ class DecodeGraphs:
         def step() -> torch.Tensor:
             return runner.forward_paged(pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1))[:, 0]
 
-        side = torch.cuda.Stream(runner.device)
-        side.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(side):
-            step()  # warm-up outside the capture: lazy initialisation (cuBLAS workspaces, kernel choice)
-        torch.cuda.current_stream(runner.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory):
-            logits = step()
+        device, stream = runner.device, self.stream
+        # the device guard: torch.cuda.graph synchronizes and empties the cache of the current device, and
+        # leaving torch.cuda.stream restores the current device's stream, whichever thread this runs on
+        with torch.cuda.device(device):
+            stream.wait_stream(torch.cuda.current_stream(device))  # the plan, written on the current stream
+            with torch.cuda.stream(stream):
+                step()  # warm-up outside the capture: lazy initialisation (cuBLAS workspaces, kernel choice)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory, stream=stream):
+                logits = step()
         return Captured(graph, plan, logits)

@@ -47,9 +47,27 @@ def attention_windows(text_config, num_layers: int) -> list[int | None]:
 
 
 def resolve_device(name: str) -> torch.device:
+    """RESIDENT_DEVICE -> a device; a CUDA one always with its index ("auto" and "cuda" are cuda:0, what
+    "cuda" means in a fresh process). Indexed, it means the same GPU on every thread: a bare "cuda" is
+    each thread's current device, and a thread's current device starts at 0."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", 0)
+    return device
+
+
+def select_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device; nothing off CUDA. Who calls this:
+    ``ModelRunner.__init__``, first, on the engine's compute thread, which later runs the loop too, and
+    ``assemble`` again for a runner built on another thread
+    (session/model/threads.py). Before it, that thread's current device is GPU 0: what CUDA does for
+    "the current device" (streams torch.cuda.graph makes, its synchronize and empty_cache, the stream
+    restored on leaving ``torch.cuda.stream``) would land there and open a context on GPU 0 in a
+    process serving another GPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -83,6 +101,7 @@ class ModelRunner:
 
         self.model_path = model_path
         self.device = resolve_device(device)
+        select_device(self.device)  # before any allocation on it (the first CUDA call, "auto"'s probe aside)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = self.dtype if kv_dtype == "auto" else getattr(torch, kv_dtype)  # see RESIDENT_KV_DTYPE
         hf_config = AutoConfig.from_pretrained(model_path)

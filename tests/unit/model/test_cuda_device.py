@@ -1,0 +1,239 @@
+"""A process serving cuda:1 touches only cuda:1: the runner makes it the current device before any
+other CUDA call, the device budget asks cuda:1's free memory, and CUDA graphs are captured on a
+stream of cuda:1. Runs on CPU: ``torch.cuda`` is replaced by a fake that records every call."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from session.config import EngineConfig
+from session.engine.assembly import DEFAULT_CUDA_BUDGET_FRACTION, device_budget
+from session.model import runner as model_runner
+from session.model.cuda_graphs import DecodeGraphs
+from session.model.kv_cache import BlockPool
+
+FREE_BYTES = 10 << 30
+VOCAB = 7
+
+
+def index_of(device) -> int | None:
+    """The GPU a device argument names; None for "the current device"."""
+    if device is None or isinstance(device, int):
+        return device
+    return torch.device(device).index
+
+
+class FakeStream:
+    def __init__(self, cuda: FakeCuda, device: int, name: str):
+        self.cuda, self.device, self.name = cuda, device, name  # name: "current" or "side"
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.cuda.calls.append(("wait_stream", (self.name, self.device), (other.name, other.device)))
+
+
+class FakeGraph:
+    def __init__(self, cuda: FakeCuda):
+        self.cuda = cuda
+
+    def replay(self) -> None:
+        # the real replay launches on the current stream of the device it was captured on
+        self.cuda.calls.append(("replay", "current" if self.cuda.active is None else self.cuda.active.name))
+
+
+class FakeCuda:
+    """Stands in for ``torch.cuda``. ``calls``: (name, GPU index the call was about, ...) in order.
+    It keeps a thread's current device as CUDA does (0 until set) and the stream work goes to; an
+    attribute it does not define fails the test (a CUDA call nobody checked)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.current = 0
+        self.defaults = {}  # GPU index -> its current (default) stream
+        self.active: FakeStream | None = None  # the stream set by ``stream``
+        self.capturing: FakeStream | None = None
+
+    def is_available(self) -> bool:
+        self.calls.append(("is_available",))
+        return True
+
+    def set_device(self, device) -> None:
+        self.calls.append(("set_device", index_of(device)))
+        self.current = index_of(device)
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        self.calls.append(("mem_get_info", index_of(device)))
+        return FREE_BYTES, 80 << 30
+
+    def graph_pool_handle(self) -> tuple[int, int]:
+        self.calls.append(("graph_pool_handle",))
+        return (0, 1)
+
+    def Stream(self, device=None) -> FakeStream:  # noqa: N802 (torch's name)
+        self.calls.append(("Stream", index_of(device)))
+        return FakeStream(self, self.current if device is None else index_of(device), "side")
+
+    def current_stream(self, device=None) -> FakeStream:
+        self.calls.append(("current_stream", index_of(device)))
+        index = self.current if device is None else index_of(device)
+        return self.defaults.setdefault(index, FakeStream(self, index, "current"))
+
+    @contextlib.contextmanager
+    def device(self, device):
+        self.calls.append(("device", index_of(device)))
+        before, self.current = self.current, index_of(device)
+        yield
+        self.current = before
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream):
+        self.calls.append(("stream", stream.device))
+        before, self.active = self.active, stream
+        yield
+        self.active = before
+
+    def CUDAGraph(self) -> FakeGraph:  # noqa: N802 (torch's name)
+        self.calls.append(("CUDAGraph",))
+        return FakeGraph(self)
+
+    @contextlib.contextmanager
+    def graph(self, graph, pool=None, stream=None):
+        # the real one synchronizes and empties the cache of the current device, then captures on
+        # ``stream`` or, without one, on a stream it makes on the current device
+        self.calls.append(("graph", self.current, stream))
+        self.capturing = self.active = stream
+        yield
+        self.capturing = self.active = None
+
+
+@pytest.fixture
+def cuda(monkeypatch) -> FakeCuda:
+    fake = FakeCuda()
+    monkeypatch.setattr(torch, "cuda", fake)
+    return fake
+
+
+def named_gpus(calls: list[tuple]) -> list[int | None]:
+    """The GPU each device-taking call named, in order (None: it left it to the current device)."""
+    gpus = []
+    for name, *args in calls:
+        if name == "wait_stream":
+            gpus += [stream_device for _, stream_device in args]
+        elif name in ("set_device", "mem_get_info", "Stream", "current_stream", "device", "stream", "graph"):
+            gpus.append(args[0])  # graph: the current device during the capture
+    return gpus
+
+
+class Stop(Exception):
+    pass
+
+
+def build_runner(monkeypatch, cuda: FakeCuda, device: str) -> None:
+    """Build a ModelRunner up to its checkpoint's config, which is the first thing it reads."""
+    import transformers
+
+    def load_config(path):
+        cuda.calls.append(("load_config",))
+        raise Stop
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", load_config)
+    with pytest.raises(Stop):
+        model_runner.ModelRunner("checkpoint", device=device)
+
+
+def test_a_runner_on_cuda_1_sets_its_device_before_anything_else(monkeypatch, cuda):
+    build_runner(monkeypatch, cuda, "cuda:1")
+    assert cuda.calls == [("set_device", 1), ("load_config",)]
+
+
+def test_auto_and_bare_cuda_name_gpu_0(monkeypatch, cuda):
+    build_runner(monkeypatch, cuda, "auto")
+    assert cuda.calls == [("is_available",), ("set_device", 0), ("load_config",)]  # probing opens no context
+    assert model_runner.resolve_device("cuda") == torch.device("cuda", 0)
+    assert model_runner.resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_a_runner_on_cpu_makes_no_cuda_call(monkeypatch, cuda):
+    build_runner(monkeypatch, cuda, "cpu")
+    assert cuda.calls == [("load_config",)]
+    assert model_runner.resolve_device("cpu") == torch.device("cpu")
+
+
+def test_the_budget_is_cuda_1s_free_memory(cuda):
+    device = model_runner.resolve_device("cuda:1")
+    model_runner.select_device(device)
+    runner = type("Runner", (), {"device": device})()
+    assert device_budget(EngineConfig(), runner) == int(FREE_BYTES * DEFAULT_CUDA_BUDGET_FRACTION)
+    assert cuda.calls == [("set_device", 1), ("mem_get_info", 1)]
+    assert named_gpus(cuda.calls) == [1, 1]
+
+
+class FakeRunner:
+    """What DecodeGraphs needs of a runner: its device and ``forward_paged``, here noting the stream
+    each forward ran on and whether it was being captured. Tensors stay on the CPU."""
+
+    def __init__(self, cuda: FakeCuda):
+        self.cuda = cuda
+        self.device = torch.device("cuda", 1)
+        self.forwards: list[tuple[FakeStream | None, bool]] = []  # (stream, captured)
+
+    def forward_paged(self, pool, ids, batch):
+        self.forwards.append((self.cuda.active, self.cuda.capturing is not None))
+        return torch.arange(ids.shape[0] * VOCAB, dtype=torch.float32).view(-1, 1, VOCAB)  # [B, 1, V]
+
+
+@pytest.fixture
+def cpu_tensors(monkeypatch) -> list:
+    """torch.tensor(..., device=cuda:1) made on the CPU; the devices asked for, in order."""
+    devices = []
+    make = torch.tensor
+
+    def tensor(data, *, device=None, **kwargs):
+        devices.append(index_of(device) if device is not None else "host")
+        return make(data, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    return devices
+
+
+def test_graphs_are_captured_on_a_stream_of_cuda_1(cuda, cpu_tensors):
+    runner = FakeRunner(cuda)
+    graphs = DecodeGraphs(runner, batch_buckets=(1, 2))
+    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                     block_tokens=4, num_blocks=8)
+    kvs = [pool.new_cache(16), pool.new_cache(16)]
+    for kv in kvs:
+        kv.ensure_capacity(1)
+
+    logits = graphs.run(kvs[:1], [5])  # captures (1 row, 1 block), replays
+    graphs.run(kvs[:1], [6])  # replays it
+    graphs.run(kvs, [5, 6])  # captures (2 rows, 1 block), replays
+
+    assert cuda.calls[:2] == [("graph_pool_handle",), ("Stream", 1)]
+    stream = graphs.stream
+    assert stream.device == 1
+    # every capture on that one stream, with cuda:1 the current device there (the thread's was 0)
+    assert [call for call in cuda.calls if call[0] == "graph"] == [("graph", 1, stream), ("graph", 1, stream)]
+    # the warm-up and the captured forward on that stream, each capture after its warm-up
+    assert runner.forwards == [(stream, False), (stream, True)] * 2
+    assert [call for call in cuda.calls if call[0] == "replay"] == [("replay", "current")] * 3
+    assert set(named_gpus(cuda.calls)) == {1}, cuda.calls
+    assert [d for d in cpu_tensors if d != "host"] == [1, 1]  # the two graphs' plans, on cuda:1
+    assert logits.shape == (1, VOCAB)
+
+
+def test_the_warm_up_waits_for_the_plan_and_the_device_waits_for_the_warm_up(cuda, cpu_tensors):
+    runner = FakeRunner(cuda)
+    graphs = DecodeGraphs(runner, batch_buckets=(1,))
+    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                     block_tokens=4, num_blocks=4)
+    kv = pool.new_cache(8)
+    kv.ensure_capacity(1)
+    graphs.run([kv], [3])
+    waits = [call for call in cuda.calls if call[0] == "wait_stream"]
+    assert waits == [("wait_stream", ("side", 1), ("current", 1)),  # the plan was written on the current stream
+                     ("wait_stream", ("current", 1), ("side", 1))]  # what the warm-up wrote (the padding block)
+    stream_order = [call[0] for call in cuda.calls if call[0] in ("wait_stream", "stream", "graph")]
+    assert stream_order == ["wait_stream", "stream", "wait_stream", "graph"]
