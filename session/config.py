@@ -28,6 +28,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" -> float32 on cpu, bfloat16 on cuda; or float32/bfloat16/float16
     pack_weights: bool = True  # CPU: the language model's linears prepacked for oneDNN (session/model/cpu/packed_linear.py)
     cpu_kernels: bool = True  # CPU: our kernels (attention, linears, the decode step), built at start-up
+    quantization: str = "none"  # weight-only: none, int8 (per-channel), int4 (groups of 128): session/model/quantize.py
     kv_dtype: str = "auto"  # KV cache and attention: "auto" = dtype; or float32 (more precise, twice the KV bytes)
     session_ttl_s: float = 1200.0  # idle sessions expire after this many seconds
     reaper_interval_s: float = 1.0  # how often the engine looks for expired sessions
@@ -138,6 +139,8 @@ class EngineConfig:
                               f"got {self.attention!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"{ENV_PREFIX}DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ConfigError(f"{ENV_PREFIX}QUANTIZATION must be none, int8 or int4, got {self.quantization!r}")
         if self.kv_dtype not in ("auto", "float32"):
             raise ConfigError(f"{ENV_PREFIX}KV_DTYPE must be auto or float32, got {self.kv_dtype!r}")
         if not (Path(self.model_path) / "config.json").exists():

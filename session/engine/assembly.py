@@ -203,7 +203,8 @@ def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):
     draft = None
     if mode == "draft":
         draft = ModelRunner(config.draft_model_path, device=config.device, dtype=config.dtype,
-                            pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels)
+                            pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels,
+                            quantization=config.quantization)  # the draft's weights as the target's
         from transformers import AutoTokenizer
 
         check_compatible(tokenizer, AutoTokenizer.from_pretrained(config.draft_model_path))

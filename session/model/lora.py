@@ -30,10 +30,14 @@ import torch
 from torch import nn
 
 from session.errors import AdapterInUse, AdapterNotFound, BadRequest, CapacityExceeded, Forbidden, InvalidAdapter
+from session.model.quantize import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the base linears LoRA wraps: float ones, and weight-only quantized ones (RESIDENT_QUANTIZATION), whose
+# product comes back in the float dtype the deltas are added in
+BASE_LINEARS = (nn.Linear, QuantizedLinear)
 _KEY_RE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -266,7 +270,7 @@ class LoraBank:
 class LoRALinear(nn.Module):
     """A base linear plus the LoRA deltas of the current batch's adapters (see ``LoraBank``)."""
 
-    def __init__(self, base: nn.Linear, bank: LoraBank, key: tuple[int, str]):
+    def __init__(self, base: nn.Linear | QuantizedLinear, bank: LoraBank, key: tuple[int, str]):
         super().__init__()
         self.base = base
         self.bank = bank
@@ -299,7 +303,7 @@ def install_lora(layers, bank: LoraBank) -> None:
         for parent in (layer.self_attn, layer.mlp):
             for target in TARGETS:
                 base = getattr(parent, target, None)
-                if isinstance(base, nn.Linear):
+                if isinstance(base, BASE_LINEARS):
                     setattr(parent, target, LoRALinear(base, bank, (index, target)))
 
 
@@ -311,7 +315,7 @@ def target_shapes(layers) -> dict[tuple[int, str], tuple[int, int]]:
             for target in TARGETS:
                 module = getattr(parent, target, None)
                 base = module.base if isinstance(module, LoRALinear) else module
-                if isinstance(base, nn.Linear):
+                if isinstance(base, BASE_LINEARS):
                     out[(index, target)] = (base.in_features, base.out_features)
     return out
 

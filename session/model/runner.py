@@ -30,6 +30,7 @@ from session.model.cpu.packed_linear import can_pack, pack_linears
 from session.model.decode_paths import BatchedPath, CpuKernelPath, PerRowPath
 from session.model.generation_defaults import describe as describe_unapplied, unapplied_generation_defaults
 from session.model.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache
+from session.model.quantize import QuantizationReport, quantize_language_model
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def cpu_has_bf16() -> bool:
 
 class ModelRunner:
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto",
-                 pack_weights: bool = True, cpu_kernels: bool = True):
+                 pack_weights: bool = True, cpu_kernels: bool = True, quantization: str = "none"):
         from transformers import AutoConfig
 
         self.model_path = model_path
@@ -121,6 +122,7 @@ class ModelRunner:
             self.lm = self.model.model
         self.lm_head = self.model.lm_head
         self.layers = list(self.lm.layers)
+        self.quantization = self._quantize(quantization)  # before packing and LoRA: they take what it leaves
         self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)
@@ -135,6 +137,15 @@ class ModelRunner:
         self.kv_pools: dict[int, BlockPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.path: PerRowPath | None = None  # how decode and extend run (configure_decode)
         self.configure_decode(default_attention(self.device))
+
+    def _quantize(self, method: str) -> QuantizationReport | None:
+        """RESIDENT_QUANTIZATION: the decoder layers' linears weight-only int8 or int4 (session/model/quantize.py),
+        once, at load; its QuantizationReport, or None for "none" (the float checkpoint as loaded)."""
+        if method == "none":
+            return None
+        report = quantize_language_model(self.model, self.layers, method, self.device)
+        logger.info(report.describe())
+        return report
 
     def _pack_linears(self, pack_weights: bool, cpu_kernels: bool) -> tuple[int, dict[str, int]]:
         """Prepack the language model's linears once: (how many, how many by what). On CPU (bfloat16,
@@ -172,7 +183,8 @@ class ModelRunner:
     def from_config(cls, config: EngineConfig) -> ModelRunner:
         # compiled graphs (RESIDENT_COMPILE) trace dense weights: dynamo does not take oneDNN's opaque tensors
         return cls(config.model_path, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
-                   pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels)
+                   pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels,
+                   quantization=config.quantization)
 
     def _load(self, path: str, hf_config):
         import transformers

@@ -15,8 +15,8 @@ plan is dropped (the Python layer runs) where neither reproduces it.
 
 It applies where the layer is one it reproduces: transformers' Llama-family modules (Llama, Mistral,
 Qwen2, Qwen3 with its q/k norms; LLaVA's language model is a Llama), an RMSNorm of the Llama form, a
-SiLU MLP, and all seven linears on our kernel (session/model/cpu/linear.py). Anything else, or a step with
-LoRA adapter rows, runs the Python layer. Who calls this: ``CpuKernelPath.decode_rows`` (session/model/decode_paths.py).
+SiLU MLP, and all seven linears on our kernel (session/model/cpu/linear.py). Anything else (weight-only
+quantized linears too: session/model/quantize.py), or a step with LoRA adapter rows, runs the Python layer. Who calls this: ``CpuKernelPath.decode_rows`` (session/model/decode_paths.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import nn
 
 from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, CppKernel
 from session.model.cpu.linear import KernelLinear
+from session.model.quantize import is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,10 @@ def sum_lanes(widths: set[int], dtype: torch.dtype = torch.bfloat16, rows: int =
 def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: int) -> list[tuple] | None:
     """Every layer's arguments, or None (with the reason logged) where any layer cannot be fused, the
     library cannot be had, or our RMSNorm does not reproduce transformers' here."""
+    if any(is_quantized(module) for layer in layers for module in layer.modules()):
+        logger.info("fused decode layers: the linears are weight-only quantized (RESIDENT_QUANTIZATION), which the "
+                    "C++ layer does not take; the Python layer runs")
+        return None
     arguments = [layer_arguments(layer, num_heads, num_kv_heads, head_dim) for layer in layers]
     if any(a is None for a in arguments):
         logger.info("fused decode layers: a layer the C++ layer does not reproduce; the Python layer runs")

@@ -1,0 +1,310 @@
+"""Weight-only quantization of the language model's linears, chosen per deployment (RESIDENT_QUANTIZATION).
+
+Made at load from any float checkpoint; activations, norms, attention and the KV cache stay in the
+model's float dtype, only the weights of the decoder layers' linears are stored in fewer bits:
+
+- ``int8``: per output channel, symmetric. Row o of W [out, in] gets scale_o = max|W[o]| / 127 and
+  q = round(W / scale) in [-127, 127]; W ~ q * scale, each weight within scale_o / 2.
+- ``int4``: per group of 128 inputs (64 or 32 where the input width is not a multiple of 128, as
+  SmolLM2's 576 is not), asymmetric in the form the int4 kernels (tinygemm's layout) take: per group
+  scale = (max - min) / 15, a float zero = min + 8 * scale, q = round((W - zero) / scale + 8) in
+  [0, 15]; W ~ (q - 8) * scale + zero, each weight within scale / 2.
+
+Quantized: every ``nn.Linear`` of every decoder layer (attention and MLP projections). Not: the
+vision tower, the multimodal projector, the embeddings, and ``lm_head``, left float until its effect
+on the logits is measured.
+
+Kernels, chosen once by device (``choose_kernel``):
+- CPU: ATen's, through ``QuantizedLinear``: ``aten._weight_int8pack_mm`` (int8 [out, in], scales [out])
+  and ``aten._weight_int4pack_mm_for_cpu`` on weights packed by ``aten._convert_weight_to_int4pack_for_cpu``
+  (scales and zeros [in / group, out, 2]). Both compute each row of x as if alone, whatever the other
+  rows and the thread count (checked on this project's CPU for row counts 1..300 and 1 or 2 threads;
+  tests/unit/model/test_quantize.py keeps checking the rows), so a decode batch's rows and a multi-turn session's deltas give what a
+  batch-of-one forward gives, as the equivalence tests need.
+- CUDA: torchao's documented API, ``quantize_(model, Int8WeightOnlyConfig())`` and
+  ``Int4WeightOnlyConfig(group_size=...)`` on the same linears (their weights become torchao tensors
+  inside the same ``nn.Linear`` modules); without torchao, start-up refuses (ConfigError).
+
+Our CPU fast paths take float weights: the weight packing (session/model/cpu/packed_linear.py,
+session/model/cpu/linear.py) takes plain ``nn.Linear`` modules only, which a QuantizedLinear is not,
+and the fused C++ decode layer (session/model/cpu/fused_layer.py) is off for a quantized model (it
+logs why): its layers run in Python. LoRA (session/model/lora.py) wraps a QuantizedLinear as it wraps
+an ``nn.Linear``: its deltas are added in the float dtype to the quantized product.
+
+What it buys on CPU is memory, not speed, so far: the quantized layers lose our packed kernels and the
+C++ decode step, and ATen's kernels are vectorized for bfloat16 activations, not float32 ones (several
+times slower there than float32's dense product); ``python -m benchmarks.quantization`` measures
+agreement with float32, perplexity, bytes and decode speed.
+
+Who calls this: ``ModelRunner`` once, right after loading, before packing and LoRA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from torch import nn
+
+from session.errors import ConfigError
+
+METHODS = ("none", "int8", "int4")
+INT8_MAX = 127  # symmetric: -128 is never used, so q and -q both fit
+INT4_LEVELS = 15  # q in 0..15, centred on 8
+INT4_GROUP_SIZES = (128, 64, 32)  # along the input dim, the first that divides it (the kernels take 32..256)
+INT4_OUT_MULTIPLE = 16  # ATen's int4 packing takes out_features in multiples of 16
+# ATen's int8 CPU kernel in bfloat16 reads inputs 16 at a time: other widths crashed or summed wrong on
+# this torch build (float32 and float16 took every width tried)
+INT8_BF16_IN_MULTIPLE = 16
+KERNELS = {
+    ("int8", "cpu"): "aten._weight_int8pack_mm (CPU)",
+    ("int4", "cpu"): "aten._weight_int4pack_mm_for_cpu (CPU)",
+    ("int8", "cuda"): "torchao Int8WeightOnlyConfig (CUDA)",
+    ("int4", "cuda"): "torchao Int4WeightOnlyConfig (CUDA)",
+}
+
+
+@dataclass(frozen=True)
+class QuantizationReport:
+    """What ``quantize_language_model`` did; ``describe`` is the start-up log line."""
+
+    method: str  # int8 or int4
+    kernel: str  # one of KERNELS
+    num_linears: int  # linears now quantized
+    num_float: int  # target linears left float: a shape the kernel does not take
+    group_sizes: tuple[int, ...]  # int4: the input group sizes used; int8: ()
+    model_bytes_before: int  # every parameter and buffer of the model, each storage once
+    model_bytes_after: int
+
+    def describe(self) -> str:
+        if self.method == "int8":
+            scheme = "int8 weight-only, per-channel scales"
+        else:
+            groups = "/".join(str(g) for g in self.group_sizes) or "-"
+            scheme = f"int4 weight-only, groups of {groups} inputs, scales and zero points"
+        kept = f" ({self.num_float} left float: shapes the kernel does not take)" if self.num_float else ""
+        return (f"weights: {scheme}, {self.num_linears} linears{kept}, {self.model_bytes_before / 1e6:.0f} MB -> "
+                f"{self.model_bytes_after / 1e6:.0f} MB; kernel: {self.kernel}")
+
+
+# ------------------------------------------------------------------ the maths (pure functions)
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> q int8 [out, in], scales [out] in ``dtype`` (the kernel's: the activations')."""
+    w = weight.detach().float()
+    scales = round_up(w.abs().amax(dim=1) / INT8_MAX, dtype)
+    q = (w / scales.float()[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weight the int8 kernel multiplies by, in float64: q * scale per row."""
+    return q.double() * scales.double()[:, None]
+
+
+def quantize_int4(weight: torch.Tensor, group: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [out, in] -> q int32 [out, in] in 0..15, scales and zeros [out, in / group] in ``dtype``."""
+    out_features, in_features = weight.shape
+    w = weight.detach().float().view(out_features, in_features // group, group)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales = round_up((high - low) / INT4_LEVELS, dtype)
+    zeros = (low + 8 * scales.float()).to(dtype)
+    # from the stored scale and zero, so that dequantizing gives back each weight within scale / 2
+    q = ((w - zeros.float()[..., None]) / scales.float()[..., None] + 8).round().clamp(0, INT4_LEVELS)
+    return q.to(torch.int32).view(out_features, in_features), scales, zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The weight the int4 kernel multiplies by, in float64: (q - 8) * scale + zero per group."""
+    out_features, in_features = q.shape
+    groups = scales.shape[1]
+    grouped = q.double().view(out_features, groups, in_features // groups)
+    return ((grouped - 8) * scales.double()[..., None] + zeros.double()[..., None]).view(out_features, in_features)
+
+
+def round_up(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 scales in ``dtype``, never smaller than asked (a scale rounded down would push a row's
+    largest weight past the top level, to be clamped); a zero scale (a constant row or group) is 1."""
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    stored = scales.to(dtype)
+    return torch.where(stored.float() < scales, torch.nextafter(stored, torch.full_like(stored, math.inf)), stored)
+
+
+def int4_group(out_features: int, in_features: int) -> int | None:
+    """The input group size int4 takes for an [out, in] weight, or None where the kernels take none."""
+    if out_features % INT4_OUT_MULTIPLE:
+        return None
+    return next((group for group in INT4_GROUP_SIZES if in_features % group == 0), None)
+
+
+# ------------------------------------------------------------------ the CPU module
+
+
+class QuantizedLinear(nn.Module):
+    """A linear whose weight is held quantized, run by ATen's CPU kernels: x [..., in] in the model's
+    float dtype -> [..., out] in that dtype. ``in_features`` and ``out_features`` as an ``nn.Linear``'s
+    (LoRA reads them); no dense ``weight`` is kept. Made by ``from_int8`` / ``from_int4``."""
+
+    def __init__(self, method: str, in_features: int, out_features: int, packed: torch.Tensor,
+                 scales: torch.Tensor, bias: torch.Tensor | None, group_size: int = 0):
+        super().__init__()
+        self.method, self.in_features, self.out_features, self.group_size = method, in_features, out_features, group_size
+        # int8: packed int8 [out, in], scales [out]; int4: packed uint8 [out, in / 2] (the kernel's
+        # layout), scales [in / group, out, 2] (each group's scale and zero)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    @classmethod
+    def from_int8(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        out_features, in_features = q.shape
+        return cls("int8", in_features, out_features, q.contiguous(), scales.contiguous(), bias)
+
+    @classmethod
+    def from_int4(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> QuantizedLinear:
+        out_features, in_features = q.shape
+        group = in_features // scales.shape[1]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # innerKTiles: unused on CPU
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
+        return cls("int4", in_features, out_features, packed, scales_and_zeros, bias, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()  # both kernels take 2-D, dense rows
+        if self.method == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}{group}"
+
+
+def quantize_linear(linear: nn.Linear, method: str) -> QuantizedLinear | None:
+    """``linear`` as a QuantizedLinear in its own dtype, or None where ATen's kernel does not take its
+    shape (``int4_group``, INT8_BF16_IN_MULTIPLE)."""
+    weight, dtype = linear.weight, linear.weight.dtype
+    if method == "int8":
+        if dtype == torch.bfloat16 and linear.in_features % INT8_BF16_IN_MULTIPLE:
+            return None
+        return QuantizedLinear.from_int8(*quantize_int8(weight, dtype), linear.bias)
+    group = int4_group(linear.out_features, linear.in_features)
+    if group is None:
+        return None
+    return QuantizedLinear.from_int4(*quantize_int4(weight, group, dtype), linear.bias)
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """A QuantizedLinear, or one a LoRA wrapper holds (session/model/lora.py ``LoRALinear.base``)."""
+    return isinstance(getattr(module, "base", module), QuantizedLinear)
+
+
+# ------------------------------------------------------------------ the model
+
+
+def choose_kernel(method: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel ``method`` runs on ``device`` (a KERNELS value); ConfigError where there is none:
+    CUDA without torchao, int4 on CUDA in a dtype other than bfloat16, another device type."""
+    if method not in METHODS[1:]:
+        raise ConfigError(f"RESIDENT_QUANTIZATION must be none, int8 or int4, got {method!r}")
+    if device.type == "cuda":
+        try:
+            importlib.import_module("torchao.quantization")
+        except ImportError:
+            raise ConfigError(f"RESIDENT_QUANTIZATION={method} on CUDA runs torchao's kernels, and torchao is not "
+                              "installed: pip install torchao (the 'cuda' extra), or set RESIDENT_QUANTIZATION=none") from None
+        if method == "int4" and dtype != torch.bfloat16:
+            raise ConfigError(f"RESIDENT_QUANTIZATION=int4 on CUDA: torchao's int4 weight-only kernels take bfloat16 "
+                              f"weights, not {dtype}; set RESIDENT_DTYPE=bfloat16 (CUDA's auto) or use int8")
+    elif device.type != "cpu":
+        raise ConfigError(f"RESIDENT_QUANTIZATION={method} runs on CPU (ATen's kernels) or CUDA (torchao's), "
+                          f"not {device.type}; set RESIDENT_QUANTIZATION=none")
+    return KERNELS[(method, device.type)]
+
+
+def target_linears(layers: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) for every ``nn.Linear`` inside the decoder layers, each once."""
+    found: dict[int, tuple[nn.Module, str, nn.Linear]] = {}
+    for layer in layers:
+        for parent in layer.modules():
+            for name, child in parent.named_children():
+                if type(child) is nn.Linear:
+                    found[id(child)] = (parent, name, child)
+    return list(found.values())
+
+
+def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: str,
+                            device: torch.device) -> QuantizationReport:
+    """Quantize the linears of ``layers`` (the language model's decoder layers, inside ``model``) with
+    ``method`` (int8 or int4), in place, by the kernel ``choose_kernel`` picks for ``device``."""
+    targets = target_linears(layers)
+    dtype = targets[0][2].weight.dtype if targets else torch.float32
+    kernel = choose_kernel(method, device, dtype)
+    before = model_bytes(model)
+    if device.type == "cuda":
+        num_linears, groups = quantize_with_torchao(model, [linear for _, _, linear in targets], method)
+    else:
+        num_linears, groups = replace_linears(targets, method)
+    return QuantizationReport(method, kernel, num_linears, len(targets) - num_linears, groups, before,
+                              model_bytes(model))
+
+
+def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str) -> tuple[int, tuple[int, ...]]:
+    """CPU: each target replaced by its QuantizedLinear in its parent (its float weight then freed);
+    (how many, the int4 group sizes used)."""
+    count, groups = 0, set()
+    for parent, name, linear in targets:
+        quantized = quantize_linear(linear, method)
+        if quantized is not None:
+            setattr(parent, name, quantized)
+            count += 1
+            groups.add(quantized.group_size)
+    return count, tuple(sorted(groups - {0}, reverse=True))
+
+
+def quantize_with_torchao(model: nn.Module, linears: list[nn.Linear], method: str) -> tuple[int, tuple[int, ...]]:
+    """CUDA: torchao's ``quantize_`` on exactly ``linears`` (its filter picks them by identity; int4
+    once per group size, shapes no group fits left float); (how many, the int4 group sizes used)."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    if method == "int8":
+        chosen = {id(linear) for linear in linears}
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, fqn: id(module) in chosen)
+        return len(chosen), ()
+    count, used = 0, []
+    for group in INT4_GROUP_SIZES:
+        chosen = {id(linear) for linear in linears if int4_group(linear.out_features, linear.in_features) == group}
+        if chosen:
+            quantize_(model, Int4WeightOnlyConfig(group_size=group),
+                      filter_fn=lambda module, fqn, chosen=chosen: id(module) in chosen)
+            count += len(chosen)
+            used.append(group)
+    return count, tuple(used)
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``model``, each storage once (a head tied to the
+    embeddings counts once); a tensor subclass (torchao's) by the plain tensors it holds."""
+    storages: dict[int, int] = {}  # storage data pointer -> its bytes
+    for tensor in chain(model.parameters(), model.buffers()):
+        for plain in plain_tensors(tensor):
+            storage = plain.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors behind ``tensor``: itself, or a traceable subclass's inner tensors."""
+    if not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [plain for name in names for plain in plain_tensors(getattr(tensor, name))]
