@@ -131,6 +131,9 @@ class FakeRunner:
     def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = ()) -> None:
         pass  # the fake decodes row by row whatever the setting
 
+    def capture_decode_graphs(self, block_tokens: int, max_tokens: int) -> int:
+        return 0  # no CUDA graphs
+
     def enable_lora(self, num_slots: int, max_rank: int):
         return self.bank, {(0, "q_proj"): (1, 1)}
 

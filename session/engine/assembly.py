@@ -86,8 +86,10 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     adapters = admin.build_adapter_registry(config, runner, journal)
     speculator = _speculator(config, runner, tokenizer)
     if not config.static_kv:
-        _configure_paged_kv(config, [runner] + ([speculator.draft] if speculator and speculator.draft else []),
-                            budget, max_context)
+        paged = [runner] + ([speculator.draft] if speculator and speculator.draft else [])
+        _configure_paged_kv(config, paged, budget, max_context)
+        for each in paged:  # CUDA graphs: all at start-up, after the pools are reserved (none mid-serving)
+            each.capture_decode_graphs(config.kv_block_tokens, max_context)
 
     def images_from_bytes(raw: bytes) -> Images:
         from session.families.image_decode import decode_bytes

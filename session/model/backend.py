@@ -70,6 +70,9 @@ class ModelBackend(Stepper, Protocol):
     def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = ()) -> None:
         ...
 
+    def capture_decode_graphs(self, block_tokens: int, max_tokens: int) -> int:
+        ...
+
     def enable_lora(self, num_slots: int, max_rank: int):
         ...
 

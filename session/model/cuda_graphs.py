@@ -12,8 +12,9 @@ memory pool shared by all graphs, so nothing is allocated on the device per step
 logits handed back (a copy: the graph's output buffer is overwritten by the next replay).
 
 Graphs hold the base model: a step with LoRA rows runs eagerly (the adapter mix is host state).
-A pool that grew (session/model/kv_cache.py; not on CUDA, where the pool is reserved from the budget)
-moved its tensors, so every graph is captured again.
+Every graph is captured at start-up (``capture_all``), largest first; a step whose graph is missing
+captures it then. A pool that grew (session/model/kv_cache.py; not on CUDA, where the pool is
+reserved from the budget) moved its tensors, so every graph is captured again.
 
 Everything is on the model's device, named, never "the current device": every graph is captured,
 after a warm-up, on one side stream of that device, so that a process serving cuda:1 captures its
@@ -21,7 +22,8 @@ kernels there rather than on a stream of GPU 0 (torch.cuda.graph's own stream, m
 device, would capture nothing of cuda:1's work: an empty graph, stale logits on every replay). A
 replay, the copy of its plan and of its logits run on that device's current stream, in that order.
 
-Who calls this: ``ModelRunner.decode`` on the engine loop thread, CUDA only.
+Who calls this: ``ModelRunner.decode`` on the engine loop thread, and ``capture_all`` at start-up on
+that same thread; CUDA only.
 """
 
 from __future__ import annotations
@@ -68,6 +70,21 @@ class DecodeGraphs:
         # stream (cuBLAS workspaces) is the state the capture finds
         self.stream = torch.cuda.Stream(runner.device)
         self.pool_address = None  # the pool tensors the graphs were captured over
+
+    def capture_all(self, pool: BlockPool, max_tokens: int) -> int:
+        """Capture every graph a step can need, at start-up: each batch bucket with each block-table bucket
+        up to ``max_tokens`` (a session's context window), largest first, so the shared memory pool is
+        sized once by the largest graph and the smaller ones fit in it; no step captures mid-serving (a
+        capture synchronizes the device and empties its cache: a stall for every request in flight).
+        Returns the number captured. Who calls this: ``ModelRunner.capture_decode_graphs``, from
+        ``assemble``, after the pool is reserved (a pool that moves later is captured again)."""
+        self.graphs.clear()
+        self.pool_address = pool.k.data_ptr()
+        block_buckets = power_buckets(-(-max_tokens // pool.block_tokens))
+        for num_rows in sorted(self.batch_buckets, reverse=True):
+            for num_blocks in sorted(block_buckets, reverse=True):
+                self.graphs[(num_rows, num_blocks)] = self._capture(pool, num_rows, num_blocks)
+        return len(self.graphs)
 
     def fits(self, kvs: list[PagedKVCache]) -> bool:
         return graph_key(kvs, self.batch_buckets) is not None

@@ -211,6 +211,16 @@ class ModelRunner:
             num_image_tokens=num_image_tokens,
         )
 
+    def capture_decode_graphs(self, block_tokens: int, max_tokens: int) -> int:
+        """RESIDENT_ATTENTION=cuda_graphs: every decode graph captured now (session/model/cuda_graphs.py,
+        ``DecodeGraphs.capture_all``); the number captured, 0 on any other path."""
+        graphs = getattr(self.path, "graphs", None)
+        if graphs is None:
+            return 0
+        count = graphs.capture_all(self.kv_pool(block_tokens), max_tokens)
+        logger.info("captured %d CUDA graphs of the decode step at start-up", count)
+        return count
+
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
         """A session's cache: blocks of this runner's pool, or (``static``) one whole fixed buffer."""
         if static:

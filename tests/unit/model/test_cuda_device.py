@@ -237,3 +237,20 @@ def test_the_warm_up_waits_for_the_plan_and_the_device_waits_for_the_warm_up(cud
                      ("wait_stream", ("current", 1), ("side", 1))]  # what the warm-up wrote (the padding block)
     stream_order = [call[0] for call in cuda.calls if call[0] in ("wait_stream", "stream", "graph")]
     assert stream_order == ["wait_stream", "stream", "wait_stream", "graph"]
+
+
+def test_every_graph_is_captured_at_start_up_largest_first_and_none_mid_serving(cuda, cpu_tensors):
+    runner = FakeRunner(cuda)
+    graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4))
+    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                     block_tokens=4, num_blocks=8)
+    assert graphs.capture_all(pool, max_tokens=16) == 9  # 3 batch buckets x block tables of 1, 2, 4 blocks
+    assert list(graphs.graphs) == [(4, 4), (4, 2), (4, 1), (2, 4), (2, 2), (2, 1), (1, 4), (1, 2), (1, 1)]
+    captures = len([call for call in cuda.calls if call[0] == "graph"])
+    kvs = [pool.new_cache(16) for _ in range(3)]
+    for kv in kvs:
+        kv.ensure_capacity(6)  # two blocks each
+    graphs.run(kvs, [5, 6, 7])  # 3 rows -> the 4-row graph: replayed, not captured
+    graphs.run(kvs[:1], [5])
+    assert len([call for call in cuda.calls if call[0] == "graph"]) == captures == 9
+    assert [call for call in cuda.calls if call[0] == "replay"] == [("replay", "current")] * 2
