@@ -99,7 +99,8 @@ def error_line(run: Run) -> str:
 def assert_it_started_torchserve_and_left_nothing(run: Run, num_instances: int) -> None:
     frontends = [pid for pid, cmd in run.commands.items() if "org.pytorch.serve.ModelServer" in cmd]
     assert len(frontends) == num_instances, run.commands
-    assert any("model_service_worker" in cmd for cmd in run.commands.values()), run.commands
+    # The worker itself is not asserted seen: it may start and die between two samples of the process
+    # tree (its error line and traceback, asserted by the callers, are what it leaves).
     gone, alive = psutil.wait_procs(list(run.started.values()), timeout=5)
     assert alive == [], [(p.pid, run.commands[p.pid]) for p in alive]
 
