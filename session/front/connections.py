@@ -173,10 +173,6 @@ class GuardedSite(web.BaseSite):
         self._server = await loop.create_server(lambda: _Guarded(server, self.guard), self._host, self._port,
                                                 backlog=self._backlog, reuse_address=True)
 
-    @property
-    def port(self) -> int:
-        return self._server.sockets[0].getsockname()[1]
-
 
 class ClientLimiter:
     """Requests in flight per client address; ``admit`` raises TooManyRequests (429) past the limit (0: none)."""
