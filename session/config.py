@@ -55,6 +55,9 @@ class EngineConfig:
     # Image embeddings in host memory; past it the least recently used whose image bytes are kept or
     # journaled lose their tensor (re-encoded on their next prefill: session/state/embeddings.py). 0 = no bound.
     max_embedding_bytes: int = 1 << 30
+    # Shared KV prefixes (session/model/prefix_cache.py): idle published blocks (finished stateless requests,
+    # closed sessions) kept at most this many bytes, inside any device budget; 0 = no sharing at all.
+    prefix_cache_bytes: int = 1 << 30
     max_session_tokens: int = 0  # per-session transcript cap; 0 = the context window
     journal_dir: str = ""  # crash-recovery journal (e.g. /dev/shm/resident-journal); "" = off
     journal_max_bytes: int = 32 << 20  # the journal's cap (Docker's /dev/shm is 64 MiB); 0 = none
@@ -110,7 +113,7 @@ class EngineConfig:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
         for name in ("max_context_tokens", "threads", "device_budget_bytes", "host_budget_bytes",
                      "max_session_tokens", "max_device_adapters", "max_host_adapters", "journal_max_bytes",
-                     "journal_session_max_bytes", "max_embedding_bytes"):
+                     "journal_session_max_bytes", "max_embedding_bytes", "prefix_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",

@@ -43,6 +43,16 @@ def build_adapter_registry(config, runner, journal: Journal | None):
     return registry
 
 
+def prefix_salt(registry):
+    """Adapter name (or None) -> the salt of its KV blocks' keys (session/model/prefix_cache.py): the
+    base model's blocks are unsalted, an adapter's carry its registration (``AdapterRegistry.cache_key``)."""
+    def salt(name: str | None) -> bytes:
+        if name is None:
+            return b""
+        return registry_or_404(registry, name).cache_key(name)
+    return salt
+
+
 def registry_or_404(registry, name: str):
     if registry is None:
         raise AdapterNotFound(f"adapter {name!r}: adapters are disabled on this server "

@@ -22,6 +22,7 @@ from session.engine.scheduler import Scheduler
 from session.errors import BadRequest, ConfigError
 from session.families.vision import NO_IMAGES, ImagePreprocessor, Images
 from session.model.backend import ModelBackend, Stepper
+from session.model.kv_cache import PoolAccounts
 from session.model.runner import ModelRunner, select_device
 from session.state.embeddings import EmbeddingCache
 from session.state.journal import Journal
@@ -80,16 +81,20 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time)
     embeddings = EmbeddingCache(max_bytes=config.max_embedding_bytes)
     budget = device_budget(config, runner)
-    memory = MemoryManager(device_budget_bytes=budget, host_budget_bytes=config.host_budget_bytes, store=store)
     journal = Journal(config.journal_dir, config.journal_max_bytes,
                       config.journal_session_max_bytes) if config.journal_dir else None
     adapters = admin.build_adapter_registry(config, runner, journal)
     speculator = _speculator(config, runner, tokenizer)
+    blocks = None
     if not config.static_kv:
         paged = [runner] + ([speculator.draft] if speculator and speculator.draft else [])
         _configure_paged_kv(config, paged, budget, max_context)
         for each in paged:  # CUDA graphs: all at start-up, after the pools are reserved (none mid-serving)
             each.capture_decode_graphs(config.kv_block_tokens, max_context)
+        blocks = PoolAccounts([each.kv_pool(config.kv_block_tokens) for each in paged])
+    memory = MemoryManager(device_budget_bytes=budget, host_budget_bytes=config.host_budget_bytes, store=store,
+                           blocks=blocks)
+    share_block_tokens = config.kv_block_tokens if blocks is not None and config.prefix_cache_bytes else 0
 
     def images_from_bytes(raw: bytes) -> Images:
         from session.families.image_decode import decode_bytes
@@ -98,7 +103,8 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
 
     caches = SessionCaches(runner, speculator, config.kv_block_tokens, max_context, config.static_kv)
     sessions = Sessions(store=store, memory=memory, embeddings=embeddings, journal=journal, runner=runner,
-                        caches=caches, images_from_bytes=images_from_bytes)
+                        caches=caches, images_from_bytes=images_from_bytes, share_block_tokens=share_block_tokens,
+                        prefix_salt=admin.prefix_salt(adapters))
     stepper = _stepper(config, runner, max_context)
     executor = Executor(runner=runner, stepper=stepper, formatter=formatter, sessions=sessions, adapters=adapters,
                         speculator=speculator, config=config, max_context=max_context, thread_tuner=thread_tuner)
@@ -181,14 +187,17 @@ def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget
 
     for runner in runners:
         runner.configure_decode(config.attention, power_buckets(config.max_batch_size))
+    pools = [runner.kv_pool(config.kv_block_tokens) for runner in runners]
+    for pool in pools:  # idle shared blocks: at most prefix_cache_bytes (the budget may evict them sooner)
+        pool.prefix.max_idle_blocks = config.prefix_cache_bytes // pool.block_nbytes
     if budget <= 0:
         return
-    pools = [runner.kv_pool(config.kv_block_tokens) for runner in runners]
     token_nbytes = sum(pool.token_nbytes for pool in pools)
     most_blocks = config.max_sessions * -(-max_context // config.kv_block_tokens)
     for pool in pools:
         share = budget * pool.token_nbytes // token_nbytes
         pool.reserve(1 + min(share // pool.block_nbytes, most_blocks))  # + the padding block
+        pool.fixed = True  # full: idle shared blocks are evicted, the pool never grows
 
 
 def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):

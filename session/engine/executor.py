@@ -58,6 +58,7 @@ class Executor:
         mrope = {} if positions is None else {"positions": positions}  # only M-RoPE models take positions
         logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot, **mrope)
         self.sessions.commit_turn(seq.turn, new_ids)
+        self.sessions.publish(session)  # its prompt's full blocks, for the next request that shares them
         self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
         self.num_cached_tokens += seq.cached_tokens
         if self.speculator is not None and request.speculative:

@@ -344,6 +344,8 @@ class Engine:
             self.parts.adapters.release(session.adapter)
             seq.adapter_slot = 0
         if self.parts.sessions.is_live(session):
+            if isinstance(event, Finished):
+                self.parts.sessions.publish(session)  # the answer's blocks too, before any forget
             if session.ephemeral or (session.num_turns == 0 and seq.request.open_session):
                 self.parts.sessions.forget(session, "closed")  # nobody can continue it
             else:

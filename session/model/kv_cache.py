@@ -19,8 +19,17 @@ Static (the fixed-shape path, session/model/static_shapes.py): ``StaticKVCache``
 static-shape compiler (NeuronCore, torch.compile without dynamic shapes) needs.
 
 Both answer the interface the engine uses: ``length``, ``nbytes``, ``capacity``, ``capacity_for``,
-``ensure_capacity``, ``write``, ``keys``, ``values``, ``crop``, ``release``, and for the host tier
-(session/state/memory.py) ``to_host`` / ``load``.
+``ensure_capacity``, ``write``, ``keys``, ``values``, ``crop``, ``release``, for the host tier
+(session/state/memory.py) ``to_host`` / ``load``, and for the shared prefix cache ``share_prefix`` /
+``publish`` (a static cache shares nothing).
+
+Sharing (paged only): the pool counts each block's holders. A full block a cache has written can be
+published under its content key (session/model/prefix_cache.py); another cache then holds the same
+block as its own prefix (``share_prefix``) instead of recomputing it. A published or multiply held
+block is never written again: caches write only past their length, and ``crop`` copies such a block
+before cutting into it. A published block no cache holds is idle: kept, least recently used first,
+until the pool needs it (a ``fixed`` pool, sized from a budget), the idle cap, or the memory manager
+evicts it.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from session.model.prefix_cache import PrefixTable
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +68,10 @@ class BlockPool:
         self.k = self._empty(max(num_blocks, 1))
         self.v = self._empty(max(num_blocks, 1))
         self.free_ids = list(range(self.num_blocks - 1, PAD_BLOCK, -1))  # popped from the end: lowest id first
+        self.refs = [0] * self.num_blocks  # block -> caches holding it (the padding block: 0 forever)
+        self.num_held = 0  # blocks with refs > 0
+        self.prefix = PrefixTable()  # published blocks by content key (session/model/prefix_cache.py)
+        self.fixed = False  # sized from a device budget: full means evict idle blocks, never grow
         self.num_grows = 0  # pool copies so far (CUDA graphs captured over the old pool are stale after one)
 
     def _empty(self, num_blocks: int) -> torch.Tensor:
@@ -85,15 +100,106 @@ class BlockPool:
         return PagedKVCache(self, max_tokens=max_tokens)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """``num_blocks`` free block ids (growing the pool if it has too few)."""
+        """``num_blocks`` free block ids, each now held once. Short of free blocks, a ``fixed`` pool
+        evicts idle published blocks (least recently used first); any other grows."""
+        if num_blocks > len(self.free_ids) and self.fixed:
+            self._free_evicted(num_blocks - len(self.free_ids))
         if num_blocks > len(self.free_ids):
             self.reserve(max(2 * self.num_blocks, self.num_blocks + num_blocks - len(self.free_ids)))
         taken = self.free_ids[len(self.free_ids) - num_blocks:][::-1]
         del self.free_ids[len(self.free_ids) - num_blocks:]
+        for block in taken:
+            self.refs[block] = 1
+        self.num_held += num_blocks
         return taken
 
     def free(self, block_ids: list[int]) -> None:
-        self.free_ids.extend(sorted(block_ids, reverse=True))
+        """Drop one hold on each block. A block no cache holds any more is free again, or, if it is
+        published, idle: kept for a later ``lookup`` until evicted. A table's tail goes idle before its
+        head, so eviction takes a chain's last blocks first (its head is what other requests share)."""
+        freed = []
+        for block in reversed(block_ids):
+            self.refs[block] -= 1
+            assert self.refs[block] >= 0, f"block {block} freed more often than it was held"
+            if self.refs[block]:
+                continue
+            self.num_held -= 1
+            if block in self.prefix.key_of:
+                self.prefix.idle[block] = None
+                self.prefix.idle.move_to_end(block)
+            else:
+                freed.append(block)
+        self.free_ids.extend(sorted(freed, reverse=True))
+        cap = self.prefix.max_idle_blocks
+        if cap is not None and len(self.prefix.idle) > cap:
+            self._free_evicted(len(self.prefix.idle) - cap)
+
+    # ---- sharing: blocks published by content key (session/model/prefix_cache.py)
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The published blocks of the longest prefix of ``keys``, each now held once more."""
+        found = []
+        for key in keys:
+            block = self.prefix.block_of.get(key)
+            if block is None:
+                break
+            if self.refs[block] == 0:
+                self.prefix.idle.pop(block)
+                self.num_held += 1
+            self.refs[block] += 1
+            found.append(block)
+        self.prefix.num_hit_blocks += len(found)
+        return found
+
+    def publish(self, block_ids: list[int], keys: list[bytes]) -> int:
+        """Publish full, written blocks under their keys (the ones not yet published); how many were."""
+        return sum(self.prefix.publish(block, key) for block, key in zip(block_ids, keys))
+
+    def is_shared(self, block: int) -> bool:
+        """May another cache read this block (published, or held more than once)? Then no cache
+        writes into it: ``PagedKVCache.crop`` copies it first."""
+        return self.refs[block] > 1 or block in self.prefix.key_of
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for pool in (self.k, self.v):
+            pool.select(self.block_dim, dst).copy_(pool.select(self.block_dim, src))
+
+    def evict_idle_bytes(self, num_bytes: int) -> int:
+        """Evict idle blocks, least recently used first, until ``num_bytes`` are freed or none is left
+        idle; the bytes freed."""
+        return len(self._free_evicted(-(-num_bytes // self.block_nbytes))) * self.block_nbytes
+
+    def _free_evicted(self, num_blocks: int) -> list[int]:
+        evicted = self.prefix.evict(num_blocks)
+        self.free_ids.extend(sorted(evicted, reverse=True))
+        return evicted
+
+    def check(self, tables: list[list[int]]) -> list[str]:
+        """Violations of the pool's invariant, given every block table that holds its blocks: each
+        block's ref count equals its holders; a free block is neither held nor published; an idle
+        block is published and held by none; no held block is free."""
+        holders = [0] * self.num_blocks
+        for table in tables:
+            for block in table:
+                holders[block] += 1
+        problems = [f"block {b}: {self.refs[b]} refs, {holders[b]} holders" for b in range(self.num_blocks)
+                    if self.refs[b] != holders[b]]
+        free = set(self.free_ids)
+        if len(free) != len(self.free_ids) or PAD_BLOCK in free:
+            problems.append("the free list repeats a block or holds the padding block")
+        problems += [f"block {b}: free but held or published" for b in free
+                     if holders[b] or b in self.prefix.key_of]
+        problems += [f"block {b}: idle but held or unpublished" for b in self.prefix.idle
+                     if holders[b] or b not in self.prefix.key_of]
+        unaccounted = self.num_blocks - 1 - len(free) - len(self.prefix.idle) - sum(1 for h in holders if h)
+        if unaccounted or self.num_held != sum(1 for h in holders if h):
+            problems.append(f"{unaccounted} blocks neither free, idle nor held; num_held {self.num_held}")
+        return problems
+
+    def usage(self) -> dict[str, int]:
+        """Blocks by kind: "pinned" (held by one cache), "shared" (by several), "cached" (idle)."""
+        shared = sum(1 for r in self.refs if r > 1)
+        return {"pinned": self.num_held - shared, "shared": shared, "cached": len(self.prefix.idle)}
 
     def reserve(self, num_blocks: int) -> None:
         """Grow to at least ``num_blocks`` blocks (the padding block included); a no-op when it holds that many."""
@@ -108,6 +214,7 @@ class BlockPool:
         v.narrow(self.block_dim, 0, old).copy_(self.v)
         self.k, self.v = k, v
         self.free_ids[:0] = range(num_blocks - 1, old - 1, -1)  # new ids go after (taken after) the old free ones
+        self.refs += [0] * (num_blocks - old)
         self.num_grows += 1
 
     def slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
@@ -195,6 +302,40 @@ class BlockPool:
                 self._flat(pool)[:, slots] = saved.transpose(1, 2).to(self.device)
 
 
+class PoolAccounts:
+    """The bytes of several pools (a target's and its draft's) for the memory manager
+    (session/state/memory.py): held (by any cache, a shared block once), idle, and by kind."""
+
+    def __init__(self, pools: list[BlockPool]):
+        self.pools = pools
+
+    def held_bytes(self) -> int:
+        return sum(p.num_held * p.block_nbytes for p in self.pools)
+
+    def idle_bytes(self) -> int:
+        return sum(len(p.prefix.idle) * p.block_nbytes for p in self.pools)
+
+    def evict_idle_bytes(self, num_bytes: int) -> int:
+        freed = 0
+        for pool in self.pools:
+            if freed < num_bytes:
+                freed += pool.evict_idle_bytes(num_bytes - freed)
+        return freed
+
+    def usage_bytes(self) -> dict[str, int]:
+        """"pinned" (held by one cache), "shared" (by several, counted once), "cached" (idle) bytes."""
+        out = {"pinned": 0, "shared": 0, "cached": 0}
+        for pool in self.pools:
+            for kind, blocks in pool.usage().items():
+                out[kind] += blocks * pool.block_nbytes
+        return out
+
+    def counters(self) -> dict[str, int]:
+        return {"hit_blocks": sum(p.prefix.num_hit_blocks for p in self.pools),
+                "evicted_blocks": sum(p.prefix.num_evicted for p in self.pools),
+                "published_blocks": sum(len(p.prefix) for p in self.pools)}
+
+
 class PagedKVCache:
     """One session's keys and values: its block table into a ``BlockPool``. Who calls this: the
     engine loop thread (model runner, sessions, memory manager), never two threads at once."""
@@ -272,9 +413,39 @@ class PagedKVCache:
             index = last + 1
         return out
 
+    def share_prefix(self, keys: list[bytes]) -> int:
+        """Hold the pool's published blocks of the longest prefix of ``keys`` (block keys of the
+        sequence about to be prefilled, session/model/prefix_cache.py) as this empty cache's first
+        blocks; returns the tokens they hold (its new ``length``). They are read, never written: a
+        cache writes only at its ``length`` and on, and ``crop`` copies a shared block it cuts into."""
+        assert self.length == 0 and not self.block_ids, "share_prefix() takes an empty cache"
+        self.block_ids = self.pool.lookup(keys)
+        self.length = len(self.block_ids) * self.block_tokens
+        return self.length
+
+    def publish(self, keys: list[bytes]) -> int:
+        """Publish this cache's full, written blocks under ``keys`` (one per block from the first) so
+        that other caches' ``share_prefix`` finds them; how many were newly published."""
+        full = min(len(keys), self.length // self.block_tokens)
+        return self.pool.publish(self.block_ids[:full], keys[:full])
+
     def crop(self, length: int) -> None:
-        """Forget positions from ``length`` on (the blocks stay held)."""
+        """Forget positions from ``length`` on. Private blocks stay held; from the first block past the
+        kept full ones that is shared (published or held elsewhere) on, blocks are given back, and a
+        shared block that ``length`` cuts into is first copied to a private one (copy-on-write), so
+        that writing there never changes what another cache reads."""
         self.length = min(self.length, length)
+        size, keep = self.block_tokens, self.length // self.block_tokens
+        cut = next((i for i in range(keep, len(self.block_ids)) if self.pool.is_shared(self.block_ids[i])), None)
+        if cut is None:
+            return
+        tail = self.block_ids[cut:]
+        self.block_ids = self.block_ids[:cut]
+        if cut == keep and self.length % size:  # the partly kept block: its kept positions, copied
+            [copy] = self.pool.allocate(1)
+            self.pool.copy_block(tail[0], copy)
+            self.block_ids.append(copy)
+        self.pool.free(tail)
 
     def release(self) -> None:
         """Give every block back to the pool; a later ``ensure_capacity`` takes blocks again."""
@@ -350,6 +521,13 @@ class StaticKVCache:
 
     def values(self, layer: int, end: int) -> torch.Tensor:
         return self.v[layer, :, :end]
+
+    def share_prefix(self, keys: list[bytes]) -> int:
+        """A whole buffer per session shares nothing: 0 tokens."""
+        return 0
+
+    def publish(self, keys: list[bytes]) -> int:
+        return 0
 
     def crop(self, length: int) -> None:
         """Forget positions from ``length`` on (the buffers stay allocated)."""

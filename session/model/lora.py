@@ -328,6 +328,7 @@ class AdapterInfo:
     host: AdapterWeights | None = None  # loaded weights (host tier), or None until first use
     slot: int = 0  # device slot, 0 = not on the device
     num_running: int = 0  # requests using it now: never evicted under them
+    uid: int = 0  # this registration's number: a name registered again (other weights) gets another
 
     @property
     def tier(self) -> str:
@@ -356,6 +357,16 @@ class AdapterRegistry:
         self.num_loads_from_disk = 0
         self.num_loads_to_device = 0
         self.num_device_evictions = 0
+        self._registrations = 0  # AdapterInfo.uid of the last registration
+
+    def _info(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
+        self._registrations += 1
+        info = self._adapters[name] = AdapterInfo(name=name, path=path, pinned=pinned, uid=self._registrations)
+        return info
+
+    def cache_key(self, name: str) -> bytes:
+        """What keys this adapter's KV blocks apart from any other's, a re-registration's included."""
+        return f"adapter:{name}#{self.get(name).uid}".encode()
 
     def __contains__(self, name: str) -> bool:
         return name in self._adapters
@@ -366,7 +377,7 @@ class AdapterRegistry:
         for path in sorted(Path(directory).iterdir()) if Path(directory).is_dir() else []:
             if (path / "adapter_config.json").is_file() and path.name not in self._adapters:
                 if ADAPTER_NAME_RE.fullmatch(path.name):
-                    self._adapters[path.name] = AdapterInfo(name=path.name, path=str(path))
+                    self._info(path.name, str(path))
                     found.append(path.name)
         return found
 
@@ -378,7 +389,7 @@ class AdapterRegistry:
             raise AdapterInUse(f"adapter {name!r} is already registered; unregister it first")
         path = self.resolve_src(src)
         weights = self._load(name, path)  # validates before changing anything
-        info = self._adapters[name] = AdapterInfo(name=name, path=str(path), pinned=pinned)
+        info = self._info(name, str(path), pinned)
         self._keep_on_host(info, weights)
         if pinned:
             self.acquire(name)

@@ -27,6 +27,7 @@ class EmbeddingEntry:
     tensor: torch.Tensor | None = None  # [num_image_tokens, hidden] on the host, or None until computed
     refs: int = 0  # image occurrences in live sessions and running requests
     grid: tuple[int, int, int] | None = None  # Qwen-VL: the image's (t, h, w) patch grid, set with the tensor
+    num_tokens: int | None = None  # placeholder tokens the image expands to (kept like the grid), None until known
 
     @property
     def nbytes(self) -> int:
@@ -76,8 +77,14 @@ class EmbeddingCache:
     def store(self, digest: str, tensor: torch.Tensor, grid: tuple[int, int, int] | None = None) -> None:
         """An acquired image's encoding (host tensor) and grid, now its most recently used."""
         entry = self._entries[digest]
-        entry.tensor, entry.grid = tensor, grid
+        entry.tensor, entry.grid, entry.num_tokens = tensor, grid, tensor.shape[0]
         self._entries.move_to_end(digest)
+
+    def describe(self, digest: str, num_tokens: int, grid: tuple[int, int, int] | None) -> None:
+        """What an acquired image's preprocessing says of it (its placeholder count and grid), known
+        before (or without) its encoding: a prefill whose shared prefix covers the image never encodes it."""
+        entry = self._entries[digest]
+        entry.num_tokens, entry.grid = num_tokens, entry.grid or grid
 
     def use(self, digest: str) -> torch.Tensor:
         """The stored tensor, read for a prefill: it becomes the most recently used."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Protocol
 
 from session.errors import CapacityExceeded
 from session.state.session import SessionState, Tier
@@ -23,11 +24,24 @@ from session.state.store import SessionStore
 logger = logging.getLogger(__name__)
 
 
+class BlockAccounts(Protocol):
+    """The paged pools' bytes (session/model/kv_cache.py, ``PoolAccounts``): what sessions hold, each
+    shared block counted once, and the idle published blocks kept for sharing."""
+
+    def held_bytes(self) -> int: ...
+
+    def idle_bytes(self) -> int: ...
+
+    def evict_idle_bytes(self, num_bytes: int) -> int: ...
+
+
 class MemoryManager:
-    def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, store: SessionStore):
+    def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, store: SessionStore,
+                 blocks: BlockAccounts | None = None):
         self.device_budget_bytes = device_budget_bytes  # 0: unlimited
         self.host_budget_bytes = host_budget_bytes  # 0: no host tier (demotion drops)
         self.store = store
+        self.blocks = blocks  # paged KV: the pools' own count (shared blocks once); None: sum the sessions
         self.num_to_host = 0
         self.num_dropped = 0
         self.num_restored_from_host = 0
@@ -36,7 +50,15 @@ class MemoryManager:
 
     @property
     def device_bytes(self) -> int:
+        """KV bytes live sessions and requests hold on the device (a block several share, once)."""
+        if self.blocks is not None:
+            return self.blocks.held_bytes()
         return sum(s.device_bytes for s in self.store.all_sessions())
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of idle shared-prefix blocks: inside the budget, evicted before any session is demoted."""
+        return self.blocks.idle_bytes() if self.blocks is not None else 0
 
     @property
     def host_bytes(self) -> int:
@@ -50,15 +72,18 @@ class MemoryManager:
         if num_bytes > self.device_budget_bytes:
             raise CapacityExceeded(f"this turn needs {num_bytes} bytes of KV cache; the device budget is "
                                    f"{self.device_budget_bytes}", retry_after_s=5)
-        used = self.device_bytes
+        used = self.device_bytes + self.idle_bytes
         while used + num_bytes > self.device_budget_bytes:
-            victim = _least_recent(s for s in self.store.all_sessions()
-                                   if s is not session and s.tier is Tier.DEVICE and not s.busy and s.device_bytes)
-            if victim is None:
-                raise CapacityExceeded("device memory for sessions is full and every resident session is in a "
-                                       "request; retry shortly", retry_after_s=1)
-            used -= victim.device_bytes
-            self.demote(victim)
+            if self.idle_bytes:  # cached prefixes go first: they are only cache, sessions are promises
+                self.blocks.evict_idle_bytes(used + num_bytes - self.device_budget_bytes)
+            else:
+                victim = _least_recent(s for s in self.store.all_sessions() if s is not session
+                                       and s.tier is Tier.DEVICE and not s.busy and s.device_bytes)
+                if victim is None:
+                    raise CapacityExceeded("device memory for sessions is full and every resident session is "
+                                           "in a request; retry shortly", retry_after_s=1)
+                self.demote(victim)  # frees its own blocks; blocks it shared stay (or turn idle)
+            used = self.device_bytes + self.idle_bytes
 
     def note_usage(self) -> None:
         """Called after the device holdings changed; keeps the peak for tests and metrics."""

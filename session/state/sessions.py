@@ -36,7 +36,8 @@ from session.errors import BadRequest, CapacityExceeded, InvalidSessionId, Resid
 from session.families.mrope import segment_positions
 from session.families.vision import Images
 from session.model.backend import ModelBackend
-from session.model.kv_cache import KVCache
+from session.model.kv_cache import KVCache, PagedKVCache
+from session.model.prefix_cache import block_keys
 from session.state.embeddings import EmbeddingCache
 from session.state.journal import Journal, JournalEntry, check_entry, is_digest, validate_digest
 from session.state.memory import MemoryManager, kv_bytes
@@ -71,8 +72,11 @@ class Sessions:
     def __init__(self, *, store: SessionStore, memory: MemoryManager, embeddings: EmbeddingCache,
                  journal: Journal | None, runner: ModelBackend, caches: CacheMaker,
                  images_from_bytes: Callable[[bytes], Images], move_timeout_s: float = MOVE_TIMEOUT_S,
-                 max_kept_image_bytes: int = MAX_KEPT_IMAGE_BYTES):
+                 max_kept_image_bytes: int = MAX_KEPT_IMAGE_BYTES, share_block_tokens: int = 0,
+                 prefix_salt: Callable[[str | None], bytes] = lambda adapter: (adapter or "").encode()):
         self.store, self.memory, self.embeddings, self.journal = store, memory, embeddings, journal
+        self.share_block_tokens = share_block_tokens  # the paged caches' block size; 0: nothing shared
+        self.prefix_salt = prefix_salt  # adapter name -> what keys its blocks apart (session/model/prefix_cache.py)
         self.runner = runner
         self.caches = caches
         self.images_from_bytes = images_from_bytes  # encoded image -> Images of one (to recompute an embedding)
@@ -127,6 +131,8 @@ class Sessions:
                      total_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Take the turn's image references, bring the session's KV to the device sized for
         ``total_tokens`` (restoring or recomputing it), and embed what it has not cached.
+        A session with nothing cached (new, stateless, or dropped) first takes the longest shared
+        prefix of its transcript and turn from the pool's published blocks (``share_prefix``).
         Returns the embeddings to prefill [T, D] and, for an M-RoPE model, their positions [3, T]
         (else None); sets ``turn.cached_tokens`` (and ``turn.next_rope_delta``). On an exception the
         image references are given back (``turn.images_acquired`` empty) and the transcript is untouched."""
@@ -134,12 +140,20 @@ class Sessions:
         for digest in digests:
             self.embeddings.acquire(digest)
         turn.images_acquired = tuple(digests)
+        kv = session.kv
+        # the transcript is (re)computed from 0 (a host copy restores what it holds: nothing is shared then)
+        fresh = kv.length == 0 and (session.tier is not Tier.HOST or session.host_length == 0)
         try:
-            kv = session.kv
-            held = kv.nbytes if session.tier is Tier.DEVICE else 0
-            need = kv_bytes(kv, total_tokens) - held
-            draft_tokens = self.caches.draft_text_tokens(session.token_ids + new_ids) + (total_tokens - len(
-                session.token_ids) - len(new_ids))
+            for index, digest in enumerate(digests):
+                self.embeddings.describe(digest, turn.images.num_tokens[index],
+                                         turn.images.grids[index] if turn.images.grids else None)
+            ids, all_digests = session.token_ids + new_ids, session.image_digests + digests
+            if fresh and session.tier is not Tier.HOST and self.share_block_tokens:
+                kv.release()  # what a failed first prefill left (nothing written counts)
+                usable = (len(ids) - 1) // self.share_block_tokens  # at least the last token is prefilled
+                kv.share_prefix(self.block_keys(session, ids, all_digests)[:usable])
+            need = kv_bytes(kv, total_tokens) - kv.nbytes
+            draft_tokens = self.caches.draft_text_tokens(ids) + (total_tokens - len(ids))
             if session.draft_kv is not None:  # the draft reads the text only (no image placeholders)
                 need += kv_bytes(session.draft_kv, draft_tokens) - session.draft_kv.nbytes
             self.memory.reserve(session, need)
@@ -149,30 +163,71 @@ class Sessions:
             if session.tier is Tier.HOST:
                 self.memory.restore_from_host(session)
             elif session.tier is Tier.DROPPED:
-                session.tier = Tier.DEVICE  # kv.length is 0: the whole transcript is recomputed below
+                session.tier = Tier.DEVICE  # the transcript is recomputed below, past any shared prefix
                 self.memory.num_recomputed += 1
-            turn.cached_tokens = kv.length
-            # The transcript's unfed tail: normally the previous answer's last token; all of it after a drop.
-            old_digests = session.image_digests if kv.length == 0 else []
-            images = self._image_embeddings(old_digests, digests, turn.images)
-            segment = session.token_ids[kv.length:] + new_ids
-            return self.runner.embed(segment, images), self._positions(turn, segment, old_digests + digests)
+            turn.cached_tokens = start = kv.length
+            if not fresh:  # a resident follow-up: the unfed tail (the previous answer's last token) + the turn
+                segment = session.token_ids[start:] + new_ids
+                images = self._image_embeddings([], digests, turn.images)
+                return self.runner.embed(segment, images), self._positions(turn, segment, digests,
+                                                                           start + session.rope_delta)
+            # From the shared prefix's end: images wholly inside it are not embedded (nor encoded),
+            # one it cuts into gives its remaining rows.
+            first, offset = self._first_image_after(ids, all_digests, start)
+            old = len(session.image_digests)
+            images = self._image_embeddings(session.image_digests[first:], digests[max(0, first - old):],
+                                            turn.images, first_new=max(0, first - old))
+            if offset:
+                images[0] = images[0][offset:]
+            return self.runner.embed(ids[start:], images), self._positions(turn, ids, all_digests, 0, skip=start)
         except BaseException:
+            if fresh and session.tier is not Tier.DEVICE:
+                kv.release()  # a dropped or new-on-host session holds nothing, shared prefix included
             self.release_images(turn)
             raise
 
-    def _positions(self, turn: Turn, segment: list[int], digests: list[str]) -> torch.Tensor | None:
-        """M-RoPE positions of a prefill segment (None for other models): it starts at the session's
-        next position (0 when its whole transcript is recomputed), its images laid out by their grids."""
+    def block_keys(self, session: SessionState, token_ids: list[int], digests: list[str]) -> list[bytes]:
+        """The content keys of the full blocks of ``token_ids`` under the session's adapter
+        (session/model/prefix_cache.py); [] when an image's placeholder count is not known here."""
+        counts = [self.embeddings.get(d).num_tokens if d in self.embeddings else None for d in digests]
+        if None in counts:
+            return []
+        return block_keys(token_ids, self.share_block_tokens, salt=self.prefix_salt(session.adapter),
+                          image_token_id=self.runner.info.image_token_id, image_digests=digests, image_counts=counts)
+
+    def publish(self, session: SessionState) -> int:
+        """Publish the full blocks the session's KV has written of its transcript, for other
+        sessions and requests to share (after each prefill, and when an answer ends); how many."""
+        if not self.share_block_tokens or session.tier is not Tier.DEVICE:
+            return 0
+        return session.kv.publish(self.block_keys(session, session.token_ids, session.image_digests))
+
+    def _first_image_after(self, token_ids: list[int], digests: list[str], start: int) -> tuple[int, int]:
+        """The first image occurrence with a placeholder at or after ``start``, and how many of its
+        placeholders lie before ``start`` (0 when it begins there or later)."""
+        if not start or not digests:
+            return 0, 0
+        placeholders = [i for i, t in enumerate(token_ids) if t == self.runner.info.image_token_id]
+        first = 0
+        for index, digest in enumerate(digests):
+            count = self.embeddings.get(digest).num_tokens
+            if placeholders[first + count - 1] >= start:
+                return index, max(0, sum(1 for p in placeholders[first:first + count] if p < start))
+            first += count
+        return len(digests), 0
+
+    def _positions(self, turn: Turn, token_ids: list[int], digests: list[str], first_position: int,
+                   skip: int = 0) -> torch.Tensor | None:
+        """M-RoPE positions (None for other models) of ``token_ids`` laid out from ``first_position``,
+        their images by their grids, the first ``skip`` left out (a shared prefix holds them); sets the
+        rope delta the session carries once the turn commits."""
         if not self.runner.mrope:
             return None
-        session, cached = turn.session, turn.session.kv.length
-        start = cached + session.rope_delta if cached else 0
         grids = [self.embeddings.get(d).grid for d in digests]
-        positions, next_position = segment_positions(segment, self.runner.info.image_token_id, grids,
-                                                     self.runner.merge_size, start)
-        turn.next_rope_delta = next_position - (cached + len(segment))
-        return positions
+        positions, next_position = segment_positions(token_ids, self.runner.info.image_token_id, grids,
+                                                     self.runner.merge_size, first_position)
+        turn.next_rope_delta = next_position - (turn.session.kv.length - skip + len(token_ids))
+        return positions[:, skip:]
 
     def commit_turn(self, turn: Turn, new_ids: list[int]) -> None:
         """The turn's prefill ran: its prompt joins the transcript (until a rollback)."""
@@ -231,12 +286,14 @@ class Sessions:
             journal = self.journal
             self._journal_io(None, lambda: journal.remove_image(digest))
 
-    def _image_embeddings(self, old_digests: list[str], new_digests: list[str], images: Images) -> list[torch.Tensor]:
-        """Embeddings for each image occurrence (``old_digests``: the transcript's, when it is recomputed),
-        encoding only those not cached (never encoded, or evicted: re-encoded from their bytes); then the
-        cache's byte bound, sparing this prefill's images."""
+    def _image_embeddings(self, old_digests: list[str], new_digests: list[str], images: Images,
+                          first_new: int = 0) -> list[torch.Tensor]:
+        """Embeddings for each image occurrence (``old_digests``: the transcript's, when it is recomputed;
+        ``new_digests``: the turn's images from ``first_new`` on), encoding only those not cached (never
+        encoded, or evicted: re-encoded from their bytes); then the cache's byte bound, sparing this
+        prefill's images."""
         to_encode: dict[str, Images] = {}  # digest -> that one image
-        for index, digest in enumerate(new_digests):
+        for index, digest in enumerate(new_digests, start=first_new):
             if self._count_lookup(digest):
                 to_encode.setdefault(digest, images.select(index))
         for digest in old_digests:
@@ -463,7 +520,18 @@ class Sessions:
                                 f"transcript {len(session.token_ids)}")
             if session.tier is not Tier.DEVICE and session.kv.length:
                 problems.append(f"session {session.session_id}: {session.tier.value} tier but KV on the device")
-        return problems
+        return problems + self._check_blocks()
+
+    def _check_blocks(self) -> list[str]:
+        """Every paged pool's own invariant over the block tables of every live session (and draft)."""
+        pools = {id(p): p for p in getattr(self.memory.blocks, "pools", ())}
+        tables: dict[int, list[list[int]]] = {key: [] for key in pools}
+        for session in self.store.all_sessions():
+            for kv in (session.kv, session.draft_kv):
+                if isinstance(kv, PagedKVCache):
+                    pools.setdefault(id(kv.pool), kv.pool)
+                    tables.setdefault(id(kv.pool), []).append(kv.block_ids)
+        return [f"KV pool: {problem}" for key, pool in pools.items() for problem in pool.check(tables[key])]
 
 
 def _decode_images(images: object) -> dict[str, bytes]:

@@ -8,7 +8,11 @@ adapter loads. More requests run than one step takes (max_batch_size 1..3), so r
 mid-batch while others wait: the state the rotation bug needed. After every step:
 
 - the scheduler's and the sessions' own checks pass, and no session is busy without a request;
-- every device-resident session's cache holds exactly its transcript (the fake stores token ids);
+- every device-resident session's cache holds exactly its transcript (the fake stores token ids),
+  shared blocks included: prompts open with one system prompt, with the same image, and stateless
+  requests resend finished sessions' transcripts, so blocks are shared, evicted and copied on write;
+- every KV block's ref count equals the block tables holding it, and no held block is free
+  (``BlockPool.check``, inside the sessions' check);
 - no request has more than one final event.
 At the end every request has exactly one final event, and every Finished answer equals the fake
 model's greedy answer over the session's transcript as the test itself tracked it (so rolled-back
@@ -40,6 +44,7 @@ from session.types import SamplingParams
 from tests.fake_runner import FakeRunner, cache_tokens, greedy_answer
 
 NUM_SCHEDULES = 500
+SYSTEM_PROMPT = list(range(300, 321))  # a prefix many conversations open with (blocks of 8 share it)
 ADAPTERS = ("ad-a", "ad-b", "ad-c")
 CURRENT: dict = {}  # "faults": the running schedule's Faults (read by the patched adapter loader)
 
@@ -158,11 +163,19 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
         counter += 1
         prompt = [rng.randrange(3, 498) for _ in range(rng.randrange(1, 6))]
         request = dict(image_digests=(), image_bytes=())
+        opening = session_id is None or open_session
+        image_first = opening and rng.random() < 0.5  # system prompt, image, question: the image is shared too
         if rng.random() < 0.3:
             which = rng.randrange(len(images))
-            prompt += [499] * runner.info.num_image_tokens
+            placeholders = [499] * runner.info.num_image_tokens
+            prompt = placeholders + prompt if image_first else prompt + placeholders
             request = dict(images=pixels[which], image_bytes=(images[which],),
                            image_digests=(hashlib.sha256(images[which]).hexdigest(),))
+        if opening and rng.random() < 0.5:  # many conversations on one system prompt (shared KV blocks)
+            prompt = SYSTEM_PROMPT[: rng.choice([5, 8, 13, 16, 21])] + prompt
+        histories = [t["tokens"] for t in sessions.values() if t["tokens"] and 499 not in t["tokens"]]
+        if session_id is None and histories and rng.random() < 0.4:  # a stateless client resends a history
+            prompt = rng.choice(histories) + prompt
         return GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=rng.randrange(1, 24)),
                                  stream=EventStream(), session_id=session_id, open_session=open_session,
                                  token_ids=prompt, request_id=f"r{counter}", adapter=adapter, **request)
@@ -212,6 +225,10 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
     assert engine.num_invariant_violations == 0
     kinds = [type(s.finals[0]).__name__ for s in sent]
     counts = {k: kinds.count(k) for k in set(kinds)}
+    counts["tokens cached on a first turn"] = sum(  # shared blocks: nothing of its own was cached
+        s.finals[0].usage.cached_tokens for s in sent if isinstance(s.finals[0], Finished)
+        and (s.request.session_id is None or s.request.open_session))
+    counts["shared block hits"] = sum(p.prefix.num_hit_blocks for p in runner.pools.values())
     if engine.parts.speculator is not None:
         counts["speculative row steps"] = engine.parts.speculator.num_steps
         counts["speculative tokens accepted"] = engine.parts.speculator.num_accepted
@@ -263,3 +280,5 @@ def test_random_schedules_keep_the_invariant(tiny_model_path, tmp_path, processi
     assert totals.get("Finished", 0) > 5 * num and totals.get("Cancelled", 0) > num and \
         totals.get("Failed", 0) > num and totals.get("Closed", 0) > num // 2, totals
     assert totals.get("speculative row steps", 0) > num, totals
+    # Shared prefixes were found often (system prompts, resent histories), and answers stayed exact.
+    assert totals["tokens cached on a first turn"] > 10 * num and totals["shared block hits"] > 2 * num, totals
