@@ -15,7 +15,9 @@ class EngineStats:
 
     live_sessions: int
     sessions_by_tier: dict[str, int]  # tier -> sessions
-    resident_bytes: dict[str, int]  # "device" (KV), "host" (KV copies), "embeddings" (host), "journal" (disk/shm)
+    # "device" (KV held, a shared block once), "host" (KV copies), "embeddings" (host), "journal" (disk/shm);
+    # paged KV by kind: "kv_pinned" (one holder), "kv_shared" (several), "kv_cached" (idle, evicted first)
+    resident_bytes: dict[str, int]
     device_budget_bytes: int  # 0: unlimited
     running_requests: int  # in flight: waiting for prefill or decoding
     events: dict[str, int]  # event -> count
@@ -28,10 +30,9 @@ class EngineStats:
 def snapshot(engine) -> EngineStats:
     """Called by the engine loop thread only (it owns what is read here)."""
     by_tier = {tier.value: 0 for tier in Tier}
-    device = host = not_recoverable = 0
+    host = not_recoverable = 0
     parts = engine.parts
     for session in parts.store.all_sessions():  # one pass: this runs after every step
-        device += session.device_bytes
         host += session.host_bytes
         if not session.ephemeral:
             by_tier[session.tier.value] += 1
@@ -40,8 +41,8 @@ def snapshot(engine) -> EngineStats:
     overloaded = engine.num_overloaded + engine.num_queue_full
     return EngineStats(
         live_sessions=sum(by_tier.values()), sessions_by_tier=by_tier,
-        resident_bytes={"device": device, "host": host, "embeddings": embeddings.nbytes,
-                        "journal": journal.nbytes if journal is not None else 0},
+        resident_bytes={"device": memory.device_bytes, "host": host, "embeddings": embeddings.nbytes,
+                        "journal": journal.nbytes if journal is not None else 0, **_kv_kinds(memory.blocks)},
         device_budget_bytes=memory.device_budget_bytes, running_requests=len(parts.scheduler.active),
         events={"opened": store.num_opened, "closed": store.num_closed, "expired": store.num_expired,
                 "demoted_to_host": memory.num_to_host, "dropped": memory.num_dropped,
@@ -49,7 +50,8 @@ def snapshot(engine) -> EngineStats:
                 "restored_from_journal": sessions.num_journal_restored, "embedding_hits": embeddings.num_hits,
                 "embedding_misses": embeddings.num_misses, "embedding_evictions": embeddings.num_evictions,
                 "overloaded": overloaded, "journal_write_errors": sessions.num_journal_write_errors,
-                "oom_retries": engine.num_oom_retries, "oom_failures": engine.num_oom_failures},
+                "oom_retries": engine.num_oom_retries, "oom_failures": engine.num_oom_failures,
+                **_prefix_events(memory.blocks)},
         not_recoverable_sessions=not_recoverable,
         tokens={"generated": parts.outputs.num_generated_tokens, "prefilled": parts.executor.num_prefilled_tokens,
                 "cached": parts.executor.num_cached_tokens},
@@ -65,3 +67,17 @@ def _speculation(spec) -> dict[str, int]:
         return {}
     return {"target_passes": spec.num_steps, "proposed": spec.num_proposed, "accepted": spec.num_accepted,
             "plain_steps": spec.num_plain_steps}
+
+
+def _kv_kinds(blocks) -> dict[str, int]:
+    if blocks is None:
+        return {}
+    return {f"kv_{kind}": nbytes for kind, nbytes in blocks.usage_bytes().items()}
+
+
+def _prefix_events(blocks) -> dict[str, int]:
+    """Shared-prefix counters: blocks found by a lookup (prefill skipped), idle blocks evicted."""
+    if blocks is None:
+        return {}
+    counters = blocks.counters()
+    return {"prefix_hit_blocks": counters["hit_blocks"], "prefix_evicted_blocks": counters["evicted_blocks"]}

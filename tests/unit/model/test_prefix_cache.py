@@ -1,0 +1,164 @@
+"""Shared KV blocks: content keys, ref counts, lookup, publish, copy-on-write, idle eviction, the
+pool's invariant, and the memory manager evicting idle blocks before it demotes any session."""
+
+from __future__ import annotations
+
+import torch
+
+from session.model.kv_cache import BlockPool, PoolAccounts
+from session.model.prefix_cache import block_keys
+from session.state.memory import MemoryManager
+from session.state.session import SessionState, Tier
+from session.state.store import SessionStore
+
+IMAGE = 9
+
+
+def pool(num_blocks: int = 1, block_tokens: int = 4) -> BlockPool:
+    return BlockPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64, device=torch.device("cpu"),
+                     block_tokens=block_tokens, num_blocks=num_blocks)
+
+
+def fill(kv, tokens: list[int]) -> None:
+    """Write ``tokens`` as the cache's keys and values from its length on (what the fake runner does)."""
+    start = kv.length
+    kv.ensure_capacity(start + len(tokens))
+    value = torch.tensor(tokens, dtype=torch.float64)[None, :, None]
+    kv.write(0, start, value, value)
+    kv.length = start + len(tokens)
+
+
+def stored(kv) -> list[int]:
+    return [int(x) for x in kv.keys(0, kv.length)[0, :, 0].tolist()]
+
+
+# ---------------------------------------------------------------- keys
+
+
+def test_keys_chain_over_tokens_and_leave_the_partial_block_out():
+    keys = block_keys(list(range(10)), 4)
+    assert len(keys) == 2 and len(set(keys)) == 2
+    assert block_keys(list(range(8)), 4) == keys  # block 1's key depends only on tokens 0..7
+    other = block_keys([0, 1, 2, 3, 4, 5, 6, 99], 4)
+    assert other[0] == keys[0] and other[1] != keys[1]
+    assert block_keys([0, 1, 2, 99, 4, 5, 6, 7], 4)[1] != keys[1]  # a change in block 0 changes block 1's key
+
+
+def test_keys_tell_adapters_and_images_apart():
+    ids = [1, 2, IMAGE, IMAGE, IMAGE, 3, 4, 5]
+    a = block_keys(ids, 4, image_token_id=IMAGE, image_digests=["a"], image_counts=[3])
+    b = block_keys(ids, 4, image_token_id=IMAGE, image_digests=["b"], image_counts=[3])
+    assert a[0] != b[0] and a[1] != b[1]  # the image begins in block 0: every key from there differs
+    assert block_keys(ids, 4, salt=b"adapter:x#1", image_token_id=IMAGE, image_digests=["a"],
+                      image_counts=[3]) != a
+    # two images, placeholders adjacent: the split between them is part of the content
+    two = [1, IMAGE, IMAGE, IMAGE, IMAGE, 2, 3, 4]
+    split_a = block_keys(two, 4, image_token_id=IMAGE, image_digests=["a", "b"], image_counts=[1, 3])
+    split_b = block_keys(two, 4, image_token_id=IMAGE, image_digests=["a", "b"], image_counts=[3, 1])
+    assert split_a[1] != split_b[1]
+    # counts that do not add up to the placeholders (an image of unknown count): nothing to share
+    assert block_keys(ids, 4, image_token_id=IMAGE, image_digests=["a"], image_counts=[2]) == []
+    assert block_keys(ids, 4, image_token_id=IMAGE) == []
+
+
+# ---------------------------------------------------------------- sharing
+
+
+def test_a_published_prefix_is_shared_once_and_written_past_only():
+    p = pool()
+    first = p.new_cache(64)
+    fill(first, list(range(10)))
+    keys = block_keys(list(range(10)), 4)
+    assert first.publish(keys) == 2
+    second = p.new_cache(64)
+    assert second.share_prefix(block_keys(list(range(8)) + [50, 51], 4)) == 8
+    assert second.block_ids == first.block_ids[:2]
+    fill(second, [50, 51])
+    assert stored(second) == list(range(8)) + [50, 51]
+    assert stored(first) == list(range(10))  # the sharer's writes never reached the first cache
+    assert p.usage() == {"pinned": 2, "shared": 2, "cached": 0}  # 2 shared + first's tail + second's tail
+    assert p.check([first.block_ids, second.block_ids]) == []
+
+
+def test_released_published_blocks_go_idle_and_are_found_again_then_evicted_tail_first():
+    p = pool()
+    kv = p.new_cache(64)
+    tokens = list(range(12))
+    fill(kv, tokens)
+    kv.publish(block_keys(tokens, 4))
+    kv.release()
+    assert p.usage() == {"pinned": 0, "shared": 0, "cached": 3} and p.num_held == 0
+    assert p.check([]) == []
+    assert p.evict_idle_bytes(p.block_nbytes) == p.block_nbytes  # the chain's last block goes first
+    again = p.new_cache(64)
+    assert again.share_prefix(block_keys(tokens, 4)) == 8
+    assert stored(again) == tokens[:8]
+    assert p.check([again.block_ids]) == []
+
+
+def test_crop_into_a_shared_block_copies_it_first():
+    p = pool()
+    owner = p.new_cache(64)
+    fill(owner, list(range(8)))
+    owner.publish(block_keys(list(range(8)), 4))
+    other = p.new_cache(64)
+    other.share_prefix(block_keys(list(range(8)) + [1], 4))
+    assert other.length == 8
+    other.crop(6)  # a rollback into block 1, which the owner also holds
+    assert other.block_ids[0] == owner.block_ids[0] and other.block_ids[1] != owner.block_ids[1]
+    fill(other, [70, 71])
+    assert stored(other) == [0, 1, 2, 3, 4, 5, 70, 71]
+    assert stored(owner) == list(range(8))
+    assert p.check([owner.block_ids, other.block_ids]) == []
+    # a published block a cache holds alone is not written either: crop gives it back (still published)
+    owner.crop(4)
+    assert len(owner.block_ids) == 1 and p.check([owner.block_ids, other.block_ids]) == []
+
+
+def test_the_idle_cap_and_a_fixed_pool_evict_rather_than_grow():
+    p = pool(num_blocks=4)  # 3 usable blocks
+    p.fixed = True
+    kv = p.new_cache(64)
+    fill(kv, list(range(12)))
+    kv.publish(block_keys(list(range(12)), 4))
+    kv.release()
+    taken = p.new_cache(64)
+    fill(taken, [1, 2, 3, 4, 5])  # 2 blocks: evicts the 2 least recently used idle ones, no growth
+    assert p.num_blocks == 4 and p.prefix.num_evicted == 2 and p.usage()["cached"] == 1
+    capped = pool()
+    capped.prefix.max_idle_blocks = 1
+    kv = capped.new_cache(64)
+    fill(kv, list(range(12)))
+    kv.publish(block_keys(list(range(12)), 4))
+    kv.release()
+    assert capped.usage()["cached"] == 1 and capped.check([]) == []
+
+
+def test_the_pool_check_finds_a_wrong_ref_count():
+    p = pool()
+    kv = p.new_cache(64)
+    fill(kv, [1, 2, 3, 4, 5])
+    p.refs[kv.block_ids[0]] += 1
+    assert p.check([kv.block_ids]) != []
+
+
+def test_the_memory_manager_evicts_idle_blocks_before_it_demotes_a_session():
+    p = pool()
+    store = SessionStore(ttl_s=100, max_sessions=8, clock=lambda: 0.0)
+    memory = MemoryManager(device_budget_bytes=4 * p.block_nbytes, host_budget_bytes=1 << 20, store=store,
+                           blocks=PoolAccounts([p]))
+    resident = store.open(SessionState(session_id="a", kv=p.new_cache(64), created_at=0, expires_at=100,
+                                       tier=Tier.DEVICE))
+    fill(resident.kv, [1, 2, 3, 4, 5])  # 2 blocks, held
+    gone = p.new_cache(64)
+    fill(gone, [9, 9, 9, 9, 8, 8, 8, 8])
+    gone.publish(block_keys([9, 9, 9, 9, 8, 8, 8, 8], 4))
+    gone.release()  # 2 idle blocks: the budget (4) is full
+    assert memory.device_bytes == 2 * p.block_nbytes and memory.idle_bytes == 2 * p.block_nbytes
+    newcomer = store.open(SessionState(session_id="b", kv=p.new_cache(64), created_at=0, expires_at=100,
+                                       tier=Tier.DEVICE))
+    memory.reserve(newcomer, p.block_nbytes)
+    assert resident.tier is Tier.DEVICE and memory.num_to_host == 0  # the session stayed
+    assert memory.idle_bytes == p.block_nbytes and p.prefix.num_evicted == 1
+    memory.reserve(newcomer, 3 * p.block_nbytes)  # now idle blocks are not enough: the session is demoted
+    assert memory.idle_bytes == 0 and resident.tier is Tier.HOST
