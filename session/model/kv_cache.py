@@ -70,6 +70,7 @@ class BlockPool:
         self.free_ids = list(range(self.num_blocks - 1, PAD_BLOCK, -1))  # popped from the end: lowest id first
         self.refs = [0] * self.num_blocks  # block -> caches holding it (the padding block: 0 forever)
         self.num_held = 0  # blocks with refs > 0
+        self.num_shared = 0  # blocks with refs > 1
         self.prefix = PrefixTable()  # published blocks by content key (session/model/prefix_cache.py)
         self.fixed = False  # sized from a device budget: full means evict idle blocks, never grow
         self.num_grows = 0  # pool copies so far (CUDA graphs captured over the old pool are stale after one)
@@ -121,6 +122,7 @@ class BlockPool:
         for block in reversed(block_ids):
             self.refs[block] -= 1
             assert self.refs[block] >= 0, f"block {block} freed more often than it was held"
+            self.num_shared -= self.refs[block] == 1
             if self.refs[block]:
                 continue
             self.num_held -= 1
@@ -146,6 +148,7 @@ class BlockPool:
             if self.refs[block] == 0:
                 self.prefix.idle.pop(block)
                 self.num_held += 1
+            self.num_shared += self.refs[block] == 1
             self.refs[block] += 1
             found.append(block)
         self.prefix.num_hit_blocks += len(found)
@@ -194,12 +197,13 @@ class BlockPool:
         unaccounted = self.num_blocks - 1 - len(free) - len(self.prefix.idle) - sum(1 for h in holders if h)
         if unaccounted or self.num_held != sum(1 for h in holders if h):
             problems.append(f"{unaccounted} blocks neither free, idle nor held; num_held {self.num_held}")
+        if self.num_shared != sum(1 for h in holders if h > 1):
+            problems.append(f"num_shared {self.num_shared}, but {sum(1 for h in holders if h > 1)} blocks are shared")
         return problems
 
     def usage(self) -> dict[str, int]:
         """Blocks by kind: "pinned" (held by one cache), "shared" (by several), "cached" (idle)."""
-        shared = sum(1 for r in self.refs if r > 1)
-        return {"pinned": self.num_held - shared, "shared": shared, "cached": len(self.prefix.idle)}
+        return {"pinned": self.num_held - self.num_shared, "shared": self.num_shared, "cached": len(self.prefix.idle)}
 
     def reserve(self, num_blocks: int) -> None:
         """Grow to at least ``num_blocks`` blocks (the padding block included); a no-op when it holds that many."""
