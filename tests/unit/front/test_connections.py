@@ -55,8 +55,8 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 async def test_a_head_sent_a_byte_at_a_time_is_cut_off_while_a_prompt_one_is_served():
     async with front_over_one_backend(header_timeout_s=0.5) as (front, _):
         loop = asyncio.get_running_loop()
+        began = loop.time()  # before the first accept: each deadline starts at its connection's accept
         slow = [await asyncio.open_connection("127.0.0.1", front.port) for _ in range(20)]
-        began = loop.time()
 
         async def trickle(writer: asyncio.StreamWriter) -> None:
             with contextlib.suppress(ConnectionError):
