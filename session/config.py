@@ -36,7 +36,11 @@ class EngineConfig:
     max_context_tokens: int = 0  # 0 -> the model's max_position_embeddings
     max_new_tokens: int = 1024  # the largest max_tokens a request may ask for
     default_max_tokens: int = 128  # when a request does not say
-    max_batch_size: int = 16  # sessions decoding together in one forward pass
+    max_batch_size: int = 256  # sessions decoding together in one forward pass (more take turns)
+    # Tokens one step feeds: a decode row is one, prefills take the rest in chunks (docs/ENGINE.md, "The
+    # token-budget step"): smaller stalls decoding streams less behind a long prompt, larger prefills faster.
+    step_token_budget: int = 256
+    max_passed_over: int = 4  # steps a prompt may wait while later follow-ups prefill before it goes first
     max_queue: int = 256  # waiting requests per worker before 503
     kv_block_tokens: int = 256  # KV blocks of this many tokens (FlashAttention's paged kernel: a multiple of 256)
     attention: str = "auto"  # decode: auto (cuda_graphs on CUDA, per_row on CPU), batched, per_row, cuda_graphs
@@ -117,7 +121,7 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",
-                    "max_batch_size", "max_queue", "kv_block_tokens", "max_image_bytes", "max_image_pixels",
+                    "max_batch_size", "step_token_budget", "max_passed_over", "max_queue", "kv_block_tokens", "max_image_bytes", "max_image_pixels",
                     "max_images_per_request", "max_prompt_chars", "max_messages", "max_image_decodes", "max_lora_rank",
                     "num_speculative_tokens", "speculative_max_batch"]
         for name in positive:

@@ -111,7 +111,9 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     return Parts(runner=runner, stepper=stepper, max_context=max_context, tokenizer=tokenizer,
                  image_processor=image_processor, vision=vision, formatter=formatter, store=store, embeddings=embeddings,
                  memory=memory, journal=journal, adapters=adapters, speculator=speculator, sessions=sessions,
-                 scheduler=Scheduler(max_batch_size=config.max_batch_size), executor=executor,
+                 scheduler=Scheduler(max_batch_size=config.max_batch_size, token_budget=config.step_token_budget,
+                                     tokens_to_prefill=executor.tokens_to_prefill, is_resident=executor.is_resident,
+                                     max_passed_over=config.max_passed_over), executor=executor,
                  outputs=OutputProcessor(tokenizer, info.eos_token_ids, sessions))
 
 
@@ -171,11 +173,11 @@ def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):
     if any(w is not None for w in getattr(runner, "windows", ())):
         raise ConfigError("RESIDENT_STATIC_KV does not implement sliding-window attention yet; this model has "
                           "sliding-window layers: leave RESIDENT_STATIC_KV off")
-    from session.model.static_shapes import DEFAULT_BATCH_BUCKETS, StaticShapeRunner
+    from session.model.buckets import power_buckets
+    from session.model.static_shapes import StaticShapeRunner
 
-    size = config.max_batch_size
-    buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < size) + (size,)
-    return StaticShapeRunner(runner, max_context, batch_buckets=buckets, compile=config.compile,
+    return StaticShapeRunner(runner, max_context, batch_buckets=power_buckets(config.max_batch_size),
+                             compile=config.compile,
                              compile_backend=config.compile_backend)
 
 

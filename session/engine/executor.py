@@ -1,5 +1,5 @@
-"""The executor: a step's model work. A turn's prefill (prompt in, first token out), one decode row
-for each running sequence, a speculative step. It keeps no bookkeeping of its own: the scheduler
+"""The executor: a step's model work. A turn's prefill (its prompt in, in chunks across steps when it
+is long; the first token out), one decode row for each running sequence, a speculative step. It keeps no bookkeeping of its own: the scheduler
 chose the sequences, the output processor records the tokens returned here.
 
 Who calls this: the engine loop thread, inside ``Engine.step``. Each method either returns its
@@ -14,11 +14,12 @@ import logging
 import time
 
 from session.engine.admin import registry_or_404
-from session.engine.requests import Sequence
+from session.engine.requests import PrefillProgress, Sequence
 from session.errors import BadRequest, ContextLengthExceeded, ResidentError
 from session.model.sampling import ban_token, make_generator, sample_rows
 from session.speculative.controller import SpeculationController, StepCosts, batch_should_speculate
 from session.speculative.decoder import SpecRow
+from session.state.session import Tier
 from session.state.sessions import Sessions
 from session.types import redact
 
@@ -40,13 +41,46 @@ class Executor:
         self.step_costs = StepCosts()  # decode-step costs by batch size, shared by the rows' controllers
         self.num_prefilled_tokens = 0
         self.num_cached_tokens = 0
+        self.num_prefill_chunks = 0  # prefill passes run (a prompt in one step is one)
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill(self, seq: Sequence) -> int:
-        """Prefill the turn's uncached tokens and commit it to the transcript; returns the first token."""
+    def prefill(self, seq: Sequence, max_tokens: int | None = None) -> int | None:
+        """Prefill up to ``max_tokens`` more of the turn's uncached tokens (all of them: None). The
+        first call begins the turn (``begin``); the call that feeds its last token commits it to the
+        transcript and returns the first sampled token; the others return None (a chunk of a long
+        prompt: the token-budget step). Raises with the session consistent: the engine rolls back."""
+        if seq.progress is None:
+            self.begin(seq)
+        progress, session = seq.progress, seq.session
+        count = progress.left if max_tokens is None else min(max_tokens, progress.left)
+        end = progress.done + count
+        mrope = {} if progress.positions is None else {"positions": progress.positions[:, progress.done:end]}
+        logits = self.stepper.prefill(session.kv, progress.embeds[progress.done:end], adapter_slot=seq.adapter_slot,
+                                      **mrope)
+        progress.done = end
+        self.num_prefill_chunks += 1
+        if progress.left:
+            return None
+        seq.progress = None
+        self.sessions.commit_turn(seq.turn, seq.prompt_ids)
+        self.sessions.publish(session)  # its prompt's full blocks, for the next request that shares them
+        self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
+        self.num_cached_tokens += seq.cached_tokens
+        if self.speculator is not None and seq.request.speculative:
+            k = self.config.num_speculative_tokens
+            seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
+            self.speculator.sync_draft(session.token_ids, session.draft_kv)
+        [token] = self._sample([seq], logits[None])
+        if isinstance(token, ResidentError):
+            raise token
+        return token
+
+    def begin(self, seq: Sequence) -> None:
+        """Begin the turn's prefill: check its length, take its adapter, its images and its memory
+        (``Sessions.prepare_turn``: a shared prefix, a restore or a recompute) and embed what it feeds."""
         request, session = seq.request, seq.session
-        new_ids = self._prompt(seq)
+        new_ids = self.prompt_ids(seq)
         seq.prompt_tokens = len(session.token_ids) + len(new_ids)
         self._check_length(seq)
         seq.generator = make_generator(request.sampling, self.config.seed, self.runner.device)
@@ -55,20 +89,32 @@ class Executor:
             seq.adapter_slot = registry_or_404(self.adapters, session.adapter).acquire(session.adapter)
         embeds, positions = self.sessions.prepare_turn(seq.turn, new_ids, digests,
                                                        seq.prompt_tokens + request.sampling.max_tokens)
-        mrope = {} if positions is None else {"positions": positions}  # only M-RoPE models take positions
-        logits = self.stepper.prefill(session.kv, embeds, adapter_slot=seq.adapter_slot, **mrope)
-        self.sessions.commit_turn(seq.turn, new_ids)
-        self.sessions.publish(session)  # its prompt's full blocks, for the next request that shares them
-        self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
-        self.num_cached_tokens += seq.cached_tokens
-        if self.speculator is not None and request.speculative:
-            k = self.config.num_speculative_tokens
-            seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
-            self.speculator.sync_draft(session.token_ids, session.draft_kv)
-        [token] = self._sample([seq], logits[None])
-        if isinstance(token, ResidentError):
-            raise token
-        return token
+        seq.progress = PrefillProgress(embeds=embeds, positions=positions)
+
+    def prompt_ids(self, seq: Sequence) -> list[int]:
+        """The turn's new ids (rendered once: the session cannot change while its request is in flight)."""
+        if seq.prompt_ids is None:
+            seq.prompt_ids = self._prompt(seq)
+        return seq.prompt_ids
+
+    def tokens_to_prefill(self, seq: Sequence) -> int:
+        """What the turn's prefill still feeds: exact once begun; before, its new ids and the session's
+        unfed tail, or its whole transcript when nothing is cached (a shared prefix may then cut it).
+        The scheduler's estimate: never raises (a prompt that cannot render fails when it begins)."""
+        if seq.progress is not None:
+            return seq.progress.left
+        try:
+            new = len(self.prompt_ids(seq))
+        except ResidentError:
+            return 1
+        session = seq.session
+        cached = session.host_length if session.tier is Tier.HOST else session.kv.length  # a restore feeds nothing
+        return max(1, len(session.token_ids) - cached + new)
+
+    def is_resident(self, seq: Sequence) -> bool:
+        """Is the request a follow-up over KV held on the device (the scheduler serves those first)?"""
+        session = seq.session
+        return not session.ephemeral and session.tier is Tier.DEVICE and session.kv.length > 0
 
     def _prompt(self, seq: Sequence) -> list[int]:
         """The turn's new ids, each image placeholder expanded to that image's own count."""

@@ -84,6 +84,7 @@ class Engine:
         self.num_oom_failures = 0  # requests failed 503 because they ran out of device memory alone
         self.num_queue_full = 0  # submissions refused 503 (queue full); under _submit_lock
         self.num_cancelled = 0
+        self.num_abandoned_prefills = 0  # requests that ended between two chunks of their prefill (rolled back)
         self.num_failed = 0
         self.num_invariant_violations = 0
         self._stats: EngineStats | None = None
@@ -223,8 +224,8 @@ class Engine:
         plan = scheduler.schedule()
         ended: list[Sequence] = []
         try:
-            for seq in plan.prefill:
-                self._run_prefill(seq, ended)
+            for seq, tokens in zip(plan.prefill, plan.chunks):
+                self._run_prefill(seq, tokens, ended)
             if plan.decode:
                 self._run_decode(plan.decode, ended)
         except DeviceFailed as exc:  # from the guarded calls: set before the step closes, so no heartbeat
@@ -240,10 +241,12 @@ class Engine:
         if self.fatal_error is not None:
             self._halt()
 
-    def _run_prefill(self, seq: Sequence, ended: list[Sequence]) -> None:
+    def _run_prefill(self, seq: Sequence, max_tokens: int, ended: list[Sequence]) -> None:
+        """One chunk of the turn's prefill (the scheduler's share of the step's token budget); the
+        last chunk starts the answer with its first token."""
         error = None
         try:
-            token = self.parts.executor.prefill(seq)
+            token = self.parts.executor.prefill(seq, max_tokens)
         except Exception as exc:
             error = self._step_error(exc, f"prefill of request {seq.request_id} (session "
                                           f"{redact(seq.session.session_id)})")
@@ -252,6 +255,8 @@ class Engine:
                 free_cached_memory(self.parts.runner.device)
             ended.append(seq)
             self.end(seq, Failed(error))
+            return
+        if token is None:  # more chunks to come, in the next steps
             return
         session = seq.session
         self.parts.outputs.start(seq)
@@ -334,6 +339,9 @@ class Engine:
             return
         seq.done = True
         session = seq.session
+        if seq.progress is not None:  # its prefill had begun and not finished
+            self.num_abandoned_prefills += seq.progress.done > 0
+            seq.progress = None
         if not isinstance(event, Finished):
             self.parts.sessions.rollback_turn(seq.turn)
             self.num_cancelled += isinstance(event, Cancelled)

@@ -91,6 +91,20 @@ class SessionAdminRequest:
 
 
 @dataclass(eq=False)
+class PrefillProgress:
+    """A turn's prefill under way, in chunks across steps (the token-budget step): what it feeds and
+    how far it got. Set by the executor when the turn begins; gone once it commits or rolls back."""
+
+    embeds: torch.Tensor  # [T, D]: the turn's uncached tokens (past any shared prefix)
+    positions: torch.Tensor | None  # M-RoPE's [3, T], else None
+    done: int = 0  # of T, already in the KV
+
+    @property
+    def left(self) -> int:
+        return self.embeds.shape[0] - self.done
+
+
+@dataclass(eq=False)
 class Sequence:
     """A generation request from admission until its one final event."""
 
@@ -104,6 +118,10 @@ class Sequence:
     adapter_slot: int = 0  # LoRA bank slot while running (0: base model)
     controller: object | None = None  # SpeculationController while speculative decoding is allowed
     done: bool = False  # its final event was sent
+    arrival: int = 0  # admission order (the scheduler's)
+    passed_over: int = 0  # steps in which later arrivals prefilled and this one waited (its starvation bound)
+    prompt_ids: list[int] | None = None  # the turn's new ids, once the executor rendered them
+    progress: PrefillProgress | None = None  # its prefill under way (begun, not yet committed)
     turn: Turn = field(init=False)  # its hold on the session (written by Sessions)
 
     def __post_init__(self) -> None:

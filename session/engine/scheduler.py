@@ -1,4 +1,4 @@
-"""The scheduler: which request prefills and which decode, each step. Plain Python, no torch.
+"""The scheduler: what each step decodes and prefills, within a token budget. Plain Python, no torch.
 
 Who calls this: the engine loop thread only (docs/ENGINE.md). The engine ``add``s every admitted
 generation, asks ``schedule()`` for a step's plan, runs it on the model, and reports back with
@@ -7,20 +7,29 @@ cancelled). Every admitted sequence is in exactly one place at any time:
 
 - ``pending[session_id]``: behind the request in flight on the same session, in arrival order
   (requests on one session run one at a time; the items there are requests, not yet sequences);
-- ``waiting``: admitted, its turn not yet prefilled (first come, first served);
+- ``waiting``: admitted, its prefill not begun;
+- ``prefilling``: its prefill begun and not finished (a long prompt, fed in chunks across steps);
 - ``running``: decoding;
 - the plan of the step under way.
 
-Fairness: a step decodes at most ``max_batch_size`` rows, taken from the front of ``running``;
-the rows that did not end go to the back, so with more running requests than one step takes each
-one advances every ceil(running / max_batch_size) steps and none is ever dropped. One waiting
-request is prefilled per step, so decoding never stalls behind a burst of new prompts.
+The token budget: a step decodes at most ``max_batch_size`` rows, one token each, taken from the
+front of ``running`` (the rows that did not end go to the back, so with more running requests than
+one step takes each advances every ceil(running / max_batch_size) steps and none is ever dropped).
+What is left of ``token_budget`` (at least a quarter of it, so prompts advance however many rows
+decode) is given to prefills, in chunks: a long prompt is prefilled across steps while the others
+keep decoding, and several short ones share a step.
+
+The order of prefills, which no peer engine has: a resident session's follow-up (its KV is on the
+device and the turn fits one step's budget) goes before cold prompts, then everything else in
+arrival order (so a prompt begun is finished before the next one starts). Bounded: a prompt passed
+over by later arrivals in ``max_passed_over`` steps goes first from then on, so cold prompts never
+starve behind a stream of follow-ups.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +38,8 @@ from session.engine.requests import Sequence
 
 @dataclass
 class StepPlan:
-    prefill: list[Sequence] = field(default_factory=list)  # prefilled this step (0 or 1)
+    prefill: list[Sequence] = field(default_factory=list)  # prefilled this step, in order
+    chunks: list[int] = field(default_factory=list)  # tokens each may prefill this step (parallel to prefill)
     decode: list[Sequence] = field(default_factory=list)  # one decode row (or speculative step) each
 
     def __bool__(self) -> bool:
@@ -37,16 +47,27 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, *, max_batch_size: int, max_prefills_per_step: int = 1):
+    def __init__(self, *, max_batch_size: int, token_budget: int = 1 << 30,
+                 tokens_to_prefill: Callable[[Sequence], int] = lambda seq: 1,
+                 is_resident: Callable[[Sequence], bool] = lambda seq: False, max_passed_over: int = 4):
+        """``tokens_to_prefill(seq)``: what its prefill still has to feed (an estimate before it begins:
+        a shared prefix may cut it); ``is_resident(seq)``: its session's KV is on the device (a follow-up)."""
         self.max_batch_size = max_batch_size
-        self.max_prefills_per_step = max_prefills_per_step
+        self.token_budget = token_budget
+        self.tokens_to_prefill = tokens_to_prefill
+        self.is_resident = is_resident
+        self.max_passed_over = max_passed_over
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.active: dict[str, Sequence] = {}  # session_id -> its one sequence in flight
         self.pending: dict[str, deque] = {}  # session_id -> requests queued behind it, arrival order
         self._plan: StepPlan | None = None  # the step under way
+        self._arrivals = 0
         self.num_steps = 0
         self.max_batch_seen = 0
+        self.num_prefill_chunks = 0  # chunks planned (a prompt in one step is one chunk)
+        self.num_passed_over = 0  # times a waiting prompt was passed over by a later arrival
 
     # ------------------------------------------------------------------ admission
 
@@ -59,6 +80,8 @@ class Scheduler:
         assert session_id not in self.active, f"session {session_id} already has a request in flight"
         self.active[session_id] = seq
         seq.session.busy = True
+        self._arrivals += 1
+        seq.arrival = self._arrivals
         self.waiting.append(seq)
 
     def enqueue(self, session_id: str, item: Any) -> None:
@@ -67,33 +90,65 @@ class Scheduler:
 
     def num_waiting(self) -> int:
         """Requests admitted but not yet prefilled, counting those queued behind their session."""
-        return len(self.waiting) + sum(len(q) for q in self.pending.values())
+        return len(self.waiting) + len(self.prefilling) + sum(len(q) for q in self.pending.values())
 
     # ------------------------------------------------------------------ steps
 
     def schedule(self) -> StepPlan:
-        """The next step's plan: up to ``max_prefills_per_step`` waiting turns, and the first
-        ``max_batch_size`` running rows."""
+        """The next step's plan: the first ``max_batch_size`` running rows, and prefill chunks in the
+        order described above until the rest of the token budget is spent."""
         assert self._plan is None, "complete() the previous plan first"
         plan = StepPlan()
-        while self.waiting and len(plan.prefill) < self.max_prefills_per_step:
-            plan.prefill.append(self.waiting.popleft())
         for _ in range(min(self.max_batch_size, len(self.running))):
             plan.decode.append(self.running.popleft())
+        budget = max(self.token_budget - len(plan.decode), self.token_budget // 4, 1)
+        candidates = sorted([*self.prefilling, *self.waiting], key=self._priority)
+        for seq in candidates:
+            if budget <= 0:
+                break
+            tokens = min(max(1, self.tokens_to_prefill(seq)), budget)
+            plan.prefill.append(seq)
+            plan.chunks.append(tokens)
+            budget -= tokens
+        if plan.prefill:
+            planned = {id(s) for s in plan.prefill}
+            self.waiting = deque(s for s in self.waiting if id(s) not in planned)
+            self.prefilling = deque(s for s in self.prefilling if id(s) not in planned)
+            latest = max(s.arrival for s in plan.prefill)
+            for seq in [*self.prefilling, *self.waiting]:
+                if seq.arrival < latest:  # a later arrival went first
+                    seq.passed_over += 1
+                    self.num_passed_over += 1
+            self.num_prefill_chunks += len(plan.prefill)
         self._plan = plan
         if plan.decode:
             self.num_steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(plan.decode))
         return plan
 
+    def _priority(self, seq: Sequence) -> tuple[bool, int]:
+        """Sort key, first goes first: a follow-up over resident KV that fits one step, or a prompt
+        passed over ``max_passed_over`` times; then arrival order."""
+        urgent = seq.passed_over >= self.max_passed_over or (
+            self.is_resident(seq) and self.tokens_to_prefill(seq) <= self.token_budget)
+        return not urgent, seq.arrival
+
     def complete(self, plan: StepPlan, ended: Iterable[Sequence]) -> None:
-        """The step is over: sequences that did not end decode on, at the back of the queue."""
+        """The step is over: sequences that did not end decode on, at the back of the queue; a prefill
+        not finished goes back among the prefilling, in arrival order."""
         assert plan is self._plan, "complete() takes the plan schedule() returned"
         gone = {id(s) for s in ended}
         self._plan = None
+        unfinished = []
         for seq in plan.decode + plan.prefill:
-            if id(seq) not in gone and not seq.done:
+            if id(seq) in gone or seq.done:
+                continue
+            if seq.prefilled:
                 self.running.append(seq)
+            else:
+                unfinished.append(seq)
+        if unfinished:
+            self.prefilling = deque(sorted([*self.prefilling, *unfinished], key=lambda s: s.arrival))
 
     def release(self, seq: Sequence) -> Any | None:
         """``seq`` ended: its session is free. Returns the next request queued on that session
@@ -116,7 +171,7 @@ class Scheduler:
         return item
 
     def _discard(self, seq: Sequence) -> None:
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.prefilling, self.running):
             try:
                 queue.remove(seq)
             except ValueError:
@@ -161,7 +216,7 @@ class Scheduler:
     def check(self) -> list[str]:
         """Violations of the scheduler's invariant (none: []). Called by the engine between steps."""
         problems = []
-        placed = list(self.waiting) + list(self.running)
+        placed = list(self.waiting) + list(self.prefilling) + list(self.running)
         if self._plan is not None:
             problems.append("a plan is still under way between steps")
         ids = [id(s) for s in placed]
@@ -176,6 +231,9 @@ class Scheduler:
                 problems.append(f"session {session_id}: in flight but not marked busy")
             if seq.done:
                 problems.append(f"request {seq.request_id}: ended but still in flight")
+        if any(s.prefilled for s in [*self.waiting, *self.prefilling]) or \
+                not all(s.prefilled for s in self.running):
+            problems.append("a sequence is queued for a prefill it finished, or decodes before it")
         for session_id in self.pending:
             if session_id not in self.active:
                 problems.append(f"session {session_id}: requests queued behind nothing")

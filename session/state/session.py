@@ -84,3 +84,4 @@ class Turn:
     mark: TurnMark | None = None  # set when the turn's prefill committed; None while waiting
     images_acquired: tuple[str, ...] = ()  # embedding references this turn holds
     next_rope_delta: int = 0  # M-RoPE: the session's rope delta once this turn's prefill commits
+    feeds_to: int = 0  # the KV's length once its prefill is done (0: not begun); it may take several steps

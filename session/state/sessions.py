@@ -166,6 +166,7 @@ class Sessions:
                 session.tier = Tier.DEVICE  # the transcript is recomputed below, past any shared prefix
                 self.memory.num_recomputed += 1
             turn.cached_tokens = start = kv.length
+            turn.feeds_to = len(ids)
             if not fresh:  # a resident follow-up: the unfed tail (the previous answer's last token) + the turn
                 segment = session.token_ids[start:] + new_ids
                 images = self._image_embeddings([], digests, turn.images)
@@ -240,11 +241,13 @@ class Sessions:
         session.image_digests.extend(turn.images_acquired)
         session.num_turns += 1
         turn.images_acquired = ()  # now the session's references
+        turn.feeds_to = 0
         self.memory.note_usage()
 
     def rollback_turn(self, turn: Turn) -> None:
         """Undo a committed turn (cancelled or failed): transcript, images and KV as before it."""
         session, mark = turn.session, turn.mark
+        turn.feeds_to = 0
         self.release_images(turn)
         if mark is None:  # not committed; the KV may have run ahead of the transcript
             self._crop_to_transcript(session)
@@ -504,18 +507,25 @@ class Sessions:
 
     # ------------------------------------------------------------------ invariant
 
-    def check(self, active_ids) -> list[str]:
+    def check(self, active: Mapping[str, object]) -> list[str]:
         """Violations of the sessions' invariant: on the device, the KV holds the transcript but at most
-        its last token (sampled, fed by the next step); elsewhere no device bytes are held; a session is
-        busy only with a request in flight (``active_ids``: the scheduler's), and never while moving."""
+        its last token (sampled, fed by the next step), or, while a turn's prefill runs in chunks, that
+        and part of the turn; elsewhere no device bytes are held; a session is busy only with a request
+        in flight (``active``: session id -> the scheduler's sequence, with its ``turn``), and never
+        while moving."""
         problems = [f"session {sid}: moving but not live" for sid in self._moving if sid not in self.store]
         for session in self.store.all_sessions():
-            if session.busy and session.session_id not in active_ids:
+            if session.busy and session.session_id not in active:
                 problems.append(f"session {session.session_id}: busy without a request in flight")
             if session.busy and session.session_id in self._moving:
                 problems.append(f"session {session.session_id}: a request in flight while it is moving")
             gap = len(session.token_ids) - session.kv.length
-            if session.tier is Tier.DEVICE and not 0 <= gap <= 1:
+            turn = getattr(active.get(session.session_id), "turn", None)
+            if turn is not None and turn.feeds_to and turn.mark is None:  # its prefill under way
+                if not turn.cached_tokens <= session.kv.length <= turn.feeds_to:
+                    problems.append(f"session {session.session_id}: KV holds {session.kv.length} tokens, its "
+                                    f"prefill from {turn.cached_tokens} to {turn.feeds_to}")
+            elif session.tier is Tier.DEVICE and not 0 <= gap <= 1:
                 problems.append(f"session {session.session_id}: KV holds {session.kv.length} tokens, "
                                 f"transcript {len(session.token_ids)}")
             if session.tier is not Tier.DEVICE and session.kv.length:

@@ -14,6 +14,8 @@ mid-batch while others wait: the state the rotation bug needed. After every step
 - every KV block's ref count equals the block tables holding it, and no held block is free
   (``BlockPool.check``, inside the sessions' check);
 - no request has more than one final event.
+Steps have small token budgets (3..256), so prompts are prefilled in chunks across steps, follow-ups
+go before cold prompts (within ``max_passed_over``), and cancels and faults land between chunks.
 At the end every request has exactly one final event, and every Finished answer equals the fake
 model's greedy answer over the session's transcript as the test itself tracked it (so rolled-back
 turns, recomputed and restored sessions all answer exactly).
@@ -91,6 +93,7 @@ def _engine(rng: random.Random, tiny_model_path, tmp_path, clock, faults: Faults
     runner = FakeRunner(vocab_size=500, eos_token_ids=(2,), image_token_id=499)
     config = EngineConfig(
         model_path=str(tiny_model_path), max_batch_size=rng.choice([1, 2, 3]), max_queue=64,
+        step_token_budget=rng.choice([4, 8, 16, 256]), max_passed_over=rng.choice([1, 4]),
         kv_block_tokens=8, device_budget_bytes=rng.choice([0, 1024, 2048]),
         host_budget_bytes=rng.choice([0, 512, 4096]), session_ttl_s=50.0, reaper_interval_s=0.001,
         journal_dir=str(tmp_path), adapters_dir=str(adapters_dir), max_device_adapters=2, max_host_adapters=1,
@@ -117,8 +120,10 @@ def _check_step(engine: Engine, sent: list[Sent]) -> None:
     assert problems == []
     for state in engine.parts.store.all_sessions():
         assert state.busy == (state.session_id in engine.parts.scheduler.active), state.session_id
-        if state.tier is Tier.DEVICE:
-            assert cache_tokens(state.kv) == state.token_ids[: state.kv.length], state.session_id
+        if state.tier is Tier.DEVICE:  # a prefill under way in chunks has fed part of its turn too
+            seq = engine.parts.scheduler.active.get(state.session_id)
+            feeding = seq.prompt_ids if seq is not None and seq.progress is not None else []
+            assert cache_tokens(state.kv) == (state.token_ids + feeding)[: state.kv.length], state.session_id
     assert all(len(s.finals) <= 1 for s in sent)
 
 
@@ -229,6 +234,9 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
         s.finals[0].usage.cached_tokens for s in sent if isinstance(s.finals[0], Finished)
         and (s.request.session_id is None or s.request.open_session))
     counts["shared block hits"] = sum(p.prefix.num_hit_blocks for p in runner.pools.values())
+    counts["prefills ended between chunks"] = engine.num_abandoned_prefills
+    counts["prefill chunks"] = engine.parts.executor.num_prefill_chunks
+    counts["prompts passed over"] = engine.parts.scheduler.num_passed_over
     if engine.parts.speculator is not None:
         counts["speculative row steps"] = engine.parts.speculator.num_steps
         counts["speculative tokens accepted"] = engine.parts.speculator.num_accepted
@@ -282,3 +290,7 @@ def test_random_schedules_keep_the_invariant(tiny_model_path, tmp_path, processi
     assert totals.get("speculative row steps", 0) > num, totals
     # Shared prefixes were found often (system prompts, resent histories), and answers stayed exact.
     assert totals["tokens cached on a first turn"] > 10 * num and totals["shared block hits"] > 2 * num, totals
+    # Long prompts were fed in chunks across steps, follow-ups went first, and prefills were cancelled
+    # or failed between two of their chunks (rolled back like any other).
+    assert totals["prefill chunks"] > 15 * num and totals["prompts passed over"] > num // 4 and \
+        totals["prefills ended between chunks"] > num // 5, totals

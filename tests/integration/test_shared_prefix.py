@@ -45,10 +45,14 @@ def demo_paths(tiny_model_path) -> dict:
     return paths
 
 
+def demo_engine(path: str, **config) -> Engine:
+    """An engine on a demo model with 16-token blocks, no adapters and no speculation unless given."""
+    return Engine(EngineConfig(**{"model_path": path, "kv_block_tokens": BLOCK, "max_device_adapters": 0,
+                                  "speculative": "off", **config})).start()
+
+
 def engine_pair(path: str, **config) -> tuple[Engine, Engine]:
-    base = dict(model_path=path, kv_block_tokens=BLOCK, max_device_adapters=config.pop("max_device_adapters", 0),
-                speculative=config.pop("speculative", "off"), **config)
-    return (Engine(EngineConfig(**base)).start(), Engine(EngineConfig(prefix_cache_bytes=0, **base)).start())
+    return demo_engine(path, **config), demo_engine(path, prefix_cache_bytes=0, **config)
 
 
 class Ask:
@@ -61,14 +65,16 @@ class Ask:
         self.images = engine.preprocess_images([self.image]) if with_image else None
         self.placeholders = [info.image_token_id] * self.images.num_tokens[0] if with_image else []
 
-    def __call__(self, ids: list[int], *, images: int = 0, **kwargs) -> Finished:
+    def request(self, ids: list[int], *, images: int = 0, **kwargs) -> GenerationRequest:
         extra = {}
         if images:
             raw = png_bytes(self.image)
             extra = dict(images=self.images, image_digests=(hashlib.sha256(raw).hexdigest(),), image_bytes=(raw,))
-        request = GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=MAX_TOKENS), stream=EventStream(),
-                                    token_ids=list(ids), **extra, **kwargs)
-        events = run(self.engine, request)
+        return GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=MAX_TOKENS), stream=EventStream(),
+                                 token_ids=list(ids), **extra, **kwargs)
+
+    def __call__(self, ids: list[int], *, images: int = 0, **kwargs) -> Finished:
+        events = run(self.engine, self.request(ids, images=images, **kwargs))
         assert isinstance(events[-1], Finished), events[-1]
         return events[-1]
 
@@ -123,7 +129,7 @@ def test_reuse_answers_exactly_as_without_and_counts_what_it_reused(paths, famil
         pool = shared.parts.runner.kv_pool(BLOCK)
         # three live sessions hold the opening's full blocks once: "shared" is those blocks, not three copies
         assert pool.usage()["shared"] == (len(SYSTEM) + image_tokens) // BLOCK
-        assert shared.parts.sessions.check(set()) == []
+        assert shared.parts.sessions.check({}) == []
     finally:
         shared.stop()
         plain.stop()

@@ -35,7 +35,8 @@ def test_defaults(model_dir):
         "quantization": "none", "kv_dtype": "auto",
         "session_ttl_s": 1200.0,
         "reaper_interval_s": 1.0, "max_sessions": 1024, "max_context_tokens": 0, "max_new_tokens": 1024,
-        "default_max_tokens": 128, "max_batch_size": 16, "max_queue": 256, "kv_block_tokens": 256,
+        "default_max_tokens": 128, "max_batch_size": 256, "step_token_budget": 256, "max_passed_over": 4,
+        "max_queue": 256, "kv_block_tokens": 256,
         "attention": "auto", "static_kv": False, "compile": False, "compile_backend": "inductor", "max_image_bytes": 6 * 1024 * 1024, "max_image_pixels": 4096 * 4096,
         "max_images_per_request": 4, "max_prompt_chars": 1_000_000, "max_messages": 1024, "max_image_decodes": 2,
             "device_budget_bytes": 0, "device_budget_fraction": 0.0,
@@ -74,7 +75,7 @@ def test_environment_sets_model_path(model_dir):
 
 
 def test_environment_variables_without_the_prefix_are_ignored(model_dir):
-    assert build(model_dir, env={"MAX_BATCH_SIZE": "3", "resident_max_batch_size": "3"}).max_batch_size == 16
+    assert build(model_dir, env={"MAX_BATCH_SIZE": "3", "resident_max_batch_size": "3"}).max_batch_size == 256
 
 
 def test_os_environ_is_read_when_no_mapping_is_given(model_dir, monkeypatch):
@@ -142,7 +143,8 @@ def test_bad_bools(model_dir, yaml, env, message):
 
 
 @pytest.mark.parametrize("name", ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens",
-                                  "default_max_tokens", "max_batch_size", "max_queue", "kv_block_tokens",
+                                  "default_max_tokens", "max_batch_size", "step_token_budget", "max_passed_over",
+                                  "max_queue", "kv_block_tokens",
                                   "max_image_bytes", "max_image_pixels", "max_images_per_request"])
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_non_positive_values(model_dir, name, value):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
 from session.engine.requests import Sequence
 from session.engine.scheduler import Scheduler
 from session.families.vision import NO_IMAGES
+from session.state.session import TurnMark
 
 
 class FakeSession:
@@ -39,27 +41,177 @@ def test_one_request_in_flight_per_session_and_the_rest_queue_in_order():
     assert scheduler.check() == []
 
 
-def test_one_prefill_per_step_then_decode_rows_rotate():
-    scheduler = Scheduler(max_batch_size=2)
-    seqs = [seq(f"s{i}") for i in range(5)]
+class Model:
+    """The executor's part, faked: each sequence has tokens left to prefill, fed as the plan says;
+    the chunk that feeds its last token commits the turn (``prefilled``)."""
+
+    def __init__(self):
+        self.left: dict[int, int] = {}
+        self.resident: set[int] = set()
+
+    def need(self, s: Sequence, tokens: int, resident: bool = False) -> Sequence:
+        self.left[id(s)] = tokens
+        if resident:
+            self.resident.add(id(s))
+        return s
+
+    def scheduler(self, **settings) -> Scheduler:
+        return Scheduler(tokens_to_prefill=lambda s: self.left[id(s)], is_resident=lambda s: id(s) in self.resident,
+                         **settings)
+
+    def run(self, scheduler: Scheduler, plan, ended=()) -> None:
+        for s, tokens in zip(plan.prefill, plan.chunks):
+            assert 0 < tokens <= self.left[id(s)]
+            self.left[id(s)] -= tokens
+            if not self.left[id(s)]:
+                s.turn.mark = TurnMark(num_tokens=0, num_images=0, num_turns=0, ended_with_eos=False, rope_delta=0)
+        scheduler.complete(plan, ended)
+
+
+def test_short_prompts_share_a_step_and_a_long_one_is_fed_in_chunks_while_the_others_decode():
+    model = Model()
+    scheduler = model.scheduler(max_batch_size=4, token_budget=10)
+    seqs = [model.need(seq(f"s{i}"), 3) for i in range(4)] + [model.need(seq("long"), 20)]
     for s in seqs:
         scheduler.add(s)
-    for step in range(5):  # each step prefills one
+    plan = scheduler.schedule()  # 3 + 3 + 3 + 1 of the fourth
+    assert plan.prefill == seqs[:4] and plan.chunks == [3, 3, 3, 1] and plan.decode == []
+    model.run(scheduler, plan)
+    assert list(scheduler.running) == seqs[:3] and list(scheduler.prefilling) == [seqs[3]]
+    assert scheduler.num_waiting() == 2
+    plan = scheduler.schedule()  # 3 rows decode; 7 tokens left: the fourth's last 2, then the long one's first 5
+    assert plan.decode == seqs[:3] and plan.prefill == [seqs[3], seqs[4]] and plan.chunks == [2, 5]
+    model.run(scheduler, plan)
+    for _ in range(2):  # 4 rows decode, 6 tokens of the long prompt each step
         plan = scheduler.schedule()
-        assert plan.prefill == [seqs[step]] and len(plan.decode) == min(2, step)
-        scheduler.complete(plan, [])
-    # Rows that decoded go to the back; a newly prefilled one joins behind them.
-    assert list(scheduler.running) == [seqs[1], seqs[3], seqs[2], seqs[0], seqs[4]]
+        assert len(plan.decode) == 4 and plan.prefill == [seqs[4]] and plan.chunks == [6]
+        model.run(scheduler, plan)
+    plan = scheduler.schedule()
+    assert plan.prefill == [seqs[4]] and plan.chunks == [3] and len(plan.decode) == 4
+    model.run(scheduler, plan)
+    assert scheduler.prefilling == deque() and len(scheduler.running) == 5 and scheduler.check() == []
+    assert scheduler.num_prefill_chunks == 4 + 2 + 1 + 1 + 1
+
+
+def test_prompts_get_a_quarter_of_the_budget_however_many_rows_decode():
+    model = Model()
+    scheduler = model.scheduler(max_batch_size=64, token_budget=16)
+    rows = [model.need(seq(f"r{i}"), 1) for i in range(40)]
+    for s in rows:
+        scheduler.add(s)
+    for _ in range(10):  # the budget's quarter (4 tokens) is for prompts, however many rows decode
+        model.run(scheduler, scheduler.schedule())
+    assert len(scheduler.running) == 40
+    prompt = model.need(seq("prompt"), 10)
+    scheduler.add(prompt)
+    plan = scheduler.schedule()
+    assert len(plan.decode) == 40 and plan.prefill == [prompt] and plan.chunks == [4]
+    assert scheduler.max_batch_seen == 40  # no cap of 16 rows
+
+
+def test_a_resident_follow_up_goes_first_and_a_cold_prompt_waits_at_most_max_passed_over_steps():
+    model = Model()
+    scheduler = model.scheduler(max_batch_size=8, token_budget=8, max_passed_over=2)
+    cold = model.need(seq("cold"), 30)
+    scheduler.add(cold)
+    plan = scheduler.schedule()
+    assert plan.prefill == [cold] and plan.chunks == [8]
+    model.run(scheduler, plan)
+    served = []
+    for step in range(4):  # a follow-up of 8 tokens (the whole budget) arrives before every step
+        follow_up = model.need(seq(f"f{step}"), 8, resident=True)
+        scheduler.add(follow_up)
+        plan = scheduler.schedule()
+        served.append([s.session.session_id for s in plan.prefill])
+        model.run(scheduler, plan)
+    # Two steps the follow-ups jump the cold prompt; then it goes first (the third and fourth steps),
+    # the follow-ups waiting behind it get what it leaves.
+    assert served == [["f0"], ["f1"], ["cold"], ["cold"]]
+    assert cold.passed_over == 2 and scheduler.num_passed_over == 2
+
+
+def test_a_follow_up_longer_than_the_budget_is_served_in_arrival_order():
+    model = Model()
+    scheduler = model.scheduler(max_batch_size=8, token_budget=8)
+    cold = model.need(seq("cold"), 4)
+    big = model.need(seq("big"), 9, resident=True)  # a pasted document: not short, so no priority
+    small = model.need(seq("small"), 2, resident=True)
+    for s in (cold, big, small):
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    assert plan.prefill == [small, cold, big] and plan.chunks == [2, 4, 2]
+    assert big.passed_over == 0 and cold.passed_over == 0  # served, if not wholly
+
+
+def test_random_arrivals_cancels_and_residency_keep_the_budget_order_and_invariant():
+    rng = random.Random(7)
+    for _ in range(30):
+        model = Model()
+        budget = rng.choice([1, 3, 8, 32])
+        limit = rng.choice([1, 3])
+        scheduler = model.scheduler(max_batch_size=rng.choice([1, 2, 5]), token_budget=budget, max_passed_over=limit)
+        decodes: dict[int, int] = {}
+        count = 0
+        for _ in range(200):
+            for _ in range(rng.choice([0, 0, 1, 2])):
+                count += 1
+                s = model.need(seq(f"s{count}"), rng.randint(1, 3 * budget), resident=rng.random() < 0.5)
+                decodes[id(s)] = rng.randint(1, 4)
+                scheduler.add(s)
+            candidates = sorted([*scheduler.prefilling, *scheduler.waiting], key=scheduler._priority)
+            plan = scheduler.schedule()
+            # the most urgent first, in order, within the budget (a quarter of it kept for prompts)
+            assert plan.prefill == candidates[:len(plan.prefill)]
+            assert sum(plan.chunks) <= max(budget - len(plan.decode), budget // 4, 1)
+            assert all(s.passed_over <= limit + len(candidates) for s in candidates)
+            ended = []
+            for s in plan.decode:
+                decodes[id(s)] -= 1
+                if not decodes[id(s)]:
+                    s.done = True
+                    ended.append(s)
+            for s, tokens in zip(plan.prefill, plan.chunks):
+                if rng.random() < 0.1:  # cancelled between two chunks (or before its first)
+                    s.done = True
+                    ended.append(s)
+                    continue
+                model.left[id(s)] -= tokens
+                if not model.left[id(s)]:
+                    s.turn.mark = TurnMark(num_tokens=0, num_images=0, num_turns=0, ended_with_eos=False,
+                                           rope_delta=0)
+            if scheduler.waiting and rng.random() < 0.05:  # cancelled while waiting
+                victim = rng.choice(list(scheduler.waiting))
+                victim.done = True
+                scheduler.release(victim)
+            scheduler.complete(plan, ended)
+            for s in ended:
+                scheduler.release(s)
+            assert scheduler.check() == []
+        for _ in range(10_000):  # no new arrivals: everything ends
+            if not scheduler.active:
+                break
+            plan = scheduler.schedule()
+            ended = []
+            for s in plan.decode:
+                decodes[id(s)] -= 1
+                if not decodes[id(s)]:
+                    s.done = True
+                    ended.append(s)
+            model.run(scheduler, plan)
+            for s in ended:
+                scheduler.release(s)
+        assert not scheduler.active and scheduler.check() == []
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4])
 def test_every_running_request_advances_and_none_is_lost_when_rows_finish_mid_batch(batch):
     """The state the old engine lost requests in: more running than one step takes, some finishing."""
     rng = random.Random(batch)
-    scheduler = Scheduler(max_batch_size=batch)
+    model = Model()
+    scheduler = model.scheduler(max_batch_size=batch, token_budget=1)  # one prompt of 1 token joins per step
     remaining = {}
     for i in range(3 * batch + 2):
-        s = seq(f"s{i}")
+        s = model.need(seq(f"s{i}"), 1)
         scheduler.add(s)
         remaining[s] = rng.randint(1, 12)  # decode steps it needs
     advanced = {s: 0 for s in remaining}
@@ -77,7 +229,7 @@ def test_every_running_request_advances_and_none_is_lost_when_rows_finish_mid_ba
                 ended.append(s)
         for s in scheduler.running:
             waited[s] += 1
-        scheduler.complete(plan, ended)
+        model.run(scheduler, plan, ended)
         for s in ended:
             scheduler.release(s)
         assert scheduler.check() == []
