@@ -243,7 +243,7 @@ def test_every_graph_is_captured_at_start_up_largest_first_and_none_mid_serving(
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4))
     pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
-                     block_tokens=4, num_blocks=8)
+                     block_tokens=4, num_blocks=16)
     assert graphs.capture_all(pool, max_tokens=16) == 9  # 3 batch buckets x block tables of 1, 2, 4 blocks
     assert list(graphs.graphs) == [(4, 4), (4, 2), (4, 1), (2, 4), (2, 2), (2, 1), (1, 4), (1, 2), (1, 1)]
     captures = len([call for call in cuda.calls if call[0] == "graph"])
@@ -254,3 +254,18 @@ def test_every_graph_is_captured_at_start_up_largest_first_and_none_mid_serving(
     graphs.run(kvs[:1], [5])
     assert len([call for call in cuda.calls if call[0] == "graph"]) == captures == 9
     assert [call for call in cuda.calls if call[0] == "replay"] == [("replay", "current")] * 2
+
+
+def test_no_graph_gathers_more_blocks_than_the_pool_holds_and_such_a_step_runs_eagerly(cuda, cpu_tensors):
+    runner = FakeRunner(cuda)
+    graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4))
+    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                     block_tokens=4, num_blocks=8)
+    assert graphs.capture_all(pool, max_tokens=16) == 8  # all but 4 rows x 4 blocks (16 > 8 blocks)
+    assert (4, 4) not in graphs.graphs and (4, 2) in graphs.graphs and (2, 4) in graphs.graphs
+    kvs = [pool.new_cache(16) for _ in range(3)]
+    kvs[0].ensure_capacity(13)
+    kvs[0].length = 12  # its next token needs a 4th block: 3 rows padded to 4 x 4 blocks
+    for kv in kvs[1:]:
+        kv.ensure_capacity(1)
+    assert not graphs.fits(kvs) and graphs.fits(kvs[:2])  # the eager path takes it (ModelRunner.decode)
