@@ -48,10 +48,11 @@ bench-all: bench
 	$(PY) -m benchmarks.speculative
 	$(PY) -m benchmarks.front_overhead
 
-# On a CUDA machine: equivalence tests on the GPU, then the decode and first-vs-follow-up benchmarks, one
-# table (scripts/device_check.sh; under ~8 minutes on one H200). Without CUDA: a CPU smoke, exit 0.
+# The device check (docs/DEVICE_CHECK.md): on a CUDA machine a 7B-shaped LLaVA and a Llama-3-8B slice with
+# random weights, one table (paths vs transformers, host syncs, kernels, timings vs the floor, memory); without
+# CUDA the CPU smoke, exit 0. PYTHON: a python with torch; WHEELS: scripts/device_wheels.sh's folder. No Java.
 device-check:
-	VENV=$(VENV) scripts/device_check.sh
+	PYTHON=$(PYTHON) WHEELS=$(WHEELS) scripts/device_check.sh
 
 # ruff (pyproject.toml's rule set), the layers of session/ as import contracts (pyproject.toml,
 # [tool.importlinter]), and, since the images cannot be built here (no Docker engine), the
@@ -60,7 +61,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint docker/Dockerfile.cuda docker/Dockerfile.neuron
-	$(VENV)/bin/shellcheck docker/serve scripts/device_check.sh
+	$(VENV)/bin/shellcheck docker/serve scripts/device_check.sh scripts/device_wheels.sh
 
 clean:
 	rm -rf build models benchmarks/results

@@ -37,12 +37,21 @@ def sessions(runner, num_rows: int, context: int, block_tokens: int, interleaved
     kvs = [pool.new_cache(runner.info.max_positions) if pool is not None else
            runner.new_kv_cache(block_tokens=block_tokens, max_tokens=runner.info.max_positions)
            for _ in range(num_rows)]
-    embeds = [torch.randn(context, runner.info.hidden_size, generator=generator).to(runner.dtype) for _ in kvs]
+    # made on the host (one seeded generator whatever the device), then moved to the runner's device
+    embeds = [torch.randn(context, runner.info.hidden_size, generator=generator).to(runner.device, runner.dtype)
+              for _ in kvs]
     chunk = block_tokens if interleaved else context
     for start in range(0, context, chunk):
         for kv, e in zip(kvs, embeds):
             runner.prefill(kv, e[start : start + chunk])
     return kvs
+
+
+def synchronize(runner) -> None:
+    """Wait for the device's queued work (CUDA launches return before the kernels run), so a step's
+    wall time is the step's, not its launches'; nothing on CPU."""
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
 
 
 def measure(runner, num_rows: int, context: int, steps: int, block_tokens: int) -> dict:
@@ -54,8 +63,10 @@ def measure(runner, num_rows: int, context: int, steps: int, block_tokens: int) 
     for step in range(steps + 2):  # the first two rounds warm up
         for case in cases:
             runner.decode_attention = case[0]
+            synchronize(runner)
             began = time.perf_counter()
             runner.decode(caches[case], tokens)
+            synchronize(runner)
             if step >= 2:
                 times[case].append(time.perf_counter() - began)
     for kvs in caches.values():
@@ -79,8 +90,10 @@ def measure_pool_layouts(runner, num_rows: int, context: int, steps: int, block_
     runner.decode_attention = "per_row"
     for step in range(steps + 2):  # the first two rounds warm up
         for layout, kvs in caches.items():
+            synchronize(runner)
             began = time.perf_counter()
             logits[layout] = runner.decode(kvs, [7] * num_rows)
+            synchronize(runner)
             if step >= 2:
                 times[layout].append(time.perf_counter() - began)
     same = torch.equal(*logits.values())

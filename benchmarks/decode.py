@@ -133,9 +133,10 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
 def run_generate(runner, workload, new_tokens: int) -> dict:
     """One batched ``generate`` for the C prompts; a streamer stamps each decode step as it happens."""
     model = runner.model
-    ids = torch.tensor([w[0] for w in workload])
+    ids = torch.tensor([w[0] for w in workload], device=model.device)
     pixels = [p for w in workload for p in w[1].pixels]  # LLaVA-1.5: one square each (none: a text model)
-    pixel_values = {"pixel_values": torch.stack(pixels)} if pixels else {}
+    # the preprocessed pixels are host tensors: on the model's device and dtype, as the runner's encode_images moves them
+    pixel_values = {"pixel_values": torch.stack(pixels).to(model.device, model.dtype)} if pixels else {}
     stamps: list[float] = []
 
     class Stamps:  # transformers' streamer protocol: put() per step (the prompt first), end() at the end

@@ -19,7 +19,7 @@ TINY_MODEL = REPO / "models" / "llava-tiny"
 
 @pytest.fixture(scope="session", autouse=True)
 def test_dtype():
-    """RESIDENT_TEST_DTYPE (the device check sets float32) is what dtype "auto" resolves to in every
+    """RESIDENT_TEST_DTYPE (e.g. float32 when the suite runs on a GPU) is what dtype "auto" resolves to in every
     engine the tests build: on CUDA "auto" means bfloat16, and the token-exact references are float32."""
     import session.model.runner as model_runner
 
