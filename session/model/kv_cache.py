@@ -340,6 +340,14 @@ class PoolAccounts:
                 "published_blocks": sum(len(p.prefix) for p in self.pools)}
 
 
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device``; to a GPU from pinned host memory, without waiting for the copy."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 class PagedKVCache:
     """One session's keys and values: its block table into a ``BlockPool``. Who calls this: the
     engine loop thread (model runner, sessions, memory manager), never two threads at once."""
@@ -351,6 +359,7 @@ class PagedKVCache:
         self.max_tokens = max_tokens
         self.block_ids: list[int] = []  # the block table: position p lives in block_ids[p // block_tokens]
         self.length = 0  # tokens whose keys and values are stored
+        self._slots: tuple[tuple, torch.Tensor] | None = None  # the last write's slots, reused by every layer
 
     @property
     def block_tokens(self) -> int:
@@ -387,8 +396,15 @@ class PagedKVCache:
         return self.pool.slots(self.block_ids, start, end)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: [num_kv_heads, T, head_dim] for positions start .. start+T-1
-        self.pool.write(layer, torch.tensor(self.slots(start, start + k.shape[1]), device=self.device), k, v)
+        """k, v: [num_kv_heads, T, head_dim] for positions start .. start+T-1. The slots go to the
+        device once per pass, not once per layer (each copy from a list is a host sync on CUDA), and
+        from pinned memory without blocking; keyed by the blocks they name, so a table changed since
+        (a crop, copy-on-write) gets new ones."""
+        end = start + k.shape[1]
+        key = (start, end, tuple(self.block_ids[start // self.block_tokens: -(-end // self.block_tokens)]))
+        if self._slots is None or self._slots[0] != key:
+            self._slots = key, to_device(self.slots(start, end), self.device)
+        self.pool.write(layer, self._slots[1], k, v)
 
     def keys(self, layer: int, end: int) -> torch.Tensor:
         """[num_kv_heads, end, head_dim]: a view of the pool when the blocks are consecutive, else a gather."""

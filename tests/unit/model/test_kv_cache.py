@@ -260,3 +260,27 @@ def test_batched_writes_and_gathers_agree_with_per_session_reads():
     assert torch.equal(keys[0, :, :12], torch.cat([ka[0], new_k[0]], 1))
     assert torch.equal(values[1, :, :5], torch.cat([vb[0], new_v[1]], 1))
     assert torch.equal(a.keys(0, 12), keys[0, :, :12]) and torch.equal(b.values(0, 5), values[1, :, :5])
+
+
+def test_a_pass_sends_its_slots_to_the_device_once_and_a_changed_table_gets_new_ones(monkeypatch):
+    import session.model.kv_cache as kv_cache
+
+    sent = []
+    original = kv_cache.to_device
+    monkeypatch.setattr(kv_cache, "to_device", lambda values, device: sent.append(list(values)) or
+                        original(values, device))
+    pool = make_pool(num_blocks=4)
+    cache, other = make(pool=pool), make(pool=pool)
+    cache.ensure_capacity(10)
+    fill(cache, 0, 10)  # one pass over both layers
+    assert len(sent) == 1 and sent[0] == cache.slots(0, 10)
+    first_table = list(cache.block_ids)
+    cache.release()
+    other.ensure_capacity(8)  # takes the lowest free block: the table below differs
+    cache.ensure_capacity(10)
+    assert cache.block_ids != first_table
+    k2, v2 = fill(cache, 0, 10)  # the same positions over other blocks: new slots
+    assert len(sent) == 2 and sent[1] == cache.slots(0, 10)
+    fill(cache, 0, 10)  # the same positions over the same blocks: the slots already sent
+    assert len(sent) == 2
+    assert torch.equal(cache.keys(1, 10), k2[1]) and torch.equal(cache.values(0, 10), v2[0])
