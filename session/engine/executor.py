@@ -53,6 +53,8 @@ class Executor:
         if seq.progress is None:
             self.begin(seq)
         progress, session = seq.progress, seq.session
+        if self.thread_tuner is not None:
+            self.thread_tuner.choose_for_prefill()
         count = progress.left if max_tokens is None else min(max_tokens, progress.left)
         end = progress.done + count
         mrope = {} if progress.positions is None else {"positions": progress.positions[:, progress.done:end]}

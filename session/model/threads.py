@@ -20,7 +20,7 @@ first step after a switch is not counted (the OpenMP pool resizes). Steps with a
 measured.
 
 Who calls this: the executor, on the engine loop thread: ``choose`` before a decode step,
-``observe`` after it. Nothing here is thread-safe.
+``observe`` after it, ``choose_for_prefill`` before a prefill. Nothing here is thread-safe.
 """
 
 from __future__ import annotations
@@ -78,12 +78,25 @@ class ThreadTuner:
         self._probes: dict[int, _Probe] = {}  # bucket -> the candidate being re-measured there
         self._discard_next = False
         self.threads = self.candidates[-1]  # all cores first: faster on a quiet machine (module docstring)
+        self._last_bucket = 1  # the bucket of the last decode step
         self.num_switches = 0
         set_threads(self.threads)
 
+    def choose_for_prefill(self) -> int:
+        """Before a prefill: the count the last decode steps found best, never a re-measure's (a prompt
+        fed on the slower count while decode steps probe it stalls every stream in its step). Sets and
+        returns it; the next decode step's time is not counted if it switched."""
+        bucket = self._last_bucket
+        threads = self._best(bucket) if bucket in self._figures else self.threads
+        if threads != self.threads:
+            self._set_threads(threads)
+            self.threads, self._discard_next = threads, True
+            self.num_switches += 1
+        return threads
+
     def choose(self, batch: int) -> int:
         """Before a decode step of ``batch`` rows: sets (and returns) the thread count to run it with."""
-        bucket = bucket_of(batch)
+        bucket = self._last_bucket = bucket_of(batch)
         figures = self._figures.get(bucket) or self._new_bucket(bucket)
         best = self._best(bucket)
         if bucket not in self._probes:

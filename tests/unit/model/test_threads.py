@@ -209,3 +209,17 @@ def test_images_are_preprocessed_without_an_openmp_team_of_the_callers(monkeypat
     finally:
         pool.shutdown()
         engine.stop()
+
+
+def test_a_prefill_runs_on_the_best_count_even_while_decode_steps_re_measure_another():
+    calls = []
+    tuner = ThreadTuner((1, 2), refresh_steps=64, max_refresh_steps=512, set_threads=calls.append)
+    serve(tuner, 8, lambda threads, rows, step: QUIET[threads])  # 2 threads measured at batch 1
+    assert tuner.choose(1) == 1  # its first re-measure of 1 thread
+    tuner.observe(1, QUIET[1])
+    assert tuner.choose_for_prefill() == 2 and calls[-1] == 2  # the prompt is fed on the best count
+    assert tuner.choose(1) == 1  # the re-measure goes on, its first step after the switch not counted
+    tuner.observe(1, 5.0)
+    assert tuner.figures()[1][1] is None
+    fresh = ThreadTuner((1, 2), set_threads=calls.append)
+    assert fresh.choose_for_prefill() == 2  # nothing measured yet: all cores
