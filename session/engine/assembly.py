@@ -80,11 +80,13 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
         image_token_id=info.image_token_id, eos_token_ids=info.eos_token_ids)
     store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time)
     embeddings = EmbeddingCache(max_bytes=config.max_embedding_bytes)
-    budget = device_budget(config, runner)
     journal = Journal(config.journal_dir, config.journal_max_bytes,
                       config.journal_session_max_bytes) if config.journal_dir else None
     adapters = admin.build_adapter_registry(config, runner, journal)
     speculator = _speculator(config, runner, tokenizer)
+    if adapters is not None and runner.device.type != "cpu":
+        adapters.bank.allocate()  # its bytes now (2.9 GB on a 7B at 9 slots x rank 64), not at the first adapter
+    budget = device_budget(config, runner)  # what is free once every model and the LoRA bank have loaded
     blocks = None
     if not config.static_kv:
         paged = [runner] + ([speculator.draft] if speculator and speculator.draft else [])

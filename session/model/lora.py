@@ -191,14 +191,18 @@ class LoraBank:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.at.values(), *self.bt.values()))
 
-    def _allocate(self) -> None:
+    def allocate(self) -> None:
+        """Allocate the bank's factors now (else at the first adapter load); once. On an accelerator the
+        engine calls this at start-up, before it measures the memory left for KV (session/engine/assembly.py)."""
+        if self.at:
+            return
         slots, rank, dtype, device = self.num_slots + 1, self.max_rank, self.dtype, self.device
         self.at = {k: torch.zeros(slots, fin, rank, dtype=dtype, device=device) for k, (fin, _) in self.shapes.items()}
         self.bt = {k: torch.zeros(slots, rank, fout, dtype=dtype, device=device) for k, (_, fout) in self.shapes.items()}
 
     def load(self, slot: int, adapter: AdapterWeights) -> None:
         if not self.at:
-            self._allocate()
+            self.allocate()
         for key in self.at:
             self.at[key][slot].zero_()
             self.bt[key][slot].zero_()

@@ -61,3 +61,24 @@ def test_bfloat16_on_cpu_only_where_the_cpu_has_it(monkeypatch):
     assert model_runner.resolve_dtype("bfloat16", cpu) is torch.bfloat16
     monkeypatch.setattr(model_runner, "cpu_has_bf16", lambda: False)
     assert model_runner.resolve_dtype("bfloat16", cpu) is torch.float32  # no native bf16: float32 is faster
+
+
+def test_allocate_takes_the_banks_bytes_once_before_any_adapter():
+    shapes = {(0, "q_proj"): (64, 64)}
+    bank = LoraBank(shapes, num_slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    bank.allocate()
+    first = bank.at[(0, "q_proj")]
+    assert bank.nbytes == 3 * 8 * (64 + 64) * 4
+    bank.allocate()  # once: what a load wrote stays
+    assert bank.at[(0, "q_proj")] is first
+
+
+def test_the_budget_is_measured_after_the_adapters_and_the_draft_load(tiny_model_path, monkeypatch):
+    import session.engine.assembly as assembly
+
+    events = []
+    monkeypatch.setattr(assembly, "_speculator", lambda config, runner, tokenizer: events.append("draft"))
+    monkeypatch.setattr(assembly, "device_budget", lambda config, runner: events.append(
+        f"budget (lora installed: {runner.lora is not None})") or 0)
+    assembly.assemble(EngineConfig(model_path=str(tiny_model_path), max_device_adapters=2))
+    assert events == ["draft", "budget (lora installed: True)"]
