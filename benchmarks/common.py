@@ -5,6 +5,7 @@ Nothing here knows what a benchmark measures; each benchmark module builds its w
 
 from __future__ import annotations
 
+import argparse
 import base64
 import contextlib
 import io
@@ -12,12 +13,41 @@ import json
 import math
 import random
 import socket
+import subprocess
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from launch.torchserve import REPO, ensure_demo_models, start_torchserve
 
 BENCH_MODEL = REPO / "models" / "llava-bench"
+
+
+# ---------------------------------------------------------------- a peer engine in its own interpreter
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser, default_out: Path) -> None:
+    """The options of a benchmark that runs vLLM beside us: its interpreter, repeats, our threads,
+    its KV space, the output; and the hidden ones its worker (this script, in vLLM's interpreter) takes."""
+    parser.add_argument("--vllm-python", default="", help="vLLM's interpreter; empty: ours only")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="our torch threads (0: measured)")
+    parser.add_argument("--kv-cache-gb", type=int, default=4, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", default="", help=argparse.SUPPRESS)
+
+
+def run_peer_worker(script: str, python: str, model: Path, seeds: list[int], kv_cache_gb: int):
+    """Run ``script --worker`` in vLLM's interpreter ``python``; what it wrote (JSON)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.json"
+        cmd = [python, script, "--worker", "--model", str(model), "--seeds", ",".join(map(str, seeds)),
+               "--kv-cache-gb", str(kv_cache_gb), "--out", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
+        if done.returncode or not out.exists():
+            raise RuntimeError(f"the vLLM worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())
 
 
 # ---------------------------------------------------------------- server

@@ -27,16 +27,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks.*` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import format_table, write_json  # noqa: E402
+from benchmarks.common import add_peer_arguments, format_table, run_peer_worker, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -132,14 +130,7 @@ def vllm_worker(model: Path, seeds: list[int], kv_cache_gb: int) -> list[dict]:
 
 
 def run_vllm(python: str, model: Path, seeds: list[int], kv_cache_gb: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "vllm.json"
-        cmd = [python, __file__, "--worker", "--model", str(model), "--seeds", ",".join(map(str, seeds)),
-               "--kv-cache-gb", str(kv_cache_gb), "--out", str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
-        if done.returncode or not out.exists():
-            raise RuntimeError(f"the vLLM worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(out.read_text())
+    return run_peer_worker(__file__, python, model, seeds, kv_cache_gb)
 
 
 # ---------------------------------------------------------------- report
@@ -163,14 +154,8 @@ def summarize(runs: list[dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=MODEL)
-    parser.add_argument("--vllm-python", default="", help="vLLM's interpreter; empty: ours only")
-    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--block-tokens", type=int, default=32, help="our KV block size")
-    parser.add_argument("--threads", type=int, default=0, help="our torch threads (0: measured)")
-    parser.add_argument("--kv-cache-gb", type=int, default=4, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "shared_prefix.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--seeds", default="", help=argparse.SUPPRESS)
+    add_peer_arguments(parser, REPO / "benchmarks" / "results" / "shared_prefix.json")
     args = parser.parse_args()
     if args.worker:
         args.out.write_text(json.dumps(vllm_worker(args.model, [int(s) for s in args.seeds.split(",")],

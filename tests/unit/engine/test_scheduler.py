@@ -143,6 +143,17 @@ def test_a_follow_up_longer_than_the_budget_is_served_in_arrival_order():
     assert big.passed_over == 0 and cold.passed_over == 0  # served, if not wholly
 
 
+def decode_rows(plan, decodes: dict[int, int]) -> list[Sequence]:
+    """One token for each decode row of the plan; the rows whose last token that was (ended)."""
+    ended = []
+    for s in plan.decode:
+        decodes[id(s)] -= 1
+        if not decodes[id(s)]:
+            s.done = True
+            ended.append(s)
+    return ended
+
+
 def test_random_arrivals_cancels_and_residency_keep_the_budget_order_and_invariant():
     rng = random.Random(7)
     for _ in range(30):
@@ -163,13 +174,8 @@ def test_random_arrivals_cancels_and_residency_keep_the_budget_order_and_invaria
             # the most urgent first, in order, within the budget (a quarter of it kept for prompts)
             assert plan.prefill == candidates[:len(plan.prefill)]
             assert sum(plan.chunks) <= max(budget - len(plan.decode), budget // 4, 1)
-            assert all(s.passed_over <= limit + len(candidates) for s in candidates)
-            ended = []
-            for s in plan.decode:
-                decodes[id(s)] -= 1
-                if not decodes[id(s)]:
-                    s.done = True
-                    ended.append(s)
+            assert all(s.passed_over <= limit for s in candidates)  # then it goes first: never passed again
+            ended = decode_rows(plan, decodes)
             for s, tokens in zip(plan.prefill, plan.chunks):
                 if rng.random() < 0.1:  # cancelled between two chunks (or before its first)
                     s.done = True
@@ -191,13 +197,8 @@ def test_random_arrivals_cancels_and_residency_keep_the_budget_order_and_invaria
             if not scheduler.active:
                 break
             plan = scheduler.schedule()
-            ended = []
-            for s in plan.decode:
-                decodes[id(s)] -= 1
-                if not decodes[id(s)]:
-                    s.done = True
-                    ended.append(s)
-            model.run(scheduler, plan)
+            ended = decode_rows(plan, decodes)
+            model.run(scheduler, plan, ended)
             for s in ended:
                 scheduler.release(s)
         assert not scheduler.active and scheduler.check() == []
