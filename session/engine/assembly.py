@@ -97,6 +97,8 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     memory = MemoryManager(device_budget_bytes=budget, host_budget_bytes=config.host_budget_bytes, store=store,
                            blocks=blocks)
     share_block_tokens = config.kv_block_tokens if blocks is not None and config.prefix_cache_bytes else 0
+    if speculator is not None:
+        speculator.share_block_tokens = share_block_tokens  # the draft's pool shares its text's blocks too
 
     def images_from_bytes(raw: bytes) -> Images:
         from session.families.image_decode import decode_bytes

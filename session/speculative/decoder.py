@@ -29,6 +29,7 @@ import torch
 
 from session.errors import ConfigError
 from session.model.kv_cache import KVCache
+from session.model.prefix_cache import block_keys
 from session.model.sampling import ban_token, warp_probs
 from session.speculative.acceptance import agreed_prefix, cut, propose_ngram, sampling_accept_logits
 from session.types import SamplingParams
@@ -139,6 +140,10 @@ class SpeculativeDecoder:
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_draft_synced_tokens = 0  # draft prefill of tokens it had not seen (new turns, after plain steps)
+        # Shared KV blocks in the draft's own pool (session/model/prefix_cache.py): block size, 0 = off.
+        # Set by the engine's assembly when sharing is on. The draft reads text only and no adapter, so
+        # its keys are its text's, unsalted.
+        self.share_block_tokens = 0
 
     def new_draft_kv(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache | None:
         """The draft's cache for a new session (None for prompt lookup). The session owns it."""
@@ -162,10 +167,19 @@ class SpeculativeDecoder:
         """
         if draft_kv is None:
             return 0
+        keys = []
+        if self.share_block_tokens:
+            text = self.text_ids(token_ids)
+            keys = block_keys(text, self.share_block_tokens)
+            if draft_kv.length == 0:  # new, stateless or dropped: start from the longest published prefix
+                draft_kv.release()  # what the turn reserved; the prefill takes what it needs
+                draft_kv.share_prefix(keys[:(len(text) - 1) // self.share_block_tokens])
         missing = self._lacking(token_ids, draft_kv)[:-1]
         if missing:
             self.draft.prefill(draft_kv, self.draft.embed(missing, []))
             self.num_draft_synced_tokens += len(missing)
+        if keys:
+            draft_kv.publish(keys)
         return len(missing)
 
     def step_batch(self, rows: list[SpecRow], eos_token_ids: tuple[int, ...] = ()) -> list[StepResult]:

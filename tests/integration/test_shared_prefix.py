@@ -135,6 +135,27 @@ def test_reuse_answers_exactly_as_without_and_counts_what_it_reused(paths, famil
         plain.stop()
 
 
+def test_a_draft_model_shares_its_own_blocks_and_answers_stay_exact():
+    """The draft's pool shares its text's blocks too: later conversations on one system prompt feed
+    the draft only past it, and every answer equals the unshared engine's."""
+    from tests.integration.test_engine_speculative import PAIR
+
+    settings = dict(speculative="draft", draft_model_path=str(PAIR / "draft"))
+    shared, plain = engine_pair(str(PAIR / "target"), **settings)
+    try:
+        got, want = conversation(shared, False), conversation(plain, False)
+        assert [a for a, _ in got] == [a for a, _ in want]
+        draft_pool = shared.parts.speculator.draft.kv_pool(BLOCK)
+        # the resent history: its first two blocks; sessions 1 and 2: the system prompt's one block each
+        assert draft_pool.prefix.num_hit_blocks == 2 + 1 + 1
+        fed, fed_alone = (e.parts.speculator.num_draft_synced_tokens for e in (shared, plain))
+        assert fed_alone - fed == 4 * BLOCK  # those blocks were not fed to the draft again
+        assert shared.parts.sessions.check({}) == []
+    finally:
+        shared.stop()
+        plain.stop()
+
+
 def test_adapters_never_share_and_speculation_stays_exact(paths, adapters_dir):
     names = sorted(p.name for p in adapters_dir.iterdir())[:2]
     shared, plain = engine_pair(paths["llava"], adapters_dir=str(adapters_dir), max_device_adapters=2,
