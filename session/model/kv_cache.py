@@ -477,12 +477,20 @@ class PagedKVCache:
         """Compact host copies of what is stored: K, V [num_layers, num_kv_heads, length, head_dim]."""
         return self.pool.host_copy(self.block_ids, self.length)
 
-    def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``to_host``'s copies as this (empty) cache's first ``k.shape[2]`` positions."""
+    def load(self, k: torch.Tensor, v: torch.Tensor, keys: list[bytes] = ()) -> int:
+        """Store ``to_host``'s copies as this (empty) cache's first ``k.shape[2]`` positions. With the
+        content ``keys`` of its blocks, the longest published prefix is shared instead of copied (a
+        session restored from the host tier holds what others hold once). Returns the tokens shared."""
         length = k.shape[2]
+        shared = 0
+        if keys:
+            self.release()  # the capacity taken for the turn: taken again past the shared prefix
+            shared = self.share_prefix(list(keys[:length // self.block_tokens]))
         self.ensure_capacity(length)
-        self.pool.store(torch.tensor(self.slots(0, length), device=self.device), k, v)
+        if shared < length:
+            self.pool.store(to_device(self.slots(shared, length), self.device), k[:, :, shared:], v[:, :, shared:])
         self.length = length
+        return shared
 
 
 class StaticKVCache:
@@ -562,12 +570,14 @@ class StaticKVCache:
     def to_host(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, :, : self.length].to("cpu", copy=True), self.v[:, :, : self.length].to("cpu", copy=True)
 
-    def load(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def load(self, k: torch.Tensor, v: torch.Tensor, keys: list[bytes] = ()) -> int:
+        """A whole buffer per session shares nothing: all of it is copied (0 tokens shared)."""
         length = k.shape[2]
         self.ensure_capacity(length)
         self.k[:, :, :length].copy_(k)
         self.v[:, :, :length].copy_(v)
         self.length = length
+        return 0
 
 
 KVCache = PagedKVCache | StaticKVCache

@@ -45,6 +45,7 @@ class MemoryManager:
         self.num_to_host = 0
         self.num_dropped = 0
         self.num_restored_from_host = 0
+        self.num_restored_shared_tokens = 0  # restored from the host tier by sharing published blocks, not copying
         self.num_recomputed = 0
         self.peak_device_bytes = 0
 
@@ -123,9 +124,10 @@ class MemoryManager:
             self.drop(victim)
         return True
 
-    def restore_from_host(self, session: SessionState) -> None:
-        """HOST -> DEVICE: copy the compact KV back into the session's (already sized) device cache."""
-        session.kv.load(*session.host_kv)
+    def restore_from_host(self, session: SessionState, keys: list[bytes] = ()) -> None:
+        """HOST -> DEVICE: copy the compact KV back into the session's (already sized) device cache;
+        with its blocks' content ``keys``, the prefix other sessions published is shared, not copied."""
+        self.num_restored_shared_tokens += session.kv.load(*session.host_kv, keys=keys)
         session.host_kv = None
         session.host_length = 0
         session.tier = Tier.DEVICE

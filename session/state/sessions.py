@@ -161,7 +161,9 @@ class Sessions:
                 session.draft_kv.ensure_capacity(draft_tokens)
             kv.ensure_capacity(total_tokens)
             if session.tier is Tier.HOST:
-                self.memory.restore_from_host(session)
+                keys = self.block_keys(session, session.token_ids, session.image_digests) if self.share_block_tokens \
+                    else []
+                self.memory.restore_from_host(session, keys)
             elif session.tier is Tier.DROPPED:
                 session.tier = Tier.DEVICE  # the transcript is recomputed below, past any shared prefix
                 self.memory.num_recomputed += 1

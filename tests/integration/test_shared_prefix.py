@@ -19,12 +19,14 @@ same requests as raw ids (placeholders expanded), so the test knows every prefix
 from __future__ import annotations
 
 import hashlib
+import queue
 
 import pytest
 
 from session.config import EngineConfig
 from session.engine import Engine, GenerationRequest
-from session.engine.events import EventStream, Finished
+from session.engine.events import TERMINAL, EventStream, Finished
+from session.state.session import Tier
 from session.types import SamplingParams
 from tests.conftest import make_image, png_bytes
 from tests.integration.test_engine import run
@@ -198,3 +200,43 @@ def test_a_session_restored_from_the_journal_reuses_blocks_another_published(pat
         assert follow.usage.cached_tokens == (len(SYSTEM) + len(ask.placeholders)) // BLOCK * BLOCK
     finally:
         engine.stop()
+
+
+def test_a_session_restored_from_the_host_tier_shares_what_another_published(tiny_model_path):
+    """On the fake runner (its KV holds token ids): session a is demoted to host memory; its follow-up
+    restores it, sharing the published blocks (the system prompt's, which b holds) and copying the rest."""
+    from tests.fake_runner import FakeRunner, cache_tokens, greedy_answer
+
+    runner = FakeRunner(vocab_size=500, eos_token_ids=(2,), image_token_id=499)
+    engine = Engine(EngineConfig(model_path=str(tiny_model_path), kv_block_tokens=8, max_device_adapters=0,
+                                 speculative="off", check_invariants=True), runner=runner)
+
+    def ask(ids, **kwargs) -> Finished:
+        request = GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=4), stream=EventStream(),
+                                    token_ids=ids, **kwargs)
+        engine.submit(request)
+        events = []
+        while not events or not isinstance(events[-1], TERMINAL):
+            engine.step()
+            while True:
+                try:
+                    events.append(request.stream.get_nowait())
+                except queue.Empty:
+                    break
+        assert isinstance(events[-1], Finished), events[-1]
+        return events[-1]
+
+    system = list(range(300, 330))  # 30 tokens: 3 full blocks of 8
+    opened = ask(system + [5], session_id="a", open_session=True)
+    ask(system + [6], session_id="b", open_session=True)
+    session = engine.parts.store.peek("a")
+    assert engine.parts.memory.demote(session) is Tier.HOST and session.kv.length == 0
+    follow = ask([7], session_id="a")
+    transcript = system + [5] + list(opened.token_ids) + [7]
+    assert list(follow.token_ids) == greedy_answer(transcript, 4, 500, (2,), None, image_token_id=499)
+    # the system prompt's three blocks, held with b, and a's own fourth (published when its answer
+    # ended, idle while it was on the host); its last two tokens copied from the host copy
+    assert engine.parts.memory.num_restored_shared_tokens == 4 * 8 and session.host_kv is None
+    assert session.kv.block_ids[:3] == engine.parts.store.peek("b").kv.block_ids[:3]
+    assert cache_tokens(session.kv) == session.token_ids[: session.kv.length]
+    assert engine.num_invariant_violations == 0

@@ -162,3 +162,25 @@ def test_the_memory_manager_evicts_idle_blocks_before_it_demotes_a_session():
     assert memory.idle_bytes == p.block_nbytes and p.prefix.num_evicted == 1
     memory.reserve(newcomer, 3 * p.block_nbytes)  # now idle blocks are not enough: the session is demoted
     assert memory.idle_bytes == 0 and resident.tier is Tier.HOST
+
+
+def test_a_session_restored_from_the_host_tier_shares_the_published_prefix_and_copies_the_rest():
+    p = pool(num_blocks=2)
+    tokens = list(range(100, 111))  # 11 tokens: blocks 0 and 1 full, 3 in a third
+    keys = block_keys(tokens, 4)
+    other = p.new_cache(16)
+    fill(other, tokens[:8])
+    other.publish(keys)
+    demoted = p.new_cache(16)
+    fill(demoted, tokens[:10])
+    k, v = demoted.to_host()
+    demoted.release()  # demoted: only its host copy is left
+    restored = p.new_cache(16)
+    restored.ensure_capacity(16)  # what the turn reserved before the restore
+    assert restored.load(k, v, keys) == 8  # two blocks shared, two tokens copied
+    assert restored.block_ids[:2] == other.block_ids and restored.length == 10
+    assert stored(restored) == tokens[:10] and p.usage()["shared"] == 2
+    assert p.check([other.block_ids, restored.block_ids]) == []
+    plain = p.new_cache(16)
+    assert plain.load(k, v) == 0 and stored(plain) == tokens[:10]  # without keys: all copied
+    assert set(plain.block_ids).isdisjoint(other.block_ids)
