@@ -8,12 +8,15 @@ a resent history, three sessions on one system prompt and image, a follow-up in 
 concurrent burst: four new prompts and two sessions' follow-ups submitted together, so chunks of
 several prompts share steps with decoding rows and the follow-ups go first. ``cached_tokens`` and the
 answers must be equal; the chunked engine must have run more prefill passes than it had requests.
+And one step decodes 40 rows (past the old cap of 16), each answering as it does alone.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from session.config import EngineConfig
+from session.engine import Engine
 from session.engine.events import TERMINAL, Finished
 from tests.integration.test_shared_prefix import SYSTEM, Ask, conversation, demo_engine, demo_paths
 
@@ -58,3 +61,37 @@ def test_chunked_prefills_answer_as_whole_ones(paths, family):
     finally:
         chunked.stop()
         whole.stop()
+
+
+def test_more_than_sixteen_rows_decode_in_one_step_and_answer_as_alone(paths):
+    """40 requests at once on the text Llama: one step decodes all 40 rows (no cap of 16 any more),
+    through our CPU kernels, and each answer equals the one it gets alone."""
+    prompts = [[40 + i, 41 + i, 42 + 2 * i] for i in range(40)]
+
+    def answers(engine, one_at_a_time: bool) -> list:
+        requests = [Ask(engine, False).request(ids) for ids in prompts]
+        out = []
+        for item in requests:
+            engine.submit(item)
+            if one_at_a_time:
+                out.append(last(item))
+        if not one_at_a_time:
+            engine.start()  # all 40 queued first: the first step admits them together
+            out = [last(item) for item in requests]
+        return out
+
+    def last(item):
+        while not isinstance(event := item.stream.get(timeout=60), TERMINAL):
+            pass
+        assert isinstance(event, Finished), event
+        return event.token_ids
+
+    alone = demo_engine(paths["llama"])
+    together = Engine(EngineConfig(model_path=paths["llama"], kv_block_tokens=16, max_device_adapters=0,
+                                   speculative="off"))
+    try:
+        assert answers(together, False) == answers(alone, True)
+        assert together.max_batch_seen == 40 and together.parts.scheduler.max_batch_size == 256
+    finally:
+        alone.stop()
+        together.stop()
