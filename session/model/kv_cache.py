@@ -287,15 +287,29 @@ class BlockPool:
         return self._gather_of(pool[layer], torch.tensor([used], device=self.device))[0, :, :end]
 
     def host_copy(self, block_ids: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compact host copies of positions 0 .. length-1: K, V [num_layers, KVH, length, hd]."""
-        used = torch.tensor(block_ids[: -(-length // self.block_tokens)], device=self.device)
-        out = []
-        for pool in (self.k, self.v):
-            blocks = pool.index_select(self.block_dim, used)
-            flat = self._flat(blocks)  # head-major [L, KVH, S, hd]; token-major [L, S, KVH, hd]
-            flat = flat[:, :, :length] if self.head_major else flat[:, :length].transpose(1, 2)
-            out.append(flat.contiguous().cpu())
-        return tuple(out)
+        """Compact host copies of positions 0 .. length-1: K, V [num_layers, KVH, length, hd]. Each run of
+        consecutive blocks is copied straight from the pool into its place (no staging copy of the whole
+        session on the device); from a GPU into pinned memory without blocking, on the current stream,
+        so whatever next writes those blocks (a freed block's next owner) runs after the copy, and so
+        does a restore's copy back (the only reader of these tensors)."""
+        cuda = self.device.type == "cuda"
+        shape = (self.num_layers, self.num_kv_heads, length, self.head_dim)
+        out = tuple(torch.empty(shape, dtype=self.dtype, pin_memory=cuda) for _ in range(2))
+        size, used = self.block_tokens, block_ids[: -(-length // self.block_tokens)]
+        start = 0
+        while start < len(used):
+            end = start + 1
+            while end < len(used) and used[end] == used[end - 1] + 1:
+                end += 1
+            first, last = start * size, min(end * size, length)  # positions of this run
+            slot = used[start] * size
+            for pool, host in zip((self.k, self.v), out):
+                flat = self._flat(pool)
+                run = flat[:, :, slot:slot + last - first] if self.head_major else \
+                    flat[:, slot:slot + last - first].transpose(1, 2)
+                host[:, :, first:last].copy_(run, non_blocking=cuda)
+            start = end
+        return out
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``host_copy``'s K, V [num_layers, KVH, T, hd] into ``slots`` [T] of every layer."""

@@ -284,3 +284,20 @@ def test_a_pass_sends_its_slots_to_the_device_once_and_a_changed_table_gets_new_
     fill(cache, 0, 10)  # the same positions over the same blocks: the slots already sent
     assert len(sent) == 2
     assert torch.equal(cache.keys(1, 10), k2[1]) and torch.equal(cache.values(0, 10), v2[0])
+
+
+def test_host_copies_of_interleaved_blocks_round_trip():
+    pool = make_pool(num_blocks=6)
+    a, b = pool.new_cache(64), pool.new_cache(64)
+    for step in range(3):  # a's and b's blocks alternate: no two of a's are consecutive
+        a.ensure_capacity(BLOCK * (step + 1))
+        b.ensure_capacity(BLOCK * (step + 1))
+    assert all(second != first + 1 for first, second in zip(a.block_ids, a.block_ids[1:]))
+    k, v = fill(a, 0, 2 * BLOCK + 3)
+    host_k, host_v = a.to_host()
+    assert torch.equal(host_k, k) and torch.equal(host_v, v)
+    b.release()
+    c = pool.new_cache(64)
+    c.ensure_capacity(4 * BLOCK)  # consecutive blocks: one run
+    kc, vc = fill(c, 0, 3 * BLOCK + 1)
+    assert [torch.equal(t, want) for t, want in zip(c.to_host(), (kc, vc))] == [True, True]
