@@ -140,6 +140,7 @@ class SpeculativeDecoder:
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_draft_synced_tokens = 0  # draft prefill of tokens it had not seen (new turns, after plain steps)
+        self.num_draft_shared_tokens = 0  # text the draft took from published blocks instead of prefilling it
         # Shared KV blocks in the draft's own pool (session/model/prefix_cache.py): block size, 0 = off.
         # Set by the engine's assembly when sharing is on. The draft reads text only and no adapter, so
         # its keys are its text's, unsalted.
@@ -173,7 +174,7 @@ class SpeculativeDecoder:
             keys = block_keys(text, self.share_block_tokens)
             if draft_kv.length == 0:  # new, stateless or dropped: start from the longest published prefix
                 draft_kv.release()  # what the turn reserved; the prefill takes what it needs
-                draft_kv.share_prefix(keys[:(len(text) - 1) // self.share_block_tokens])
+                self.num_draft_shared_tokens += draft_kv.share_prefix(keys[:(len(text) - 1) // self.share_block_tokens])
         missing = self._lacking(token_ids, draft_kv)[:-1]
         if missing:
             self.draft.prefill(draft_kv, self.draft.embed(missing, []))

@@ -150,8 +150,12 @@ def test_a_draft_model_shares_its_own_blocks_and_answers_stay_exact():
         draft_pool = shared.parts.speculator.draft.kv_pool(BLOCK)
         # the resent history: its first two blocks; sessions 1 and 2: the system prompt's one block each
         assert draft_pool.prefix.num_hit_blocks == 2 + 1 + 1
+        # those blocks were taken, not fed to the draft again. (How many tokens the draft is fed in all
+        # is no exact measure: shared KV differs from recomputed KV in the last bits, so the draft's
+        # proposals, the adaptive k and with them the catch-ups after plain steps may differ.)
+        assert [e.parts.speculator.num_draft_shared_tokens for e in (shared, plain)] == [4 * BLOCK, 0]
         fed, fed_alone = (e.parts.speculator.num_draft_synced_tokens for e in (shared, plain))
-        assert fed_alone - fed == 4 * BLOCK  # those blocks were not fed to the draft again
+        assert fed < fed_alone
         assert shared.parts.sessions.check({}) == []
     finally:
         shared.stop()
