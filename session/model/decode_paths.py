@@ -238,7 +238,7 @@ class CpuKernelPath(PerRowPath):
                 h = fused_layer.run(h, arguments, cos, sin, pool.k[index], pool.v[index], flat_slots, table,
                                     starts[runner.windows[index]], ends, lora[14 * index:14 * index + 14], mask)
             if fused_layer.is_norm(runner.lm.norm):  # the final norm by the layer's own (checked at load)
-                h = fused_layer.norm(h, runner.lm.norm, fused_layer.lanes(fused))
+                h = fused_layer.norm(h, runner.lm.norm, fused)
                 return runner.lm_head(h[:, None])[:, 0].float()  # [B, 1, D]: the head sums as for one row each
             return runner.logits(h[:, None])[:, 0]
         for index, layer in enumerate(runner.layers):

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from session.errors import ConfigError
+from session.model.cpu import linear as cpu_linear
 
 METHODS = ("none", "int8", "int4")
 INT8_MAX = 127  # symmetric: -128 is never used, so q and -q both fit
@@ -151,18 +152,24 @@ class QuantizedLinear(nn.Module):
     (LoRA reads them); no dense ``weight`` is kept. Made by ``from_int8`` / ``from_int4``."""
 
     def __init__(self, method: str, in_features: int, out_features: int, packed: torch.Tensor,
-                 scales: torch.Tensor, bias: torch.Tensor | None, group_size: int = 0):
+                 scales: torch.Tensor | None, bias: torch.Tensor | None, group_size: int = 0):
         super().__init__()
         self.method, self.in_features, self.out_features, self.group_size = method, in_features, out_features, group_size
-        # int8: packed int8 [out, in], scales [out]; int4: packed uint8 [out, in / 2] (the kernel's
-        # layout), scales [in / group, out, 2] (each group's scale and zero)
+        # int8 on ATen: packed int8 [out, in], scales [out]; int8 on ours (``ours``): packed int8 [NB, in + 4,
+        # 16] with the scales inside (session/model/cpu/linear.py's pack_int8), scales None; int4: packed
+        # uint8 [out, in / 2] (ATen's layout), scales [in / group, out, 2] (each group's scale and zero)
+        self.ours = scales is None
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     @classmethod
-    def from_int8(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+    def from_int8(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                  ours: bool = False) -> QuantizedLinear:
+        """``ours``: packed for our kernel (float32 activations; ``our_int8_kernel`` loaded), else ATen's."""
         out_features, in_features = q.shape
+        if ours:
+            return cls("int8", in_features, out_features, cpu_linear.pack_int8(q, scales), None, bias)
         return cls("int8", in_features, out_features, q.contiguous(), scales.contiguous(), bias)
 
     @classmethod
@@ -175,6 +182,8 @@ class QuantizedLinear(nn.Module):
         return cls("int4", in_features, out_features, packed, scales_and_zeros, bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ours:  # one block of inputs: nothing to reproduce but the row's own order
+            return cpu_linear.linear(x, self.packed, self.bias, self.out_features, self.in_features)
         rows = x.reshape(-1, self.in_features).contiguous()  # both kernels take 2-D, dense rows
         if self.method == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
@@ -186,14 +195,17 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}{group}"
+        kernel = ", resident" if self.ours else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}{group}{kernel}"
 
 
-def quantize_linear(linear: nn.Linear, method: str) -> QuantizedLinear | None:
+def quantize_linear(linear: nn.Linear, method: str, ours: bool = False) -> QuantizedLinear | None:
     """``linear`` as a QuantizedLinear in its own dtype, or None where ATen's kernel does not take its
-    shape (``int4_group``, INT8_BF16_IN_MULTIPLE)."""
+    shape (``int4_group``, INT8_BF16_IN_MULTIPLE). ``ours``: int8 on our kernel (float32; any shape)."""
     weight, dtype = linear.weight, linear.weight.dtype
     if method == "int8":
+        if ours:
+            return QuantizedLinear.from_int8(*quantize_int8(weight, torch.float32), linear.bias, ours=True)
         if dtype == torch.bfloat16 and linear.in_features % INT8_BF16_IN_MULTIPLE:
             return None
         return QuantizedLinear.from_int8(*quantize_int8(weight, dtype), linear.bias)
@@ -242,28 +254,41 @@ def target_linears(layers: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Lin
     return list(found.values())
 
 
+def our_int8_kernel(method: str, device: torch.device, dtype: torch.dtype, cpu_kernels: bool) -> str | None:
+    """The KERNELS label of our int8 kernel where it runs the linears (int8, CPU, float32 activations,
+    RESIDENT_CPU_KERNELS on, and the kernel builds: session/model/cpu/kernels.py), else None (ATen's)."""
+    if not (method == "int8" and device.type == "cpu" and dtype == torch.float32 and cpu_kernels):
+        return None
+    if not cpu_linear.INT8_KERNEL.load():
+        return None
+    return f"resident::linear_i8 (CPU, {cpu_linear.INT8_KERNEL.isa.name}: our kernel, float32 inputs)"
+
+
 def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: str,
-                            device: torch.device) -> QuantizationReport:
+                            device: torch.device, cpu_kernels: bool = True) -> QuantizationReport:
     """Quantize the linears of ``layers`` (the language model's decoder layers, inside ``model``) with
-    ``method`` (int8 or int4), in place, by the kernel ``choose_kernel`` picks for ``device``."""
+    ``method`` (int8 or int4), in place, by the kernel ``choose_kernel`` picks for ``device``, or ours
+    (``our_int8_kernel``; ``cpu_kernels``: RESIDENT_CPU_KERNELS)."""
     targets = target_linears(layers)
     dtype = targets[0][2].weight.dtype if targets else torch.float32
     kernel = choose_kernel(method, device, dtype)
+    ours = our_int8_kernel(method, device, dtype, cpu_kernels)
     before = model_bytes(model)
     if device.type == "cuda":
         num_linears, groups = quantize_with_torchao(model, [linear for _, _, linear in targets], method)
     else:
-        num_linears, groups = replace_linears(targets, method)
-    return QuantizationReport(method, kernel, num_linears, len(targets) - num_linears, groups, before,
+        num_linears, groups = replace_linears(targets, method, ours is not None)
+    return QuantizationReport(method, ours or kernel, num_linears, len(targets) - num_linears, groups, before,
                               model_bytes(model))
 
 
-def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str) -> tuple[int, tuple[int, ...]]:
+def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str,
+                    ours: bool = False) -> tuple[int, tuple[int, ...]]:
     """CPU: each target replaced by its QuantizedLinear in its parent (its float weight then freed);
-    (how many, the int4 group sizes used)."""
+    (how many, the int4 group sizes used). ``ours``: int8 on our kernel."""
     count, groups = 0, set()
     for parent, name, linear in targets:
-        quantized = quantize_linear(linear, method)
+        quantized = quantize_linear(linear, method, ours)
         if quantized is not None:
             setattr(parent, name, quantized)
             count += 1

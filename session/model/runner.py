@@ -122,6 +122,7 @@ class ModelRunner:
             self.lm = self.model.model
         self.lm_head = self.model.lm_head
         self.layers = list(self.lm.layers)
+        self.cpu_kernels = cpu_kernels  # RESIDENT_CPU_KERNELS: ours on CPU where they build
         self.quantization = self._quantize(quantization)  # before packing and LoRA: they take what it leaves
         self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
@@ -133,7 +134,6 @@ class ModelRunner:
         self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.info.head_dim % 16 == 0
                               and cpu_attention.supports(self.kv_dtype))
         self.lora = None  # a LoraBank once enable_lora ran
-        self.cpu_kernels = cpu_kernels
         self.kv_pools: dict[int, BlockPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.path: PerRowPath | None = None  # how decode and extend run (configure_decode)
         self.configure_decode(default_attention(self.device))
@@ -143,7 +143,7 @@ class ModelRunner:
         once, at load; its QuantizationReport, or None for "none" (the float checkpoint as loaded)."""
         if method == "none":
             return None
-        report = quantize_language_model(self.model, self.layers, method, self.device)
+        report = quantize_language_model(self.model, self.layers, method, self.device, self.cpu_kernels)
         logger.info(report.describe())
         return report
 

@@ -15,8 +15,10 @@ plan is dropped (the Python layer runs) where neither reproduces it.
 
 It applies where the layer is one it reproduces: transformers' Llama-family modules (Llama, Mistral,
 Qwen2, Qwen3 with its q/k norms; LLaVA's language model is a Llama), an RMSNorm of the Llama form, a
-SiLU MLP, and all seven linears on our kernel (session/model/cpu/linear.py). Anything else (weight-only
-quantized linears too: session/model/quantize.py), or a step with LoRA adapter rows, runs the Python layer. Who calls this: ``CpuKernelPath.decode_rows`` (session/model/decode_paths.py).
+SiLU MLP, and all seven linears on one of our kernels (session/model/cpu/linear.py): bfloat16 or
+float32 weights, or int8 weights on our int8 kernel (RESIDENT_QUANTIZATION=int8 with float32
+activations, session/model/quantize.py; the float32 layer's arithmetic around them). The packed
+weights' dtype names the format (``FORMATS``). Anything else (int4, ATen's int8) runs the Python layer. Who calls this: ``CpuKernelPath.decode_rows`` (session/model/decode_paths.py).
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ from torch import nn
 
 from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, CppKernel
 from session.model.cpu.linear import KernelLinear
-from session.model.quantize import is_quantized
+from session.model.quantize import QuantizedLinear, is_quantized
 
 logger = logging.getLogger(__name__)
 
-KERNELS = {  # the linear tiles' instructions
+KERNELS = {  # per format (the packed linears' dtype): the library, with its linear tiles' instructions
     torch.bfloat16: CppKernel("fused bfloat16 decode layer", "decode_layer.cpp", (AVX512_BF16,)),
     torch.float32: CppKernel("fused float32 decode layer", "decode_layer_f32.cpp", (AVX512, AVX2)),
+    torch.int8: CppKernel("fused int8-weight decode layer", "decode_layer_i8.cpp", (AVX512, AVX2)),
 }
 KERNEL = KERNELS[torch.bfloat16]
-SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the operators' names per dtype
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "i8"}  # the operators' names per format
+STACKS = {torch.bfloat16: "DecodeStack", torch.float32: "DecodeStackF32", torch.int8: "DecodeStackI8"}
 # The RMSNorm classes whose forward is LlamaRMSNorm's, operator for operator (weight * normed, not
 # Gemma's 1 + weight)
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -51,7 +55,7 @@ def load(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def op(name: str, dtype: torch.dtype):
-    """``torch.ops.resident.<name>_<bf16|f32>``: the C++ layer's operator for ``dtype``."""
+    """``torch.ops.resident.<name>_<bf16|f32|i8>``: the C++ layer's operator for the format ``dtype``."""
     return getattr(torch.ops.resident, f"{name}_{SUFFIX[dtype]}")
 
 
@@ -64,12 +68,22 @@ def is_norm(module: nn.Module | None) -> bool:
     return module is not None and type(module).__name__ in NORMS
 
 
+def ours(linear: nn.Module | None) -> bool:
+    """A linear on one of our kernels: a KernelLinear, or a QuantizedLinear on our int8 kernel."""
+    return type(linear) is KernelLinear or (type(linear) is QuantizedLinear and linear.ours)
+
+
+def one_row_block(linear: nn.Module) -> int:
+    """The input block size a decode row sums in: the probe's for a KernelLinear, the whole row for int8."""
+    return linear.one_row_block if type(linear) is KernelLinear else linear.in_features
+
+
 def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple | None:
-    """(weights, biases, sizes, floats) for ``decode_layer_bf16``, or None where the layer is not one
-    the C++ layer reproduces."""
+    """(weights, biases, sizes, floats) for ``decode_layer_bf16`` (f32, i8), or None where the layer is
+    not one the C++ layer reproduces."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = [base_linear(getattr(attn if i < 4 else mlp, name, None)) for i, name in enumerate(LINEARS)]
-    if not all(type(linear) is KernelLinear for linear in linears):
+    if not all(ours(linear) for linear in linears) or len({linear.packed.dtype for linear in linears}) != 1:
         return None
     if not (is_norm(layer.input_layernorm) and is_norm(layer.post_attention_layernorm)):
         return None
@@ -82,16 +96,17 @@ def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_di
     if qk_norm:
         weights += [attn.q_norm.weight, attn.k_norm.weight]
     sizes = [num_heads, num_kv_heads, head_dim, *(lin.out_features for lin in linears),
-             *(lin.one_row_block for lin in linears), int(qk_norm)]
+             *(one_row_block(lin) for lin in linears), int(qk_norm)]
     floats = [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
               attn.q_norm.variance_epsilon if qk_norm else 0.0, attn.scaling]
     return [w.detach() for w in weights], [lin.bias for lin in linears], sizes, floats
 
 
-def sum_lanes(widths: set[int], dtype: torch.dtype = torch.bfloat16, rows: int = 256, seed: int = 0) -> int | None:
+def sum_lanes(widths: set[int], dtype: torch.dtype = torch.bfloat16, rows: int = 256, seed: int = 0,
+              fmt: torch.dtype | None = None) -> int | None:
     """The width (8 or 16) of the float vectors ATen's sum kernel runs here, found by comparing our
     RMSNorm with transformers' on random rows of every width the layers normalize; None where neither
-    reproduces it (then the Python layer runs)."""
+    reproduces it (then the Python layer runs). ``fmt``: the library's format (default ``dtype``)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm  # NORMS' forward, the reference
 
     generator = torch.Generator().manual_seed(seed)
@@ -102,7 +117,7 @@ def sum_lanes(widths: set[int], dtype: torch.dtype = torch.bfloat16, rows: int =
             reference = LlamaRMSNorm(width, eps=1e-6).to(dtype)
             with torch.no_grad():
                 reference.weight.copy_(torch.randn(width, generator=generator))
-            if not torch.equal(op("rms_norm", dtype)(x, reference.weight, 1e-6, lanes), reference(x)):
+            if not torch.equal(op("rms_norm", fmt or dtype)(x, reference.weight, 1e-6, lanes), reference(x)):
                 break
         else:
             return lanes
@@ -112,21 +127,21 @@ def sum_lanes(widths: set[int], dtype: torch.dtype = torch.bfloat16, rows: int =
 def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: int) -> list[tuple] | None:
     """Every layer's arguments, or None (with the reason logged) where any layer cannot be fused, the
     library cannot be had, or our RMSNorm does not reproduce transformers' here."""
-    if any(is_quantized(module) for layer in layers for module in layer.modules()):
-        logger.info("fused decode layers: the linears are weight-only quantized (RESIDENT_QUANTIZATION), which the "
-                    "C++ layer does not take; the Python layer runs")
-        return None
     arguments = [layer_arguments(layer, num_heads, num_kv_heads, head_dim) for layer in layers]
     if any(a is None for a in arguments):
-        logger.info("fused decode layers: a layer the C++ layer does not reproduce; the Python layer runs")
+        quantized = any(is_quantized(module) for layer in layers for module in layer.modules())
+        logger.info("fused decode layers: %s; the Python layer runs",
+                    "linears quantized for ATen's kernels (int4, or int8 with bfloat16 activations)" if quantized
+                    else "a layer the C++ layer does not reproduce")
         return None
-    dtype = arguments[0][0][0].dtype  # the input norm's weight
-    if dtype not in KERNELS or not load(dtype):
+    dtype = arguments[0][0][0].dtype  # the input norm's weight: the activations'
+    fmt = weight_format(arguments)
+    if fmt not in KERNELS or not load(fmt):
         return None
     widths = {weights[0].numel() for weights, *_ in arguments} | {weights[9].numel() for weights, *_ in arguments
                                                                    if len(weights) > 9}  # hidden size, head dim
     with torch.inference_mode():
-        lanes = sum_lanes(widths, dtype)
+        lanes = sum_lanes(widths, dtype, fmt=fmt)
     if lanes is None:
         logger.info("fused decode layers: our RMSNorm does not reproduce ATen's sum here; the Python layer runs")
         return None
@@ -140,9 +155,14 @@ def lanes(arguments: list[tuple]) -> int:
     return arguments[0][2][-1]
 
 
-def norm(h: torch.Tensor, module: nn.Module, lanes: int) -> torch.Tensor:
+def weight_format(arguments: list[tuple]) -> torch.dtype:
+    """The layers' format (KERNELS' key): their packed q projection's dtype."""
+    return arguments[0][0][2].dtype
+
+
+def norm(h: torch.Tensor, module: nn.Module, arguments: list[tuple]) -> torch.Tensor:
     """``module`` (an RMSNorm of NORMS) applied to h [B, D] by the C++ layer's RMSNorm."""
-    return op("rms_norm", h.dtype)(h, module.weight, module.variance_epsilon, lanes)
+    return op("rms_norm", weight_format(arguments))(h, module.weight, module.variance_epsilon, lanes(arguments))
 
 
 def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,
@@ -151,7 +171,7 @@ def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor,
     """One layer: h [B, D], cos/sin [B, hd], one layer of the head-major pool, slots [B] -> h [B, D].
     ``lora``: this layer's 14 LoRA tensors (``lora_arguments``) or empty; ``mask``: a mix's row mask."""
     weights, biases, sizes, floats = arguments
-    return op("decode_layer", h.dtype)(h, weights, biases, sizes, floats, cos, sin, k_layer, v_layer, slots, table,
+    return op("decode_layer", weights[2].dtype)(h, weights, biases, sizes, floats, cos, sin, k_layer, v_layer, slots, table,
                                       starts, ends, list(lora), mask)
 
 
@@ -217,11 +237,12 @@ def stack(arguments: list[tuple], windows: list, embedding: nn.Module, rotary: n
         logger.info("decode stack: the rotary module is not a table of positions here; layers run one call each")
         return None
     distinct = list(dict.fromkeys(windows))
-    step = (torch.classes.resident.DecodeStack if weight.dtype == torch.bfloat16 else torch.classes.resident.DecodeStackF32)()
+    fmt = weight_format(arguments)
+    step = getattr(torch.classes.resident, STACKS[fmt])()
     for (weights, biases, sizes, floats), window in zip(arguments, windows):
         step.add_layer(weights, biases, sizes, floats, distinct.index(window))
-    ours = type(head) is KernelLinear
+    head_ours = ours(head) and head.packed.dtype == fmt  # else the model's head runs after the step
     step.set_ends(weight, *table, final_norm.weight.detach(), final_norm.variance_epsilon,
-                  head.packed if ours else None, head.bias if ours else None,
-                  head.out_features if ours else 0, head.one_row_block if ours else 0)
-    return Stack(step, distinct, len(table[0]), ours)
+                  head.packed if head_ours else None, head.bias if head_ours else None,
+                  head.out_features if head_ours else 0, one_row_block(head) if head_ours else 0)
+    return Stack(step, distinct, len(table[0]), head_ours)

@@ -58,6 +58,9 @@ KERNELS = {
     torch.float32: CppKernel("float32 linear", "linear_f32.cpp", (AVX512, AVX2)),
 }
 KERNEL = KERNELS[torch.bfloat16]
+INT8_KERNEL = CppKernel("int8 linear", "linear_i8.cpp", (AVX512, AVX2))  # float32 rows, int8 weights
+OPERATORS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32", torch.int8: "linear_i8"}  # by packed dtype
+INT8_SCALE_LINES = 4  # after a block's K lines of 16 int8: its 16 float32 scales (csrc/linear_i8.cpp)
 LANES = 16  # outputs per packed block: one float32 lane each
 INPUTS = {torch.bfloat16: 2, torch.float32: 1}  # inputs per packed line of 16 outputs (64 bytes)
 CANDIDATE_BLOCKS = (512, 1024, 256, 2048, 4096)  # input block sizes the probe tries, in this order
@@ -87,12 +90,27 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, LANES, steps, inputs).permute(0, 2, 1, 3).contiguous().view(blocks, steps, inputs * LANES)
 
 
+def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q int8 [n, K] and per-output scales [n] -> int8 [ceil(n / 16), K + 4, 16] (csrc/linear_i8.cpp): per
+    block of 16 outputs, its K lines of 16 weights, then its 16 scales in float32. Zero past n."""
+    n, k = q.shape
+    blocks = -(-n // LANES)
+    lines = q.new_zeros(blocks * LANES, k)
+    lines[:n] = q
+    lines = lines.view(blocks, LANES, k).transpose(1, 2)  # [NB, K, 16]
+    padded = torch.zeros(blocks * LANES, dtype=torch.float32)
+    padded[:n] = scales.float()
+    trailer = padded.view(blocks, LANES).view(torch.int8).view(blocks, INT8_SCALE_LINES, LANES)
+    return torch.cat([lines, trailer], dim=1).contiguous()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k_block: int) -> torch.Tensor:
-    """x [..., K] -> [..., n] by the kernel, inputs summed in blocks of ``k_block``."""
+    """x [..., K] -> [..., n] by the kernel, inputs summed in blocks of ``k_block``; ``packed``'s dtype
+    names the format (bfloat16 pairs, float32 lines, int8 lines with their scales: ``pack_int8``)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    op = torch.ops.resident.linear_bf16 if packed.dtype == torch.bfloat16 else torch.ops.resident.linear_f32
+    op = getattr(torch.ops.resident, OPERATORS[packed.dtype])
     return op(rows, packed, bias, n, k_block).view(*x.shape[:-1], n)
 
 

@@ -195,12 +195,30 @@ def test_lora_wraps_quantized_linears(tiny):
     assert torch.equal(q_proj(x), q_proj.base(x))  # no adapter rows: the base product alone
 
 
-def test_the_fused_decode_layer_is_off_for_a_quantized_model(tiny, caplog):
+def test_the_fused_decode_layer_is_off_for_linears_on_atens_kernels(tiny, caplog):
     layers = decoder_layers(tiny)
     quantize_language_model(tiny, layers, "int4", torch.device("cpu"))
     with caplog.at_level(logging.INFO, logger=fused_layer.__name__):
         assert fused_layer.plan(layers, 4, 2, 16) is None
-    assert "weight-only quantized" in caplog.text
+    assert "linears quantized for ATen's kernels" in caplog.text
+
+
+def test_int8_on_float32_takes_our_kernel_and_the_fused_decode_layer(tiny):
+    layers = decoder_layers(tiny)
+    report = quantize_language_model(tiny, layers, "int8", torch.device("cpu"))
+    assert report.kernel.startswith("resident::linear_i8 (CPU, ") and report.kernel in report.describe()
+    q_proj = layers[0].self_attn.q_proj
+    assert q_proj.ours and q_proj.packed.dtype == torch.int8 and q_proj.scales is None
+    arguments = fused_layer.plan(layers, 4, 2, 16)
+    assert arguments is not None and fused_layer.weight_format(arguments) == torch.int8
+    assert [len(weights) for weights, *_ in arguments] == [9] * len(layers)
+
+
+def test_int8_with_cpu_kernels_off_stays_on_atens(tiny):
+    layers = decoder_layers(tiny)
+    report = quantize_language_model(tiny, layers, "int8", torch.device("cpu"), cpu_kernels=False)
+    assert report.kernel == "aten._weight_int8pack_mm (CPU)"
+    assert not layers[0].self_attn.q_proj.ours
 
 
 # ------------------------------------------------------------------ the CUDA choice (torchao mocked)

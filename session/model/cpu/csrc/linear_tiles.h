@@ -1,9 +1,14 @@
 // Our CPU linear kernel's tiles (csrc/linear_bf16.cpp and csrc/linear_f32.cpp document the layouts and
 // the order of additions), shared by the linear operators and the decode layer (csrc/decode_layer.h),
-// which runs several linears of one input (q, k, v; gate, up) in one parallel region. Two weight
-// formats, the same tiles: bfloat16 pairs for VDPBF16PS (compiled with -mavx512bf16 only) and float32
-// lines for FMA (AVX-512 or AVX2: csrc/simd.h, the same bits on both). An unnamed namespace: each
-// library keeps its own copy, nothing is exported.
+// which runs several linears of one input (q, k, v; gate, up) in one parallel region. Three weight
+// formats, the same tiles: bfloat16 pairs for VDPBF16PS (compiled with -mavx512bf16 only), float32
+// lines for FMA, and int8 lines with per-output scales for float32 inputs (csrc/linear_i8.cpp; these
+// two on AVX-512 or AVX2: csrc/simd.h, the same bits on both). An unnamed namespace: each library
+// keeps its own copy, nothing is exported.
+//
+// A format F names its element type (Elem: x and y), its weights' type (Weight), the lines of
+// trailer after each block's weights (kTrailer: the int8 block's 16 float32 scales) and ``finish``,
+// which turns a block's 16 sums into its outputs before the bias (the int8 format: times the scales).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -41,9 +46,13 @@ constexpr int kBlockTile = 3;
 // adds the pair's two products (2p+1, 2p) to its float32 sum. Outputs rounded to bfloat16 (VCVTNEPS2BF16).
 struct Bf16Pairs {
   using Elem = uint16_t;
+  using Weight = uint16_t;
   using Input = __m512bh;
   static constexpr at::ScalarType kType = at::kBFloat16;
+  static constexpr at::ScalarType kWeightType = at::kBFloat16;
   static constexpr int kInputs = 2;  // inputs per 64-byte line of weights
+  static constexpr int kTrailer = 0;
+  static V16 finish(V16 sum, const Weight*) { return sum; }
   static Input input(const Elem* row, int64_t p) {  // inputs 2p, 2p+1 of a row, in every lane
     int32_t bits;
     std::memcpy(&bits, row + 2 * p, sizeof bits);
@@ -69,11 +78,38 @@ struct Bf16Pairs {
 // product to its sum with one fused multiply-add, input after input. Outputs stored as summed.
 struct F32Lines {
   using Elem = float;
+  using Weight = float;
   using Input = V16;
   static constexpr at::ScalarType kType = at::kFloat;
+  static constexpr at::ScalarType kWeightType = at::kFloat;
   static constexpr int kInputs = 1;
+  static constexpr int kTrailer = 0;
   static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
-  static V16 add_products(V16 acc, Input x, const Elem* w) { return simd::fmadd(x, simd::loadu(w), acc); }
+  static V16 add_products(V16 acc, Input x, const Weight* w) { return simd::fmadd(x, simd::loadu(w), acc); }
+  static V16 finish(V16 sum, const Weight*) { return sum; }
+  static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
+};
+
+// int8 weights, float32 inputs and outputs (weight-only quantization, session/model/quantize.py): per
+// block of 16 outputs and input, the 16 int8 weights of one 16-byte line, converted to float32
+// (exact) and added as F32Lines adds its weights; after the block's K lines, 4 lines holding its 16
+// float32 scales (zero past n). Each output is scale * (the float32 sum of x_k q_k, input after
+// input), rounded once more: per lane, in an order that depends on nothing but K.
+struct Int8Lines {
+  using Elem = float;
+  using Weight = int8_t;
+  using Input = V16;
+  static constexpr at::ScalarType kType = at::kFloat;
+  static constexpr at::ScalarType kWeightType = at::kChar;
+  static constexpr int kInputs = 1;
+  static constexpr int kTrailer = static_cast<int>(sizeof(float));  // lines of 16 bytes: 16 float32 scales
+  static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
+  static V16 add_products(V16 acc, Input x, const Weight* w) { return simd::fmadd(x, simd::loadu(w), acc); }
+  static V16 finish(V16 sum, const Weight* scales) {
+    float lanes[kLanes];
+    std::memcpy(lanes, scales, sizeof lanes);
+    return simd::mul(sum, simd::loadu(lanes));
+  }
   static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
 };
 
@@ -82,8 +118,8 @@ struct Problem {
   using Elem = typename F::Elem;
   const Elem* x;      // [M, kInputs * steps] row-major, row stride x_stride (an odd K padded with a zero)
   int64_t x_stride;
-  const Elem* w;      // packed [NB, steps, 16 * kInputs]
-  int64_t steps;      // lines per block of outputs: K / kInputs
+  const typename F::Weight* w;  // packed [NB, steps + trailer lines, 16 * kInputs]
+  int64_t steps;      // lines of weights per block of outputs: K / kInputs
   int64_t n;
   int64_t k_block;    // in inputs, a multiple of kInputs
   const float* bias;  // [NB * 16] float32 (zero past n), or nullptr
@@ -98,18 +134,18 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
   const int64_t blocks = (pb.n + kLanes - 1) / kLanes;
   const int64_t width = blocks * kLanes;
   const int64_t per_block = pb.k_block / F::kInputs;
+  const int64_t block_stride = (pb.steps + F::kTrailer) * line;  // a block's weights, then its trailer
   for (int64_t start = 0; start < pb.steps; start += per_block) {
     const int64_t stop = std::min(pb.steps, start + per_block);
     V16 acc[MR][NR];
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < NR; ++r) acc[m][r] = simd::zero();
-    const typename F::Elem* w0 = pb.w + (b0 * pb.steps) * line;
-    const int64_t block_stride = pb.steps * line;
+    const typename F::Weight* w0 = pb.w + b0 * block_stride;
     for (int64_t p = start; p < stop; ++p) {
       typename F::Input xs[MR];
       for (int m = 0; m < MR; ++m) xs[m] = F::input(pb.x + (m0 + m) * pb.x_stride, p);
       for (int r = 0; r < NR; ++r) {
-        const typename F::Elem* wv = w0 + r * block_stride + p * line;
+        const typename F::Weight* wv = w0 + r * block_stride + p * line;
         for (int m = 0; m < MR; ++m) acc[m][r] = F::add_products(acc[m][r], xs[m], wv);
       }
     }
@@ -129,7 +165,7 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
     typename F::Elem* out = pb.y + (m0 + m) * pb.n;
     for (int r = 0; r < NR; ++r) {
       const int64_t first = (b0 + r) * kLanes;
-      V16 sum = simd::loadu(sums + r * kLanes);
+      V16 sum = F::finish(simd::loadu(sums + r * kLanes), pb.w + (b0 + r) * block_stride + pb.steps * line);
       if (pb.bias != nullptr) sum = simd::add(sum, simd::loadu(pb.bias + first));
       F::store(out + first, sum, std::min<int64_t>(kLanes, pb.n - first));
     }
@@ -194,11 +230,11 @@ struct Prepared {
     x = input.size(-1) % F::kInputs ? at::constant_pad_nd(input, {0, F::kInputs - input.size(-1) % F::kInputs})
                                     : input;
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == F::kType && x.stride(1) == 1, "x: [M, K] of the weights' dtype, rows contiguous");
-    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == F::kType && packed.is_contiguous() &&
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == F::kWeightType && packed.is_contiguous() &&
                     packed.size(2) == F::kInputs * kLanes,
-                "packed: [NB, K / ", F::kInputs, ", ", F::kInputs * kLanes, "], contiguous");
+                "packed: [NB, K / ", F::kInputs, " + ", F::kTrailer, ", ", F::kInputs * kLanes, "], contiguous");
     rows = x.size(0);
-    const int64_t k = x.size(1), blocks = packed.size(0), steps = packed.size(1);
+    const int64_t k = x.size(1), blocks = packed.size(0), steps = packed.size(1) - F::kTrailer;
     TORCH_CHECK(blocks == (n + kLanes - 1) / kLanes && steps == k / F::kInputs, "packed does not match x and n");
     TORCH_CHECK(k_block > 0 && k_block % F::kInputs == 0, "k_block: a positive multiple of ", F::kInputs);
     y = buffer(out, {rows, n}, x.options());
@@ -208,7 +244,8 @@ struct Prepared {
                              bias->size(0) == blocks * kLanes;
       bias_sums = converted ? *bias : *float_bias(bias, n);
     }
-    pb = Problem<F>{reinterpret_cast<const Elem*>(x.data_ptr()), x.stride(0), reinterpret_cast<const Elem*>(packed.data_ptr()),
+    pb = Problem<F>{reinterpret_cast<const Elem*>(x.data_ptr()), x.stride(0),
+                    reinterpret_cast<const typename F::Weight*>(packed.data_ptr()),
                     steps, n, k_block, bias_sums.defined() ? bias_sums.data_ptr<float>() : nullptr,
                     reinterpret_cast<Elem*>(y.data_ptr()), scratch.data_ptr<float>()};
     column_tiles = rows == 0 ? 0 : (blocks + kBlockTile - 1) / kBlockTile;
@@ -243,7 +280,7 @@ void run_linears(std::initializer_list<const Prepared<F>*> given) {
   });
 }
 
-// One linear operator: x [M, K] -> [M, n] (linear_bf16, linear_f32).
+// One linear operator: x [M, K] -> [M, n] (linear_bf16, linear_f32, linear_i8).
 template <typename F>
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
                   int64_t k_block) {
