@@ -10,9 +10,13 @@ model's float dtype, only the weights of the decoder layers' linears are stored 
   scale = (max - min) / 15, a float zero = min + 8 * scale, q = round((W - zero) / scale + 8) in
   [0, 15]; W ~ (q - 8) * scale + zero, each weight within scale / 2.
 
-Quantized: every ``nn.Linear`` of every decoder layer (attention and MLP projections). Not: the
-vision tower, the multimodal projector, the embeddings, and ``lm_head``, left float until its effect
-on the logits is measured.
+Quantized: every ``nn.Linear`` of every decoder layer (attention and MLP projections), and on our
+int8 kernel also ``lm_head`` (``quantize_head``): an int8 copy of the head beside the float
+embeddings it may be tied to, which stay float for the lookup. On SmolLM2-135M-Instruct (1,024 tokens
+of Python source) the int8 head moved perplexity from 9.654 (int8 layers, float head) to 9.647
+(float32: 9.664) and greedy next-token agreement with float32 from 97.8% to 97.4%; the head is a
+fifth of that model's weights and half of what an int8 decode step reads with a float head. Not: the
+vision tower, the multimodal projector, the embeddings, and the head on ATen's kernels and torchao's.
 
 Kernels, chosen once by device (``choose_kernel``):
 - CPU: ATen's, through ``QuantizedLinear``: ``aten._weight_int8pack_mm`` (int8 [out, in], scales [out])
@@ -79,6 +83,7 @@ class QuantizationReport:
     group_sizes: tuple[int, ...]  # int4: the input group sizes used; int8: ()
     model_bytes_before: int  # every parameter and buffer of the model, each storage once
     model_bytes_after: int
+    head: bool = False  # lm_head quantized too (int8 on our kernel: ``quantize_head``)
 
     def describe(self) -> str:
         if self.method == "int8":
@@ -87,7 +92,8 @@ class QuantizationReport:
             groups = "/".join(str(g) for g in self.group_sizes) or "-"
             scheme = f"int4 weight-only, groups of {groups} inputs, scales and zero points"
         kept = f" ({self.num_float} left float: shapes the kernel does not take)" if self.num_float else ""
-        return (f"weights: {scheme}, {self.num_linears} linears{kept}, {self.model_bytes_before / 1e6:.0f} MB -> "
+        head = " and the head" if self.head else ""
+        return (f"weights: {scheme}, {self.num_linears} linears{head}{kept}, {self.model_bytes_before / 1e6:.0f} MB -> "
                 f"{self.model_bytes_after / 1e6:.0f} MB; kernel: {self.kernel}")
 
 
@@ -268,7 +274,7 @@ def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: s
                             device: torch.device, cpu_kernels: bool = True) -> QuantizationReport:
     """Quantize the linears of ``layers`` (the language model's decoder layers, inside ``model``) with
     ``method`` (int8 or int4), in place, by the kernel ``choose_kernel`` picks for ``device``, or ours
-    (``our_int8_kernel``; ``cpu_kernels``: RESIDENT_CPU_KERNELS)."""
+    (``our_int8_kernel``; ``cpu_kernels``: RESIDENT_CPU_KERNELS), which also takes ``model.lm_head``."""
     targets = target_linears(layers)
     dtype = targets[0][2].weight.dtype if targets else torch.float32
     kernel = choose_kernel(method, device, dtype)
@@ -278,8 +284,9 @@ def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: s
         num_linears, groups = quantize_with_torchao(model, [linear for _, _, linear in targets], method)
     else:
         num_linears, groups = replace_linears(targets, method, ours is not None)
+    head = ours is not None and quantize_head(model)
     return QuantizationReport(method, ours or kernel, num_linears, len(targets) - num_linears, groups, before,
-                              model_bytes(model))
+                              model_bytes(model), head)
 
 
 def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str,
@@ -294,6 +301,16 @@ def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str
             count += 1
             groups.add(quantized.group_size)
     return count, tuple(sorted(groups - {0}, reverse=True))
+
+
+def quantize_head(model: nn.Module) -> bool:
+    """``model.lm_head`` (a plain ``nn.Linear``) replaced by its int8 QuantizedLinear on our kernel; a head
+    tied to the embeddings leaves them float (the lookup reads them). False where there is no such head."""
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear:
+        return False
+    model.lm_head = quantize_linear(head, "int8", ours=True)
+    return True
 
 
 def quantize_with_torchao(model: nn.Module, linears: list[nn.Linear], method: str) -> tuple[int, tuple[int, ...]]:

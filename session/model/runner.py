@@ -124,6 +124,7 @@ class ModelRunner:
         self.layers = list(self.lm.layers)
         self.cpu_kernels = cpu_kernels  # RESIDENT_CPU_KERNELS: ours on CPU where they build
         self.quantization = self._quantize(quantization)  # before packing and LoRA: they take what it leaves
+        self.lm_head = self.model.lm_head  # int8 on our kernel quantizes the head too
         self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
         self.info = self._info(hf_config, text_config)

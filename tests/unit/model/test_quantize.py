@@ -149,8 +149,11 @@ def test_the_decoder_layers_linears_are_replaced_and_nothing_else(tiny, method):
     head = tiny.lm_head.weight.clone()
     shapes = {(i, name): getattr(layer.self_attn if name in LINEARS[:4] else layer.mlp, name).weight.shape
               for i, layer in enumerate(decoder_layers(tiny)) for name in LINEARS}
+    tied = tiny.lm_head.weight.data_ptr() == tiny.get_input_embeddings().weight.data_ptr()
+    embeddings = tiny.get_input_embeddings().weight.clone()
     report = quantize_language_model(tiny, decoder_layers(tiny), method, torch.device("cpu"))
-    assert (report.method, report.num_linears, report.num_float) == (method, 14, 0)
+    # int8 runs our kernel here (float32), which takes the head too; int4 runs ATen's, the head stays float
+    assert (report.method, report.num_linears, report.num_float, report.head) == (method, 14, 0, method == "int8")
     for i, layer in enumerate(decoder_layers(tiny)):
         for name in LINEARS:
             module = getattr(layer.self_attn if name in LINEARS[:4] else layer.mlp, name)
@@ -161,12 +164,18 @@ def test_the_decoder_layers_linears_are_replaced_and_nothing_else(tiny, method):
     for part, module in (("vision", tiny.model.vision_tower), ("projector", tiny.model.multi_modal_projector)):
         after = float_linears(module)
         assert after.keys() == untouched[part].keys() and all(torch.equal(after[k], untouched[part][k]) for k in after)
-    assert type(tiny.lm_head) is nn.Linear and torch.equal(tiny.lm_head.weight, head)
-    # bytes: each float32 [out, in] weight became int8 [out, in] + float32 scales [out], or int4 [out, in / 2]
-    # + a float32 scale and zero per group of every row
+    # bytes: each float32 [out, in] weight became int8 [out, in] + float32 scales [out] (in whole blocks of
+    # 16 outputs), or int4 [out, in / 2] + a float32 scale and zero per group of every row
     if method == "int8":
-        saved = sum(4 * o * i - (o * i + 4 * o) for o, i in shapes.values())
+        def int8_bytes(o: int, i: int) -> int:
+            return -(-o // 16) * 16 * (i + 4)
+        saved = sum(4 * o * i - int8_bytes(o, i) for o, i in shapes.values())
+        assert type(tiny.lm_head) is QuantizedLinear and tiny.lm_head.ours
+        assert torch.equal(tiny.get_input_embeddings().weight, embeddings)  # the lookup's float table is untouched
+        o, i = head.shape
+        saved += (0 if tied else 4 * o * i) - int8_bytes(o, i)  # a tied head's float storage stays, the embeddings'
     else:
+        assert type(tiny.lm_head) is nn.Linear and torch.equal(tiny.lm_head.weight, head)
         saved = sum(4 * o * i - (o * i // 2 + 8 * o * (i // (128 if i % 128 == 0 else 64))) for o, i in shapes.values())
     assert report.model_bytes_before - report.model_bytes_after == saved
     assert report.group_sizes == (() if method == "int8" else (128, 64))
