@@ -61,7 +61,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint docker/Dockerfile.cuda docker/Dockerfile.neuron
-	$(VENV)/bin/shellcheck docker/serve scripts/device_check.sh scripts/device_wheels.sh
+	$(VENV)/bin/shellcheck docker/serve scripts/device_check.sh scripts/device_wheels.sh scripts/build_llama_cpp.sh
 
 clean:
 	rm -rf build models benchmarks/results

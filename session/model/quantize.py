@@ -165,6 +165,7 @@ class QuantizedLinear(nn.Module):
         # 16] with the scales inside (session/model/cpu/linear.py's pack_int8), scales None; int4: packed
         # uint8 [out, in / 2] (ATen's layout), scales [in / group, out, 2] (each group's scale and zero)
         self.ours = scales is None
+        self.block = group_size or in_features  # the input block our kernels sum in (``ours``)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
@@ -172,7 +173,7 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_int8(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                   ours: bool = False) -> QuantizedLinear:
-        """``ours``: packed for our kernel (float32 activations; ``our_int8_kernel`` loaded), else ATen's."""
+        """``ours``: packed for our kernel (float32 activations; ``our_kernel`` loaded), else ATen's."""
         out_features, in_features = q.shape
         if ours:
             return cls("int8", in_features, out_features, cpu_linear.pack_int8(q, scales), None, bias)
@@ -180,16 +181,19 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_int4(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> QuantizedLinear:
+                  bias: torch.Tensor | None = None, ours: bool = False) -> QuantizedLinear:
+        """``ours``: packed for our kernel (float32 activations; ``our_kernel`` loaded), else ATen's."""
         out_features, in_features = q.shape
         group = in_features // scales.shape[1]
+        if ours:
+            return cls("int4", in_features, out_features, cpu_linear.pack_int4(q, scales, zeros), None, bias, group)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # innerKTiles: unused on CPU
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
         return cls("int4", in_features, out_features, packed, scales_and_zeros, bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ours:  # one block of inputs: nothing to reproduce but the row's own order
-            return cpu_linear.linear(x, self.packed, self.bias, self.out_features, self.in_features)
+        if self.ours:  # int8: one block of inputs; int4: a block per group
+            return cpu_linear.linear(x, self.packed, self.bias, self.out_features, self.block)
         rows = x.reshape(-1, self.in_features).contiguous()  # both kernels take 2-D, dense rows
         if self.method == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
@@ -218,7 +222,8 @@ def quantize_linear(linear: nn.Linear, method: str, ours: bool = False) -> Quant
     group = int4_group(linear.out_features, linear.in_features)
     if group is None:
         return None
-    return QuantizedLinear.from_int4(*quantize_int4(weight, group, dtype), linear.bias)
+    return QuantizedLinear.from_int4(*quantize_int4(weight, group, torch.float32 if ours else dtype), linear.bias,
+                                     ours=ours)
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -260,31 +265,33 @@ def target_linears(layers: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Lin
     return list(found.values())
 
 
-def our_int8_kernel(method: str, device: torch.device, dtype: torch.dtype, cpu_kernels: bool) -> str | None:
-    """The KERNELS label of our int8 kernel where it runs the linears (int8, CPU, float32 activations,
+def our_kernel(method: str, device: torch.device, dtype: torch.dtype, cpu_kernels: bool) -> str | None:
+    """The label of our int8 or int4 kernel where it runs the linears (CPU, float32 activations,
     RESIDENT_CPU_KERNELS on, and the kernel builds: session/model/cpu/kernels.py), else None (ATen's)."""
-    if not (method == "int8" and device.type == "cpu" and dtype == torch.float32 and cpu_kernels):
+    if not (device.type == "cpu" and dtype == torch.float32 and cpu_kernels):
         return None
-    if not cpu_linear.INT8_KERNEL.load():
+    kernel = cpu_linear.INT8_KERNEL if method == "int8" else cpu_linear.INT4_KERNEL
+    if not kernel.load():
         return None
-    return f"resident::linear_i8 (CPU, {cpu_linear.INT8_KERNEL.isa.name}: our kernel, float32 inputs)"
+    operator = {"int8": "linear_i8", "int4": "linear_i4"}[method]
+    return f"resident::{operator} (CPU, {kernel.isa.name}: our kernel, float32 inputs)"
 
 
 def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: str,
                             device: torch.device, cpu_kernels: bool = True) -> QuantizationReport:
     """Quantize the linears of ``layers`` (the language model's decoder layers, inside ``model``) with
     ``method`` (int8 or int4), in place, by the kernel ``choose_kernel`` picks for ``device``, or ours
-    (``our_int8_kernel``; ``cpu_kernels``: RESIDENT_CPU_KERNELS), which also takes ``model.lm_head``."""
+    (``our_kernel``; ``cpu_kernels``: RESIDENT_CPU_KERNELS), which also takes ``model.lm_head``."""
     targets = target_linears(layers)
     dtype = targets[0][2].weight.dtype if targets else torch.float32
     kernel = choose_kernel(method, device, dtype)
-    ours = our_int8_kernel(method, device, dtype, cpu_kernels)
+    ours = our_kernel(method, device, dtype, cpu_kernels)
     before = model_bytes(model)
     if device.type == "cuda":
         num_linears, groups = quantize_with_torchao(model, [linear for _, _, linear in targets], method)
     else:
         num_linears, groups = replace_linears(targets, method, ours is not None)
-    head = ours is not None and quantize_head(model)
+    head = ours is not None and quantize_head(model)  # int8 for either method: see the module docstring
     return QuantizationReport(method, ours or kernel, num_linears, len(targets) - num_linears, groups, before,
                               model_bytes(model), head)
 

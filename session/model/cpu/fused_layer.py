@@ -16,9 +16,10 @@ plan is dropped (the Python layer runs) where neither reproduces it.
 It applies where the layer is one it reproduces: transformers' Llama-family modules (Llama, Mistral,
 Qwen2, Qwen3 with its q/k norms; LLaVA's language model is a Llama), an RMSNorm of the Llama form, a
 SiLU MLP, and all seven linears on one of our kernels (session/model/cpu/linear.py): bfloat16 or
-float32 weights, or int8 weights on our int8 kernel (RESIDENT_QUANTIZATION=int8 with float32
+float32 weights, or int8 or int4 weights on our kernels (RESIDENT_QUANTIZATION with float32
 activations, session/model/quantize.py; the float32 layer's arithmetic around them). The packed
-weights' dtype names the format (``FORMATS``). Anything else (int4, ATen's int8) runs the Python layer. Who calls this: ``CpuKernelPath.decode_rows`` (session/model/decode_paths.py).
+weights' dtype names the format (KERNELS' keys; int4's is uint8). Anything else (ATen's quantized
+linears: bfloat16 activations) runs the Python layer. Who calls this: ``CpuKernelPath.decode_rows`` (session/model/decode_paths.py).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ KERNELS = {  # per format (the packed linears' dtype): the library, with its lin
     torch.bfloat16: CppKernel("fused bfloat16 decode layer", "decode_layer.cpp", (AVX512_BF16,)),
     torch.float32: CppKernel("fused float32 decode layer", "decode_layer_f32.cpp", (AVX512, AVX2)),
     torch.int8: CppKernel("fused int8-weight decode layer", "decode_layer_i8.cpp", (AVX512, AVX2)),
+    torch.uint8: CppKernel("fused int4-weight decode layer", "decode_layer_i4.cpp", (AVX512, AVX2)),
 }
 KERNEL = KERNELS[torch.bfloat16]
-SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "i8"}  # the operators' names per format
-STACKS = {torch.bfloat16: "DecodeStack", torch.float32: "DecodeStackF32", torch.int8: "DecodeStackI8"}
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "i8", torch.uint8: "i4"}  # operators per format
+STACKS = {torch.bfloat16: "DecodeStack", torch.float32: "DecodeStackF32", torch.int8: "DecodeStackI8",
+          torch.uint8: "DecodeStackI4"}
 # The RMSNorm classes whose forward is LlamaRMSNorm's, operator for operator (weight * normed, not
 # Gemma's 1 + weight)
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -69,13 +72,14 @@ def is_norm(module: nn.Module | None) -> bool:
 
 
 def ours(linear: nn.Module | None) -> bool:
-    """A linear on one of our kernels: a KernelLinear, or a QuantizedLinear on our int8 kernel."""
+    """A linear on one of our kernels: a KernelLinear, or a QuantizedLinear on our int8 or int4 kernel."""
     return type(linear) is KernelLinear or (type(linear) is QuantizedLinear and linear.ours)
 
 
 def one_row_block(linear: nn.Module) -> int:
-    """The input block size a decode row sums in: the probe's for a KernelLinear, the whole row for int8."""
-    return linear.one_row_block if type(linear) is KernelLinear else linear.in_features
+    """The input block size a decode row sums in: the probe's for a KernelLinear, the whole row for int8,
+    the group for int4."""
+    return linear.one_row_block if type(linear) is KernelLinear else linear.block
 
 
 def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple | None:
@@ -131,7 +135,7 @@ def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: i
     if any(a is None for a in arguments):
         quantized = any(is_quantized(module) for layer in layers for module in layer.modules())
         logger.info("fused decode layers: %s; the Python layer runs",
-                    "linears quantized for ATen's kernels (int4, or int8 with bfloat16 activations)" if quantized
+                    "linears quantized for ATen's kernels (bfloat16 activations)" if quantized
                     else "a layer the C++ layer does not reproduce")
         return None
     dtype = arguments[0][0][0].dtype  # the input norm's weight: the activations'

@@ -59,7 +59,10 @@ KERNELS = {
 }
 KERNEL = KERNELS[torch.bfloat16]
 INT8_KERNEL = CppKernel("int8 linear", "linear_i8.cpp", (AVX512, AVX2))  # float32 rows, int8 weights
-OPERATORS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32", torch.int8: "linear_i8"}  # by packed dtype
+INT4_KERNEL = CppKernel("int4 linear", "linear_i4.cpp", (AVX512, AVX2))  # float32 rows, int4 weights in groups
+OPERATORS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32", torch.int8: "linear_i8",
+             torch.uint8: "linear_i4"}  # by packed dtype
+INT4_GROUP_LINES = 16  # per group, after a block's K lines of 8 bytes: 16 float32 scales and 16 offsets
 INT8_SCALE_LINES = 4  # after a block's K lines of 16 int8: its 16 float32 scales (csrc/linear_i8.cpp)
 LANES = 16  # outputs per packed block: one float32 lane each
 INPUTS = {torch.bfloat16: 2, torch.float32: 1}  # inputs per packed line of 16 outputs (64 bytes)
@@ -102,6 +105,41 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     padded[:n] = scales.float()
     trailer = padded.view(blocks, LANES).view(torch.int8).view(blocks, INT8_SCALE_LINES, LANES)
     return torch.cat([lines, trailer], dim=1).contiguous()
+
+
+def int4_offsets(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Per group, the offset our int4 kernel adds: zero - 8 scale in float32 (session/model/quantize.py's
+    weight (q - 8) scale + zero is then q scale + offset)."""
+    return zeros.float() - 8 * scales.float()
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The weights our int4 kernel multiplies by, in float64: fma(q, scale, offset) rounded once to
+    float32 (q scale + offset is exact in float64), as the kernel's FMA makes each."""
+    out_features, in_features = q.shape
+    groups = scales.shape[1]
+    offsets = int4_offsets(scales, zeros).double()[..., None]
+    exact = q.double().view(out_features, groups, -1) * scales.float().double()[..., None] + offsets
+    return exact.float().double().view(out_features, in_features)
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """q [n, K] in 0..15, scales and zeros [n, K / G] -> uint8 [ceil(n / 16), K + 16 K / G, 8]
+    (csrc/linear_i4.cpp): per block of 16 outputs, its K lines of 16 nibbles (byte j: output j low,
+    j + 8 high), then per group its 16 scales and 16 offsets (``int4_offsets``) in float32. Zero past n."""
+    n, k = q.shape
+    groups = scales.shape[1]
+    blocks = -(-n // LANES)
+    padded = q.new_zeros(blocks * LANES, k)
+    padded[:n] = q
+    lines = padded.view(blocks, 2, LANES // 2, k).to(torch.uint8)  # [NB, low/high, 8, K]
+    nibbles = (lines[:, 0] | (lines[:, 1] << 4)).transpose(1, 2)  # [NB, K, 8]
+    per_group = torch.zeros(blocks * LANES, groups, 2, dtype=torch.float32)
+    per_group[:n, :, 0] = scales.float()
+    per_group[:n, :, 1] = int4_offsets(scales, zeros)
+    trailer = per_group.view(blocks, LANES, groups, 2).permute(0, 2, 3, 1).contiguous()  # [NB, G, 2, 16]
+    trailer = trailer.view(torch.uint8).view(blocks, groups * INT4_GROUP_LINES, LANES // 2)
+    return torch.cat([nibbles, trailer], dim=1).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k_block: int) -> torch.Tensor:

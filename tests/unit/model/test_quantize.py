@@ -152,8 +152,8 @@ def test_the_decoder_layers_linears_are_replaced_and_nothing_else(tiny, method):
     tied = tiny.lm_head.weight.data_ptr() == tiny.get_input_embeddings().weight.data_ptr()
     embeddings = tiny.get_input_embeddings().weight.clone()
     report = quantize_language_model(tiny, decoder_layers(tiny), method, torch.device("cpu"))
-    # int8 runs our kernel here (float32), which takes the head too; int4 runs ATen's, the head stays float
-    assert (report.method, report.num_linears, report.num_float, report.head) == (method, 14, 0, method == "int8")
+    # our kernels run both here (float32), and take the head too, in int8
+    assert (report.method, report.num_linears, report.num_float, report.head) == (method, 14, 0, True)
     for i, layer in enumerate(decoder_layers(tiny)):
         for name in LINEARS:
             module = getattr(layer.self_attn if name in LINEARS[:4] else layer.mlp, name)
@@ -166,17 +166,17 @@ def test_the_decoder_layers_linears_are_replaced_and_nothing_else(tiny, method):
         assert after.keys() == untouched[part].keys() and all(torch.equal(after[k], untouched[part][k]) for k in after)
     # bytes: each float32 [out, in] weight became int8 [out, in] + float32 scales [out] (in whole blocks of
     # 16 outputs), or int4 [out, in / 2] + a float32 scale and zero per group of every row
+    def int8_bytes(o: int, i: int) -> int:
+        return -(-o // 16) * 16 * (i + 4)
     if method == "int8":
-        def int8_bytes(o: int, i: int) -> int:
-            return -(-o // 16) * 16 * (i + 4)
         saved = sum(4 * o * i - int8_bytes(o, i) for o, i in shapes.values())
-        assert type(tiny.lm_head) is QuantizedLinear and tiny.lm_head.ours
-        assert torch.equal(tiny.get_input_embeddings().weight, embeddings)  # the lookup's float table is untouched
-        o, i = head.shape
-        saved += (0 if tied else 4 * o * i) - int8_bytes(o, i)  # a tied head's float storage stays, the embeddings'
     else:
-        assert type(tiny.lm_head) is nn.Linear and torch.equal(tiny.lm_head.weight, head)
         saved = sum(4 * o * i - (o * i // 2 + 8 * o * (i // (128 if i % 128 == 0 else 64))) for o, i in shapes.values())
+    assert type(tiny.lm_head) is QuantizedLinear and tiny.lm_head.ours and tiny.lm_head.method == "int8"
+    assert torch.equal(tiny.get_input_embeddings().weight, embeddings)  # the lookup's float table is untouched
+    o, i = head.shape
+    saved += (0 if tied else 4 * o * i) - int8_bytes(o, i)  # a tied head's float storage stays, the embeddings'
+
     assert report.model_bytes_before - report.model_bytes_after == saved
     assert report.group_sizes == (() if method == "int8" else (128, 64))
     assert f"{14} linears" in report.describe() and report.kernel in report.describe()
@@ -206,24 +206,25 @@ def test_lora_wraps_quantized_linears(tiny):
 
 def test_the_fused_decode_layer_is_off_for_linears_on_atens_kernels(tiny, caplog):
     layers = decoder_layers(tiny)
-    quantize_language_model(tiny, layers, "int4", torch.device("cpu"))
+    quantize_language_model(tiny, layers, "int4", torch.device("cpu"), cpu_kernels=False)
     with caplog.at_level(logging.INFO, logger=fused_layer.__name__):
         assert fused_layer.plan(layers, 4, 2, 16) is None
     assert "linears quantized for ATen's kernels" in caplog.text
 
 
-def test_int8_on_float32_takes_our_kernel_and_the_fused_decode_layer(tiny):
+@pytest.mark.parametrize("method,operator,fmt", [("int8", "linear_i8", torch.int8), ("int4", "linear_i4", torch.uint8)])
+def test_float32_takes_our_kernel_and_the_fused_decode_layer(tiny, method, operator, fmt):
     layers = decoder_layers(tiny)
-    report = quantize_language_model(tiny, layers, "int8", torch.device("cpu"))
-    assert report.kernel.startswith("resident::linear_i8 (CPU, ") and report.kernel in report.describe()
+    report = quantize_language_model(tiny, layers, method, torch.device("cpu"))
+    assert report.kernel.startswith(f"resident::{operator} (CPU, ") and report.kernel in report.describe()
     q_proj = layers[0].self_attn.q_proj
-    assert q_proj.ours and q_proj.packed.dtype == torch.int8 and q_proj.scales is None
+    assert q_proj.ours and q_proj.packed.dtype == fmt and q_proj.scales is None
     arguments = fused_layer.plan(layers, 4, 2, 16)
-    assert arguments is not None and fused_layer.weight_format(arguments) == torch.int8
+    assert arguments is not None and fused_layer.weight_format(arguments) == fmt
     assert [len(weights) for weights, *_ in arguments] == [9] * len(layers)
 
 
-def test_int8_with_cpu_kernels_off_stays_on_atens(tiny):
+def test_with_cpu_kernels_off_int8_stays_on_atens(tiny):
     layers = decoder_layers(tiny)
     report = quantize_language_model(tiny, layers, "int8", torch.device("cpu"), cpu_kernels=False)
     assert report.kernel == "aten._weight_int8pack_mm (CPU)"

@@ -6,9 +6,12 @@
 // two on AVX-512 or AVX2: csrc/simd.h, the same bits on both). An unnamed namespace: each library
 // keeps its own copy, nothing is exported.
 //
-// A format F names its element type (Elem: x and y), its weights' type (Weight), the lines of
-// trailer after each block's weights (kTrailer: the int8 block's 16 float32 scales) and ``finish``,
-// which turns a block's 16 sums into its outputs before the bias (the int8 format: times the scales).
+// A format F names its element type (Elem: x and y), its weights' type (Weight) and elements per line
+// (kLine: one input's, or pair's, weights for 16 outputs), the lines of trailer after each block's
+// weights (``trailer_lines``: the int8 block's 16 float32 scales, the int4 block's scales and offsets
+// per group), ``group`` (what a block of k_block inputs reads from the trailer: int4's group), ``load``
+// (one line as the products take it: int8 and int4 lines become float32) and ``finish``, which turns a
+// block's 16 sums into its outputs before the bias (the int8 format: times the scales).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -50,17 +53,20 @@ struct Bf16Pairs {
   using Input = __m512bh;
   static constexpr at::ScalarType kType = at::kBFloat16;
   static constexpr at::ScalarType kWeightType = at::kBFloat16;
+  using Loaded = __m512bh;
+  struct Group {};
   static constexpr int kInputs = 2;  // inputs per 64-byte line of weights
-  static constexpr int kTrailer = 0;
+  static constexpr int kLine = 32;
+  static int64_t trailer_lines(int64_t, int64_t) { return 0; }
+  static Group group(const Weight*, int64_t) { return {}; }
+  static Loaded load(const Weight* w, const Group&) { return (__m512bh)_mm512_loadu_si512(w); }
   static V16 finish(V16 sum, const Weight*) { return sum; }
   static Input input(const Elem* row, int64_t p) {  // inputs 2p, 2p+1 of a row, in every lane
     int32_t bits;
     std::memcpy(&bits, row + 2 * p, sizeof bits);
     return (__m512bh)_mm512_set1_epi32(bits);
   }
-  static V16 add_products(V16 acc, Input x, const Elem* w) {
-    return {_mm512_dpbf16_ps(acc.v, x, (__m512bh)_mm512_loadu_si512(w))};
-  }
+  static V16 add_products(V16 acc, Input x, Loaded w) { return {_mm512_dpbf16_ps(acc.v, x, w)}; }
   static void store(Elem* out, V16 sum, int64_t count) {  // count <= 16 outputs
     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sum.v);
     if (count == kLanes) {
@@ -80,12 +86,17 @@ struct F32Lines {
   using Elem = float;
   using Weight = float;
   using Input = V16;
+  using Loaded = V16;
+  struct Group {};
   static constexpr at::ScalarType kType = at::kFloat;
   static constexpr at::ScalarType kWeightType = at::kFloat;
   static constexpr int kInputs = 1;
-  static constexpr int kTrailer = 0;
+  static constexpr int kLine = kLanes;
+  static int64_t trailer_lines(int64_t, int64_t) { return 0; }
+  static Group group(const Weight*, int64_t) { return {}; }
+  static Loaded load(const Weight* w, const Group&) { return simd::loadu(w); }
   static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
-  static V16 add_products(V16 acc, Input x, const Weight* w) { return simd::fmadd(x, simd::loadu(w), acc); }
+  static V16 add_products(V16 acc, Input x, Loaded w) { return simd::fmadd(x, w, acc); }
   static V16 finish(V16 sum, const Weight*) { return sum; }
   static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
 };
@@ -99,17 +110,60 @@ struct Int8Lines {
   using Elem = float;
   using Weight = int8_t;
   using Input = V16;
+  using Loaded = V16;
+  struct Group {};
   static constexpr at::ScalarType kType = at::kFloat;
   static constexpr at::ScalarType kWeightType = at::kChar;
   static constexpr int kInputs = 1;
-  static constexpr int kTrailer = static_cast<int>(sizeof(float));  // lines of 16 bytes: 16 float32 scales
+  static constexpr int kLine = kLanes;
+  static int64_t trailer_lines(int64_t, int64_t) { return sizeof(float); }  // lines of 16 bytes: 16 scales
+  static Group group(const Weight*, int64_t) { return {}; }
+  static Loaded load(const Weight* w, const Group&) { return simd::loadu(w); }
   static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
-  static V16 add_products(V16 acc, Input x, const Weight* w) { return simd::fmadd(x, simd::loadu(w), acc); }
-  static V16 finish(V16 sum, const Weight* scales) {
+  static V16 add_products(V16 acc, Input x, Loaded w) { return simd::fmadd(x, w, acc); }
+  static V16 finish(V16 sum, const Weight* scales) { return simd::mul(sum, floats(scales)); }
+  static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
+  static V16 floats(const Weight* bytes) {  // 16 float32 stored in the trailer's bytes
     float lanes[kLanes];
-    std::memcpy(lanes, scales, sizeof lanes);
-    return simd::mul(sum, simd::loadu(lanes));
+    std::memcpy(lanes, bytes, sizeof lanes);
+    return simd::loadu(lanes);
   }
+};
+
+// int4 weights in groups of k_block inputs, float32 inputs and outputs (session/model/quantize.py's
+// int4): per block of 16 outputs and input, one 8-byte line of 16 nibbles (byte j: output j in its low
+// nibble, output j + 8 in its high one); after the block's K lines, per group of k_block inputs 16
+// lines: its 16 float32 scales, then its 16 float32 offsets (zero past n). A weight is
+// fma(q, scale, offset), in float32 (one rounding: session/model/cpu/linear.py's dequantize_int4),
+// added as F32Lines adds its weights; each group sums from zero and the group sums add in order.
+struct Int4Lines {
+  using Elem = float;
+  using Weight = uint8_t;
+  using Input = V16;
+  using Loaded = V16;
+  struct Group {
+    V16 scales, offsets;
+  };
+  static constexpr at::ScalarType kType = at::kFloat;
+  static constexpr at::ScalarType kWeightType = at::kByte;
+  static constexpr int kInputs = 1;
+  static constexpr int kLine = kLanes / 2;
+  static constexpr int kGroupLines = 2 * kLanes * sizeof(float) / kLine;  // 16 scales and 16 offsets
+  static int64_t trailer_lines(int64_t steps, int64_t k_block) { return steps / k_block * kGroupLines; }
+  static Group group(const Weight* trailer, int64_t g) {
+    const Weight* at = trailer + g * kGroupLines * kLine;
+    return {Int8Lines::floats(reinterpret_cast<const int8_t*>(at)),
+            Int8Lines::floats(reinterpret_cast<const int8_t*>(at + kLanes * sizeof(float)))};
+  }
+  static Loaded load(const Weight* w, const Group& g) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    return simd::fmadd(simd::from_int8(nibbles), g.scales, g.offsets);
+  }
+  static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
+  static V16 add_products(V16 acc, Input x, Loaded w) { return simd::fmadd(x, w, acc); }
+  static V16 finish(V16 sum, const Weight*) { return sum; }
   static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
 };
 
@@ -118,7 +172,7 @@ struct Problem {
   using Elem = typename F::Elem;
   const Elem* x;      // [M, kInputs * steps] row-major, row stride x_stride (an odd K padded with a zero)
   int64_t x_stride;
-  const typename F::Weight* w;  // packed [NB, steps + trailer lines, 16 * kInputs]
+  const typename F::Weight* w;  // packed [NB, steps + trailer lines, kLine]
   int64_t steps;      // lines of weights per block of outputs: K / kInputs
   int64_t n;
   int64_t k_block;    // in inputs, a multiple of kInputs
@@ -130,22 +184,24 @@ struct Problem {
 // Rows m0 .. m0+MR-1, output blocks b0 .. b0+NR-1 (all within NB): MR x NR accumulators in registers.
 template <typename F, int MR, int NR>
 void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
-  constexpr int line = kLanes * F::kInputs;  // elements per line of weights
+  constexpr int line = F::kLine;  // elements per line of weights
   const int64_t blocks = (pb.n + kLanes - 1) / kLanes;
   const int64_t width = blocks * kLanes;
   const int64_t per_block = pb.k_block / F::kInputs;
-  const int64_t block_stride = (pb.steps + F::kTrailer) * line;  // a block's weights, then its trailer
+  const int64_t block_stride = (pb.steps + F::trailer_lines(pb.steps, per_block)) * line;  // weights, trailer
   for (int64_t start = 0; start < pb.steps; start += per_block) {
     const int64_t stop = std::min(pb.steps, start + per_block);
     V16 acc[MR][NR];
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < NR; ++r) acc[m][r] = simd::zero();
     const typename F::Weight* w0 = pb.w + b0 * block_stride;
+    typename F::Group groups[NR];
+    for (int r = 0; r < NR; ++r) groups[r] = F::group(w0 + r * block_stride + pb.steps * line, start / per_block);
     for (int64_t p = start; p < stop; ++p) {
       typename F::Input xs[MR];
       for (int m = 0; m < MR; ++m) xs[m] = F::input(pb.x + (m0 + m) * pb.x_stride, p);
       for (int r = 0; r < NR; ++r) {
-        const typename F::Weight* wv = w0 + r * block_stride + p * line;
+        const typename F::Loaded wv = F::load(w0 + r * block_stride + p * line, groups[r]);
         for (int m = 0; m < MR; ++m) acc[m][r] = F::add_products(acc[m][r], xs[m], wv);
       }
     }
@@ -230,13 +286,15 @@ struct Prepared {
     x = input.size(-1) % F::kInputs ? at::constant_pad_nd(input, {0, F::kInputs - input.size(-1) % F::kInputs})
                                     : input;
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == F::kType && x.stride(1) == 1, "x: [M, K] of the weights' dtype, rows contiguous");
-    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == F::kWeightType && packed.is_contiguous() &&
-                    packed.size(2) == F::kInputs * kLanes,
-                "packed: [NB, K / ", F::kInputs, " + ", F::kTrailer, ", ", F::kInputs * kLanes, "], contiguous");
-    rows = x.size(0);
-    const int64_t k = x.size(1), blocks = packed.size(0), steps = packed.size(1) - F::kTrailer;
-    TORCH_CHECK(blocks == (n + kLanes - 1) / kLanes && steps == k / F::kInputs, "packed does not match x and n");
     TORCH_CHECK(k_block > 0 && k_block % F::kInputs == 0, "k_block: a positive multiple of ", F::kInputs);
+    rows = x.size(0);
+    const int64_t k = x.size(1), blocks = packed.size(0), steps = k / F::kInputs;
+    const int64_t trailer = F::trailer_lines(steps, k_block / F::kInputs);
+    TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == F::kWeightType && packed.is_contiguous() &&
+                    packed.size(2) == F::kLine,
+                "packed: [NB, K / ", F::kInputs, " + trailer, ", F::kLine, "] of its format's dtype, contiguous");
+    TORCH_CHECK(blocks == (n + kLanes - 1) / kLanes && packed.size(1) == steps + trailer,
+                "packed does not match x, n and k_block");
     y = buffer(out, {rows, n}, x.options());
     scratch = buffer(sums, {rows, blocks * kLanes}, x.options().dtype(at::kFloat));
     if (bias.has_value() && bias->defined()) {  // float_bias's form, converted here unless it already is
@@ -280,7 +338,7 @@ void run_linears(std::initializer_list<const Prepared<F>*> given) {
   });
 }
 
-// One linear operator: x [M, K] -> [M, n] (linear_bf16, linear_f32, linear_i8).
+// One linear operator: x [M, K] -> [M, n] (linear_bf16, linear_f32, linear_i8, linear_i4).
 template <typename F>
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
                   int64_t k_block) {

@@ -35,9 +35,8 @@ inline V16 loadu(const uint16_t* p) {  // 16 bfloat16 -> float32 (exact)
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
 }
-inline V16 loadu(const int8_t* p) {  // 16 int8 -> float32 (exact)
-  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
-}
+inline V16 from_int8(__m128i bytes) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))}; }  // exact
+inline V16 loadu(const int8_t* p) { return from_int8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void storeu(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline void store_first(float* p, V16 a, int count) {  // lanes 0 .. count-1 (count <= 16)
   _mm512_mask_storeu_ps(p, count >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1), a.v);
@@ -89,6 +88,9 @@ inline __m256 int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline V16 loadu(const int8_t* p) { return {int8x8(p), int8x8(p + 8)}; }  // 16 int8 -> float32 (exact)
+inline V16 from_int8(__m128i bytes) {  // 16 int8 -> float32 (exact)
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+}
 inline void storeu(float* p, V16 a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);

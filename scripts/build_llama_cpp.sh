@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Build llama.cpp's CPU tools (llama-bench, llama-quantize) from the copy vendored in
+# llama-cpp-python's sdist on PyPI (no other network), for benchmarks/vs_llama_cpp.py.
+#
+#   scripts/build_llama_cpp.sh [DEST]     DEST defaults to build/llama.cpp
+#
+# Environment: PYTHON (default .venv/bin/python, for pip download), LLAMA_CPP_PYTHON_VERSION
+# (default 0.3.36), JOBS (default: the CPU count). Native build (-march=native: GGML_NATIVE), so it
+# runs the instruction sets of the machine it is built on, as a user's own build would.
+set -euo pipefail
+
+dest=${1:-build/llama.cpp}
+python=${PYTHON:-.venv/bin/python}
+version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+jobs=${JOBS:-$(nproc)}
+
+if [[ -x "$dest/bin/llama-bench" && -x "$dest/bin/llama-quantize" ]]; then
+  echo "llama.cpp already built in $dest"
+  exit 0
+fi
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+"$python" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$scratch"
+tar -xzf "$scratch"/llama_cpp_python-"$version".tar.gz -C "$scratch"
+source_dir="$scratch/llama_cpp_python-$version/vendor/llama.cpp"
+cmake -S "$source_dir" -B "$scratch/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >"$scratch/cmake.log" 2>&1
+cmake --build "$scratch/build" --target llama-bench llama-quantize -j "$jobs" >"$scratch/build.log" 2>&1 || { tail -50 "$scratch/build.log"; exit 1; }
+mkdir -p "$dest/bin"
+cp "$scratch"/build/bin/llama-bench "$scratch"/build/bin/llama-quantize "$dest/bin/"
+cp "$source_dir/convert_hf_to_gguf.py" "$dest/"
+cp -r "$source_dir/gguf-py" "$dest/"
+echo "llama.cpp $version (llama-cpp-python's vendored copy) built in $dest"
