@@ -29,5 +29,5 @@ cmake --build "$scratch/build" --target llama-bench llama-quantize -j "$jobs" >"
 mkdir -p "$dest/bin"
 cp "$scratch"/build/bin/llama-bench "$scratch"/build/bin/llama-quantize "$dest/bin/"
 cp "$source_dir/convert_hf_to_gguf.py" "$dest/"
-cp -r "$source_dir/gguf-py" "$dest/"
+cp -r "$source_dir/gguf-py" "$source_dir/conversion" "$dest/"  # what convert_hf_to_gguf.py imports
 echo "llama.cpp $version (llama-cpp-python's vendored copy) built in $dest"
