@@ -18,8 +18,14 @@ of Python source) the int8 head moved perplexity from 9.654 (int8 layers, float 
 fifth of that model's weights and half of what an int8 decode step reads with a float head. Not: the
 vision tower, the multimodal projector, the embeddings, and the head on ATen's kernels and torchao's.
 
-Kernels, chosen once by device (``choose_kernel``):
-- CPU: ATen's, through ``QuantizedLinear``: ``aten._weight_int8pack_mm`` (int8 [out, in], scales [out])
+Kernels, chosen once by device (``choose_kernel``, ``our_kernel``):
+- CPU with float32 activations: ours, through ``QuantizedLinear`` (``ours``): csrc/linear_i8.cpp and
+  csrc/linear_i4.cpp, the float32 linear's tiles on int8 lines with per-output scales and on nibble
+  lines with per-group scales and offsets (session/model/cpu/linear.py packs them; AVX-512 or AVX2,
+  the same bits), each row as if alone; the C++ decode layer and step take them
+  (session/model/cpu/fused_layer.py), LoRA rows included. RESIDENT_CPU_KERNELS=0, or a CPU or
+  toolchain that cannot build them, leaves ATen's.
+- CPU otherwise (bfloat16 activations): ATen's, through ``QuantizedLinear``: ``aten._weight_int8pack_mm`` (int8 [out, in], scales [out])
   and ``aten._weight_int4pack_mm_for_cpu`` on weights packed by ``aten._convert_weight_to_int4pack_for_cpu``
   (scales and zeros [in / group, out, 2]). Both compute each row of x as if alone, whatever the other
   rows and the thread count (checked on this project's CPU for row counts 1..300 and 1 or 2 threads;
@@ -29,16 +35,13 @@ Kernels, chosen once by device (``choose_kernel``):
   ``Int4WeightOnlyConfig(group_size=...)`` on the same linears (their weights become torchao tensors
   inside the same ``nn.Linear`` modules); without torchao, start-up refuses (ConfigError).
 
-Our CPU fast paths take float weights: the weight packing (session/model/cpu/packed_linear.py,
-session/model/cpu/linear.py) takes plain ``nn.Linear`` modules only, which a QuantizedLinear is not,
-and the fused C++ decode layer (session/model/cpu/fused_layer.py) is off for a quantized model (it
-logs why): its layers run in Python. LoRA (session/model/lora.py) wraps a QuantizedLinear as it wraps
-an ``nn.Linear``: its deltas are added in the float dtype to the quantized product.
+On ATen's kernels the fused C++ decode layer is off (it logs why) and the layers run in Python. LoRA
+(session/model/lora.py) wraps a QuantizedLinear as it wraps an ``nn.Linear``: its deltas are added in
+the float dtype to the quantized product.
 
-What it buys on CPU is memory, not speed, so far: the quantized layers lose our packed kernels and the
-C++ decode step, and ATen's kernels are vectorized for bfloat16 activations, not float32 ones (several
-times slower there than float32's dense product); ``python -m benchmarks.quantization`` measures
-agreement with float32, perplexity, bytes and decode speed.
+``python -m benchmarks.quantization`` measures agreement with float32, perplexity, bytes and decode
+speed; ``python -m benchmarks.vs_llama_cpp`` decode speed beside llama.cpp's Q8_0 and Q4 files
+(docs/MEASUREMENTS.md, "Quantized weights on CPU").
 
 Who calls this: ``ModelRunner`` once, right after loading, before packing and LoRA.
 """

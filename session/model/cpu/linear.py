@@ -114,13 +114,14 @@ def int4_offsets(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """The weights our int4 kernel multiplies by, in float64: fma(q, scale, offset) rounded once to
-    float32 (q scale + offset is exact in float64), as the kernel's FMA makes each."""
+    """The weights our int4 kernel's sums stand for, in float64: q scale + offset (exact in float64),
+    with the offset in float32 (``int4_offsets``). The kernel never forms them: per group it sums x q
+    and x, then scales (csrc/linear_tiles.h's Int4Lines)."""
     out_features, in_features = q.shape
     groups = scales.shape[1]
     offsets = int4_offsets(scales, zeros).double()[..., None]
     exact = q.double().view(out_features, groups, -1) * scales.float().double()[..., None] + offsets
-    return exact.float().double().view(out_features, in_features)
+    return exact.view(out_features, in_features)
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,8 @@ struct Bf16Pairs {
   static Group group(const Weight*, int64_t) { return {}; }
   static Loaded load(const Weight* w, const Group&) { return (__m512bh)_mm512_loadu_si512(w); }
   static V16 finish(V16 sum, const Weight*) { return sum; }
+  static constexpr bool kRowSums = false;
+  static V16 close(V16 acc, const Group&, float) { return acc; }
   static Input input(const Elem* row, int64_t p) {  // inputs 2p, 2p+1 of a row, in every lane
     int32_t bits;
     std::memcpy(&bits, row + 2 * p, sizeof bits);
@@ -98,6 +100,8 @@ struct F32Lines {
   static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
   static V16 add_products(V16 acc, Input x, Loaded w) { return simd::fmadd(x, w, acc); }
   static V16 finish(V16 sum, const Weight*) { return sum; }
+  static constexpr bool kRowSums = false;
+  static V16 close(V16 acc, const Group&, float) { return acc; }
   static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
 };
 
@@ -122,6 +126,8 @@ struct Int8Lines {
   static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
   static V16 add_products(V16 acc, Input x, Loaded w) { return simd::fmadd(x, w, acc); }
   static V16 finish(V16 sum, const Weight* scales) { return simd::mul(sum, floats(scales)); }
+  static constexpr bool kRowSums = false;
+  static V16 close(V16 acc, const Group&, float) { return acc; }
   static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
   static V16 floats(const Weight* bytes) {  // 16 float32 stored in the trailer's bytes
     float lanes[kLanes];
@@ -133,9 +139,10 @@ struct Int8Lines {
 // int4 weights in groups of k_block inputs, float32 inputs and outputs (session/model/quantize.py's
 // int4): per block of 16 outputs and input, one 8-byte line of 16 nibbles (byte j: output j in its low
 // nibble, output j + 8 in its high one); after the block's K lines, per group of k_block inputs 16
-// lines: its 16 float32 scales, then its 16 float32 offsets (zero past n). A weight is
-// fma(q, scale, offset), in float32 (one rounding: session/model/cpu/linear.py's dequantize_int4),
-// added as F32Lines adds its weights; each group sums from zero and the group sums add in order.
+// lines: its 16 float32 scales, then its 16 float32 offsets (zero past n). A weight is q scale +
+// offset (session/model/cpu/linear.py's dequantize_int4); per group a lane sums x_k q_k (q exact in
+// float32) by FMA input after input from zero, and the row's x_k in order, and the group's part is
+// fma(that sum, scale, sum(x) * offset): one FMA per weight, not two. The group parts add in order.
 struct Int4Lines {
   using Elem = float;
   using Weight = uint8_t;
@@ -159,11 +166,15 @@ struct Int4Lines {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-    return simd::fmadd(simd::from_int8(nibbles), g.scales, g.offsets);
+    return simd::from_int8(nibbles);
   }
   static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
   static V16 add_products(V16 acc, Input x, Loaded w) { return simd::fmadd(x, w, acc); }
   static V16 finish(V16 sum, const Weight*) { return sum; }
+  static constexpr bool kRowSums = true;
+  static V16 close(V16 acc, const Group& g, float xsum) {  // the group's sum: scale sum(x q) + offset sum(x)
+    return simd::fmadd(acc, g.scales, simd::mul(simd::set1(xsum), g.offsets));
+  }
   static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
 };
 
@@ -197,6 +208,10 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
     const typename F::Weight* w0 = pb.w + b0 * block_stride;
     typename F::Group groups[NR];
     for (int r = 0; r < NR; ++r) groups[r] = F::group(w0 + r * block_stride + pb.steps * line, start / per_block);
+    float xsums[MR] = {};  // each row's inputs of this block, summed in order (a format that reads them)
+    if (F::kRowSums)
+      for (int m = 0; m < MR; ++m)
+        for (int64_t p = start; p < stop; ++p) xsums[m] += pb.x[(m0 + m) * pb.x_stride + p];
     for (int64_t p = start; p < stop; ++p) {
       typename F::Input xs[MR];
       for (int m = 0; m < MR; ++m) xs[m] = F::input(pb.x + (m0 + m) * pb.x_stride, p);
@@ -208,10 +223,11 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
     for (int m = 0; m < MR; ++m) {
       float* out = pb.scratch + (m0 + m) * width + b0 * kLanes;
       for (int r = 0; r < NR; ++r) {
+        const V16 part = F::close(acc[m][r], groups[r], xsums[m]);
         if (start == 0) {
-          simd::storeu(out + r * kLanes, acc[m][r]);
+          simd::storeu(out + r * kLanes, part);
         } else {
-          simd::storeu(out + r * kLanes, simd::add(simd::loadu(out + r * kLanes), acc[m][r]));
+          simd::storeu(out + r * kLanes, simd::add(simd::loadu(out + r * kLanes), part));
         }
       }
     }

@@ -1,6 +1,6 @@
 """Our int4 weight-only linear (csrc/linear_i4.cpp, ``resident::linear_i4``) against the float64
 product of its dequantized weights (session/model/cpu/linear.py's ``dequantize_int4``: each weight
-fma(q, scale, offset) rounded once to float32, as the kernel makes it):
+q scale + offset, the offset zero - 8 scale in float32):
 
 - bit for bit where every float32 operation is exact (inputs, scales, offsets and bias chosen so that
   each weight, product and partial sum is a float32), so a wrong nibble, scale, offset or group shows;
