@@ -82,27 +82,34 @@ struct Bf16Pairs {
 };
 #endif
 
-// float32: per block of 16 outputs and input, the 16 weights of one line; each lane adds the
-// product to its sum with one fused multiply-add, input after input. Outputs stored as summed.
-struct F32Lines {
+// What the three float32-input formats share: float32 rows, one input per line, a weight line loaded
+// as 16 float32 and added by one fused multiply-add per lane, input after input; outputs stored as
+// summed. A format hides what it does otherwise (Int4Lines: its group and close).
+struct FloatRows {
   using Elem = float;
-  using Weight = float;
   using Input = V16;
   using Loaded = V16;
   struct Group {};
   static constexpr at::ScalarType kType = at::kFloat;
-  static constexpr at::ScalarType kWeightType = at::kFloat;
   static constexpr int kInputs = 1;
-  static constexpr int kLine = kLanes;
-  static int64_t trailer_lines(int64_t, int64_t) { return 0; }
-  static Group group(const Weight*, int64_t) { return {}; }
-  static Loaded load(const Weight* w, const Group&) { return simd::loadu(w); }
+  static constexpr bool kRowSums = false;
+  static Group group(const void*, int64_t) { return {}; }
   static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
   static V16 add_products(V16 acc, Input x, Loaded w) { return simd::fmadd(x, w, acc); }
-  static V16 finish(V16 sum, const Weight*) { return sum; }
-  static constexpr bool kRowSums = false;
-  static V16 close(V16 acc, const Group&, float) { return acc; }
+  template <typename G>
+  static V16 close(V16 acc, const G&, float) { return acc; }
   static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
+};
+
+// float32: per block of 16 outputs and input, the 16 weights of one line; each lane adds the
+// product to its sum with one fused multiply-add, input after input. Outputs stored as summed.
+struct F32Lines : FloatRows {
+  using Weight = float;
+  static constexpr at::ScalarType kWeightType = at::kFloat;
+  static constexpr int kLine = kLanes;
+  static int64_t trailer_lines(int64_t, int64_t) { return 0; }
+  static Loaded load(const Weight* w, const Group&) { return simd::loadu(w); }
+  static V16 finish(V16 sum, const Weight*) { return sum; }
 };
 
 // int8 weights, float32 inputs and outputs (weight-only quantization, session/model/quantize.py): per
@@ -110,25 +117,13 @@ struct F32Lines {
 // (exact) and added as F32Lines adds its weights; after the block's K lines, 4 lines holding its 16
 // float32 scales (zero past n). Each output is scale * (the float32 sum of x_k q_k, input after
 // input), rounded once more: per lane, in an order that depends on nothing but K.
-struct Int8Lines {
-  using Elem = float;
+struct Int8Lines : FloatRows {
   using Weight = int8_t;
-  using Input = V16;
-  using Loaded = V16;
-  struct Group {};
-  static constexpr at::ScalarType kType = at::kFloat;
   static constexpr at::ScalarType kWeightType = at::kChar;
-  static constexpr int kInputs = 1;
   static constexpr int kLine = kLanes;
   static int64_t trailer_lines(int64_t, int64_t) { return sizeof(float); }  // lines of 16 bytes: 16 scales
-  static Group group(const Weight*, int64_t) { return {}; }
   static Loaded load(const Weight* w, const Group&) { return simd::loadu(w); }
-  static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
-  static V16 add_products(V16 acc, Input x, Loaded w) { return simd::fmadd(x, w, acc); }
   static V16 finish(V16 sum, const Weight* scales) { return simd::mul(sum, floats(scales)); }
-  static constexpr bool kRowSums = false;
-  static V16 close(V16 acc, const Group&, float) { return acc; }
-  static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
   static V16 floats(const Weight* bytes) {  // 16 float32 stored in the trailer's bytes
     float lanes[kLanes];
     std::memcpy(lanes, bytes, sizeof lanes);
@@ -143,39 +138,31 @@ struct Int8Lines {
 // offset (session/model/cpu/linear.py's dequantize_int4); per group a lane sums x_k q_k (q exact in
 // float32) by FMA input after input from zero, and the row's x_k in order, and the group's part is
 // fma(that sum, scale, sum(x) * offset): one FMA per weight, not two. The group parts add in order.
-struct Int4Lines {
-  using Elem = float;
+struct Int4Lines : FloatRows {
   using Weight = uint8_t;
-  using Input = V16;
-  using Loaded = V16;
   struct Group {
     V16 scales, offsets;
   };
-  static constexpr at::ScalarType kType = at::kFloat;
   static constexpr at::ScalarType kWeightType = at::kByte;
-  static constexpr int kInputs = 1;
   static constexpr int kLine = kLanes / 2;
   static constexpr int kGroupLines = 2 * kLanes * sizeof(float) / kLine;  // 16 scales and 16 offsets
+  static constexpr bool kRowSums = true;
   static int64_t trailer_lines(int64_t steps, int64_t k_block) { return steps / k_block * kGroupLines; }
   static Group group(const Weight* trailer, int64_t g) {
     const Weight* at = trailer + g * kGroupLines * kLine;
     return {Int8Lines::floats(reinterpret_cast<const int8_t*>(at)),
             Int8Lines::floats(reinterpret_cast<const int8_t*>(at + kLanes * sizeof(float)))};
   }
-  static Loaded load(const Weight* w, const Group& g) {
+  static Loaded load(const Weight* w, const Group&) {  // the 16 nibbles as float32 (exact)
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
     return simd::from_int8(nibbles);
   }
-  static Input input(const Elem* row, int64_t p) { return simd::set1(row[p]); }
-  static V16 add_products(V16 acc, Input x, Loaded w) { return simd::fmadd(x, w, acc); }
   static V16 finish(V16 sum, const Weight*) { return sum; }
-  static constexpr bool kRowSums = true;
   static V16 close(V16 acc, const Group& g, float xsum) {  // the group's sum: scale sum(x q) + offset sum(x)
     return simd::fmadd(acc, g.scales, simd::mul(simd::set1(xsum), g.offsets));
   }
-  static void store(Elem* out, V16 sum, int64_t count) { simd::store_first(out, sum, static_cast<int>(count)); }
 };
 
 template <typename F>
