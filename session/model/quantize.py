@@ -11,7 +11,7 @@ model's float dtype, only the weights of the decoder layers' linears are stored 
   [0, 15]; W ~ (q - 8) * scale + zero, each weight within scale / 2.
 
 Quantized: every ``nn.Linear`` of every decoder layer (attention and MLP projections), and on our
-int8 kernel also ``lm_head`` (``quantize_head``): an int8 copy of the head beside the float
+kernels (int8 and int4 alike) also ``lm_head`` (``quantize_head``), in int8: an int8 copy of the head beside the float
 embeddings it may be tied to, which stay float for the lookup. On SmolLM2-135M-Instruct (1,024 tokens
 of Python source) the int8 head moved perplexity from 9.654 (int8 layers, float head) to 9.647
 (float32: 9.664) and greedy next-token agreement with float32 from 97.8% to 97.4%; the head is a
@@ -86,7 +86,7 @@ class QuantizationReport:
     group_sizes: tuple[int, ...]  # int4: the input group sizes used; int8: ()
     model_bytes_before: int  # every parameter and buffer of the model, each storage once
     model_bytes_after: int
-    head: bool = False  # lm_head quantized too (int8 on our kernel: ``quantize_head``)
+    head: bool = False  # lm_head quantized too (in int8, on our kernels: ``quantize_head``)
 
     def describe(self) -> str:
         if self.method == "int8":
@@ -164,9 +164,10 @@ class QuantizedLinear(nn.Module):
                  scales: torch.Tensor | None, bias: torch.Tensor | None, group_size: int = 0):
         super().__init__()
         self.method, self.in_features, self.out_features, self.group_size = method, in_features, out_features, group_size
-        # int8 on ATen: packed int8 [out, in], scales [out]; int8 on ours (``ours``): packed int8 [NB, in + 4,
-        # 16] with the scales inside (session/model/cpu/linear.py's pack_int8), scales None; int4: packed
-        # uint8 [out, in / 2] (ATen's layout), scales [in / group, out, 2] (each group's scale and zero)
+        # on ATen: int8 packed int8 [out, in], scales [out]; int4 packed uint8 [out, in / 2] (ATen's
+        # layout), scales [in / group, out, 2] (each group's scale and zero). On ours (``ours``): packed
+        # with the scales (and int4's offsets) inside, scales None: session/model/cpu/linear.py's
+        # pack_int8 (int8 [NB, in + 4, 16]) and pack_int4 (uint8 [NB, in + 16 in / group, 8])
         self.ours = scales is None
         self.block = group_size or in_features  # the input block our kernels sum in (``ours``)
         self.register_buffer("packed", packed, persistent=False)
@@ -214,7 +215,8 @@ class QuantizedLinear(nn.Module):
 
 def quantize_linear(linear: nn.Linear, method: str, ours: bool = False) -> QuantizedLinear | None:
     """``linear`` as a QuantizedLinear in its own dtype, or None where ATen's kernel does not take its
-    shape (``int4_group``, INT8_BF16_IN_MULTIPLE). ``ours``: int8 on our kernel (float32; any shape)."""
+    shape (``int4_group``, INT8_BF16_IN_MULTIPLE). ``ours``: on our kernels (float32 scales; int8 takes
+    any shape, int4 the shapes ``int4_group`` gives a group)."""
     weight, dtype = linear.weight, linear.weight.dtype
     if method == "int8":
         if ours:
@@ -302,7 +304,7 @@ def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: s
 def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str,
                     ours: bool = False) -> tuple[int, tuple[int, ...]]:
     """CPU: each target replaced by its QuantizedLinear in its parent (its float weight then freed);
-    (how many, the int4 group sizes used). ``ours``: int8 on our kernel."""
+    (how many, the int4 group sizes used). ``ours``: on our kernels."""
     count, groups = 0, set()
     for parent, name, linear in targets:
         quantized = quantize_linear(linear, method, ours)
@@ -314,10 +316,11 @@ def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str
 
 
 def quantize_head(model: nn.Module) -> bool:
-    """``model.lm_head`` (a plain ``nn.Linear``) replaced by its int8 QuantizedLinear on our kernel; a head
-    tied to the embeddings leaves them float (the lookup reads them). False where there is no such head."""
+    """``model.lm_head`` (a plain ``nn.Linear``) replaced by its int8 QuantizedLinear on our int8 kernel
+    (loaded here: an int4 model's layers load only the int4 one); a head tied to the embeddings leaves
+    them float (the lookup reads them). False where there is no such head or the kernel cannot be had."""
     head = getattr(model, "lm_head", None)
-    if type(head) is not nn.Linear:
+    if type(head) is not nn.Linear or not cpu_linear.INT8_KERNEL.load():
         return False
     model.lm_head = quantize_linear(head, "int8", ours=True)
     return True

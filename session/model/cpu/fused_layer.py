@@ -58,7 +58,7 @@ def load(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def op(name: str, dtype: torch.dtype):
-    """``torch.ops.resident.<name>_<bf16|f32|i8>``: the C++ layer's operator for the format ``dtype``."""
+    """``torch.ops.resident.<name>_<bf16|f32|i8|i4>``: the C++ layer's operator for the format ``dtype``."""
     return getattr(torch.ops.resident, f"{name}_{SUFFIX[dtype]}")
 
 
@@ -83,7 +83,7 @@ def one_row_block(linear: nn.Module) -> int:
 
 
 def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple | None:
-    """(weights, biases, sizes, floats) for ``decode_layer_bf16`` (f32, i8), or None where the layer is
+    """(weights, biases, sizes, floats) for ``decode_layer_bf16`` (f32, i8, i4), or None where the layer is
     not one the C++ layer reproduces."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = [base_linear(getattr(attn if i < 4 else mlp, name, None)) for i, name in enumerate(LINEARS)]

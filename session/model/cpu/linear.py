@@ -145,7 +145,8 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tor
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k_block: int) -> torch.Tensor:
     """x [..., K] -> [..., n] by the kernel, inputs summed in blocks of ``k_block``; ``packed``'s dtype
-    names the format (bfloat16 pairs, float32 lines, int8 lines with their scales: ``pack_int8``)."""
+    names the format (bfloat16 pairs, float32 lines, int8 lines with their scales: ``pack_int8``, int4
+    lines with their groups' scales and offsets: ``pack_int4``, ``k_block`` then the group)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

@@ -9,6 +9,8 @@ per output, W the dequantized weight in float64. Measured on these shapes and 57
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import types
 
@@ -18,7 +20,7 @@ from torch import nn
 
 from session.config import EngineConfig
 from session.errors import ConfigError
-from session.model.cpu import fused_layer
+from session.model.cpu import fused_layer, linear as cpu_linear
 from session.model.lora import LoraBank, LoRALinear, install_lora, target_shapes
 from session.model.quantize import (
     QuantizedLinear,
@@ -30,6 +32,7 @@ from session.model.quantize import (
     quantize_language_model,
     quantize_linear,
 )
+from tests.conftest import REPO
 
 PRODUCT_TOLERANCE = 1e-6
 ROUNDING_SLACK = 1e-5  # w / scale is divided in float32: a weight within half a level, to this many levels
@@ -222,6 +225,35 @@ def test_float32_takes_our_kernel_and_the_fused_decode_layer(tiny, method, opera
     arguments = fused_layer.plan(layers, 4, 2, 16)
     assert arguments is not None and fused_layer.weight_format(arguments) == fmt
     assert [len(weights) for weights, *_ in arguments] == [9] * len(layers)
+
+
+# A fresh process: no kernel loaded before this quantization
+INT4_ALONE = r"""
+import sys, torch
+from transformers import LlavaForConditionalGeneration
+from session.model.quantize import QuantizedLinear, quantize_language_model
+model = LlavaForConditionalGeneration.from_pretrained(sys.argv[1]).eval()
+report = quantize_language_model(model, list(model.model.language_model.layers), "int4", torch.device("cpu"))
+assert report.head and type(model.lm_head) is QuantizedLinear and model.lm_head.method == "int8"
+print(tuple(model.lm_head(torch.randn(2, model.lm_head.in_features)).shape))
+"""
+
+
+def test_int4_alone_loads_the_int8_kernel_its_head_runs_on(tiny_model_path):
+    """An int4 deployment's head is int8: quantizing it loads the int8 kernel (it once ran only where an
+    int8 model had loaded it before, and raised otherwise)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", INT4_ALONE, str(tiny_model_path)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "(2, 2048)"
+
+
+def test_the_head_stays_float_where_the_int8_kernel_cannot_be_had(tiny, monkeypatch):
+    monkeypatch.setattr(cpu_linear.INT8_KERNEL, "load", lambda: False)
+    report = quantize_language_model(tiny, decoder_layers(tiny), "int4", torch.device("cpu"))
+    assert report.kernel.startswith("resident::linear_i4") and not report.head
+    assert type(tiny.lm_head) is nn.Linear and "and the head" not in report.describe()
 
 
 def test_with_cpu_kernels_off_int8_stays_on_atens(tiny):

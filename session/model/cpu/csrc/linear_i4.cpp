@@ -9,8 +9,9 @@
 // its 16 float32 scales and its 16 float32 offsets (zero past n). session/model/cpu/linear.py packs
 // them (pack_int4).
 //
-// Each output lane: per group, acc = fma(x_k, fma(q_k, scale, offset), acc) input after input from
-// zero; the group sums added in order; then + bias. Per row and lane, so a row's outputs are those it
+// Each output lane: per group, acc = fma(x_k, q_k, acc) input after input from zero and the row's
+// x_k summed in order, the group's part fma(acc, scale, sum(x) * offset); the group parts added in
+// order; then + bias. Per row and lane, so a row's outputs are those it
 // gets alone, whatever the other rows and the thread count; tests/unit/model/cpu/test_int4_linear.py
 // checks them against the float64 product of the dequantized weights. Work: csrc/linear_tiles.h's
 // tiles (the Int4Lines format). Built at run time for AVX-512 or AVX2 (the same bits on both).

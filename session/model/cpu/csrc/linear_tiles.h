@@ -1,17 +1,19 @@
 // Our CPU linear kernel's tiles (csrc/linear_bf16.cpp and csrc/linear_f32.cpp document the layouts and
 // the order of additions), shared by the linear operators and the decode layer (csrc/decode_layer.h),
-// which runs several linears of one input (q, k, v; gate, up) in one parallel region. Three weight
+// which runs several linears of one input (q, k, v; gate, up) in one parallel region. Four weight
 // formats, the same tiles: bfloat16 pairs for VDPBF16PS (compiled with -mavx512bf16 only), float32
-// lines for FMA, and int8 lines with per-output scales for float32 inputs (csrc/linear_i8.cpp; these
-// two on AVX-512 or AVX2: csrc/simd.h, the same bits on both). An unnamed namespace: each library
-// keeps its own copy, nothing is exported.
+// lines for FMA, and for float32 inputs int8 lines with per-output scales (csrc/linear_i8.cpp) and
+// int4 lines with per-group scales and offsets (csrc/linear_i4.cpp); the last three on AVX-512 or
+// AVX2 (csrc/simd.h, the same bits on both). An unnamed namespace: each library keeps its own copy,
+// nothing is exported.
 //
 // A format F names its element type (Elem: x and y), its weights' type (Weight) and elements per line
 // (kLine: one input's, or pair's, weights for 16 outputs), the lines of trailer after each block's
 // weights (``trailer_lines``: the int8 block's 16 float32 scales, the int4 block's scales and offsets
 // per group), ``group`` (what a block of k_block inputs reads from the trailer: int4's group), ``load``
-// (one line as the products take it: int8 and int4 lines become float32) and ``finish``, which turns a
-// block's 16 sums into its outputs before the bias (the int8 format: times the scales).
+// (one line as the products take it: int8 and int4 lines become float32), ``close`` (a block's sums
+// as they add to the others: int4's group scaled, with kRowSums the rows' input sums it needs) and
+// ``finish``, which turns the 16 sums into outputs before the bias (the int8 format: times the scales).
 #pragma once
 
 #include <ATen/ATen.h>
