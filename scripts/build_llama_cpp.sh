@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's CPU tools (llama-bench, llama-quantize) from the copy vendored in
-# llama-cpp-python's sdist on PyPI (no other network), for benchmarks/vs_llama_cpp.py.
+# Build llama.cpp's CPU tools (llama-bench, llama-quantize, llama-perplexity, llama-server) from the copy vendored in
+# llama-cpp-python's sdist on PyPI (no other network), for benchmarks/vs_llama_cpp.py and
+# benchmarks/quantization.py (--llama-cpp).
 #
 #   scripts/build_llama_cpp.sh [DEST]     DEST defaults to build/llama.cpp
 #
@@ -14,7 +15,10 @@ python=${PYTHON:-.venv/bin/python}
 version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 jobs=${JOBS:-$(nproc)}
 
-if [[ -x "$dest/bin/llama-bench" && -x "$dest/bin/llama-quantize" ]]; then
+tools=(llama-bench llama-quantize llama-perplexity llama-server)
+built=1
+for tool in "${tools[@]}"; do [[ -x "$dest/bin/$tool" ]] || built=0; done
+if [[ $built == 1 ]]; then
   echo "llama.cpp already built in $dest"
   exit 0
 fi
@@ -24,10 +28,10 @@ trap 'rm -rf "$scratch"' EXIT
 tar -xzf "$scratch"/llama_cpp_python-"$version".tar.gz -C "$scratch"
 source_dir="$scratch/llama_cpp_python-$version/vendor/llama.cpp"
 cmake -S "$source_dir" -B "$scratch/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >"$scratch/cmake.log" 2>&1
-cmake --build "$scratch/build" --target llama-bench llama-quantize -j "$jobs" >"$scratch/build.log" 2>&1 || { tail -50 "$scratch/build.log"; exit 1; }
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >"$scratch/cmake.log" 2>&1
+cmake --build "$scratch/build" --target "${tools[@]}" -j "$jobs" >"$scratch/build.log" 2>&1 || { tail -50 "$scratch/build.log"; exit 1; }
 mkdir -p "$dest/bin"
-cp "$scratch"/build/bin/llama-bench "$scratch"/build/bin/llama-quantize "$dest/bin/"
+for tool in "${tools[@]}"; do cp "$scratch/build/bin/$tool" "$dest/bin/"; done
 cp "$source_dir/convert_hf_to_gguf.py" "$dest/"
 cp -r "$source_dir/gguf-py" "$source_dir/conversion" "$dest/"  # what convert_hf_to_gguf.py imports
 echo "llama.cpp $version (llama-cpp-python's vendored copy) built in $dest"

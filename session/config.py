@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from session.checkpoints import locate
 from session.errors import ConfigError
 
 ENV_PREFIX = "RESIDENT_"
@@ -28,7 +29,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" -> float32 on cpu, bfloat16 on cuda; or float32/bfloat16/float16
     pack_weights: bool = True  # CPU: the language model's linears prepacked for oneDNN (session/model/cpu/packed_linear.py)
     cpu_kernels: bool = True  # CPU: our kernels (attention, linears, the decode step), built at start-up
-    quantization: str = "none"  # weight-only: none, int8 (per-channel), int4 (groups of 128): session/model/quantize.py
+    # weight-only: auto (a GGUF file's own, kept packed: session/model/gguf.py; else none), none, int8
+    # (per-channel), int4 (groups of 128): session/model/quantize.py
+    quantization: str = "auto"
     kv_dtype: str = "auto"  # KV cache and attention: "auto" = dtype; or float32 (more precise, twice the KV bytes)
     session_ttl_s: float = 1200.0  # idle sessions expire after this many seconds
     reaper_interval_s: float = 1.0  # how often the engine looks for expired sessions
@@ -137,7 +140,7 @@ class EngineConfig:
             raise ConfigError(f"{ENV_PREFIX}SPECULATIVE must be auto, draft, ngram or off, got {self.speculative!r}")
         if self.speculative == "draft" and not self.draft_model_path:
             raise ConfigError(f"{ENV_PREFIX}SPECULATIVE=draft needs {ENV_PREFIX}DRAFT_MODEL_PATH")
-        if self.draft_model_path and not (Path(self.draft_model_path) / "config.json").exists():
+        if self.draft_model_path and locate(self.draft_model_path) is None:
             raise ConfigError(f"no draft checkpoint at {self.draft_model_path!r} ({ENV_PREFIX}DRAFT_MODEL_PATH)")
         if self.compile and not self.static_kv:
             raise ConfigError(f"{ENV_PREFIX}COMPILE needs {ENV_PREFIX}STATIC_KV=true (compiled steps have static shapes)")
@@ -146,13 +149,14 @@ class EngineConfig:
                               f"got {self.attention!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"{ENV_PREFIX}DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ConfigError(f"{ENV_PREFIX}QUANTIZATION must be none, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ConfigError(f"{ENV_PREFIX}QUANTIZATION must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.kv_dtype not in ("auto", "float32"):
             raise ConfigError(f"{ENV_PREFIX}KV_DTYPE must be auto or float32, got {self.kv_dtype!r}")
-        if not (Path(self.model_path) / "config.json").exists():
-            raise ConfigError(f"no Hugging Face checkpoint at {self.model_path!r}: set {ENV_PREFIX}MODEL_PATH "
-                              "(or MODEL for make serve) to a directory with config.json")
+        if locate(self.model_path) is None:
+            raise ConfigError(f"no Hugging Face checkpoint or GGUF file at {self.model_path!r}: set "
+                              f"{ENV_PREFIX}MODEL_PATH (or MODEL for make serve) to a directory with config.json "
+                              "or to a .gguf file")
 
 
 def coerce(kind: type | str, raw: Any, where: str) -> Any:

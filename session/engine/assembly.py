@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from session.checkpoints import Checkpoint
 from session.config import EngineConfig
 from session.engine import admin
 from session.engine.executor import Executor
@@ -71,7 +72,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     thread_tuner = _thread_tuner(config, runner)
     info = runner.info
     max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
-    tokenizer, image_processor = _load_processing(config.model_path, runner)
+    tokenizer, image_processor = _load_processing(runner.checkpoint, runner)
     vision = ImagePreprocessor.for_runner(runner, image_processor) if image_processor is not None else None
     if vision is not None:  # what one image may cost the KV budget (anyres, dynamic resolution: up to this)
         logger.info("images: up to %d tokens each", vision.max_tokens_per_image)
@@ -224,7 +225,7 @@ def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):
                             quantization=config.quantization)  # the draft's weights as the target's
         from transformers import AutoTokenizer
 
-        check_compatible(tokenizer, AutoTokenizer.from_pretrained(config.draft_model_path))
+        check_compatible(tokenizer, AutoTokenizer.from_pretrained(draft.checkpoint.folder, **draft.checkpoint.kwargs))
     logger.info("speculative decoding: %s, up to %d tokens per step", mode, config.num_speculative_tokens)
     return SpeculativeDecoder(runner, draft)
 
@@ -245,7 +246,7 @@ def device_budget(config: EngineConfig, runner) -> int:
     return int(free * (fraction if fraction > 0 else DEFAULT_CUDA_BUDGET_FRACTION))
 
 
-def _load_processing(model_path: str, runner):
+def _load_processing(checkpoint: Checkpoint, runner):
     """The tokenizer and (for a vision-language model) the image processor shipped with the checkpoint.
     Qwen-VL's processor is built without its video processor (which needs torchvision: session/families/qwen_vl.py)."""
     from transformers import AutoProcessor, AutoTokenizer
@@ -254,9 +255,9 @@ def _load_processing(model_path: str, runner):
     if kind == "qwen_vl":
         from session.families.qwen_vl import load_processor
 
-        processor = load_processor(model_path)
+        processor = load_processor(checkpoint.folder)
         return processor.tokenizer, processor.image_processor
     if kind == "auto":
-        processor = AutoProcessor.from_pretrained(model_path)
+        processor = AutoProcessor.from_pretrained(checkpoint.folder)
         return processor.tokenizer, processor.image_processor
-    return AutoTokenizer.from_pretrained(model_path), None
+    return AutoTokenizer.from_pretrained(checkpoint.folder, **checkpoint.kwargs), None  # a GGUF's own tokenizer

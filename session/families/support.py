@@ -8,6 +8,7 @@ left to a worker crash loop.
 
 from __future__ import annotations
 
+from session.checkpoints import locate
 from session.errors import ConfigError
 from session.families.registry import FAMILIES, model_types
 
@@ -96,15 +97,18 @@ def _supported() -> str:
 
 
 def check_checkpoint(model_dir) -> None:
-    """The launchers' check: read config.json only. Raises UnsupportedModel or ConfigError."""
+    """The launchers' check: read the config only (config.json or a GGUF's header). Raises UnsupportedModel
+    or ConfigError."""
     from pathlib import Path
 
     from transformers import AutoConfig
 
-    if not (Path(model_dir) / "config.json").exists():
-        raise ConfigError(f"MODEL={model_dir} is not a Hugging Face checkpoint directory (no config.json)")
+    checkpoint = locate(model_dir)
+    if checkpoint is None:
+        raise ConfigError(f"MODEL={model_dir} is neither a Hugging Face checkpoint directory (no config.json) "
+                          "nor a GGUF file")
     try:
-        hf_config = AutoConfig.from_pretrained(str(model_dir))
+        hf_config = AutoConfig.from_pretrained(checkpoint.folder, **checkpoint.kwargs)
     except (ValueError, KeyError, OSError) as exc:
-        raise UnsupportedModel(f"cannot read {model_dir}/config.json: {exc}") from None
+        raise UnsupportedModel(f"cannot read {checkpoint.gguf_path or Path(model_dir) / 'config.json'}: {exc}") from None
     check_supported(hf_config)

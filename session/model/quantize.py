@@ -112,8 +112,10 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The weight the int8 kernel multiplies by, in float64: q * scale per row."""
-    return q.double() * scales.double()[:, None]
+    """The weight the int8 kernel multiplies by, in float64: q * scale per row, or per row and group of
+    inputs where ``scales`` is [out, in / group] (GGUF's Q8_0)."""
+    per_group = scales.double().reshape(q.shape[0], -1)
+    return (q.double().view(q.shape[0], per_group.shape[1], -1) * per_group[..., None]).view(q.shape)
 
 
 def quantize_int4(weight: torch.Tensor, group: int,
@@ -179,18 +181,22 @@ class QuantizedLinear(nn.Module):
                   ours: bool = False) -> QuantizedLinear:
         """``ours``: packed for our kernel (float32 activations; ``our_kernel`` loaded), else ATen's."""
         out_features, in_features = q.shape
-        if ours:
-            return cls("int8", in_features, out_features, cpu_linear.pack_int8(q, scales), None, bias)
+        if ours:  # scales [out], or [out, in / group] (GGUF's Q8_0)
+            group = in_features // scales.shape[1] if scales.dim() == 2 else 0
+            return cls("int8", in_features, out_features, cpu_linear.pack_int8(q, scales), None, bias, group)
         return cls("int8", in_features, out_features, q.contiguous(), scales.contiguous(), bias)
 
     @classmethod
-    def from_int4(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  bias: torch.Tensor | None = None, ours: bool = False) -> QuantizedLinear:
-        """``ours``: packed for our kernel (float32 activations; ``our_kernel`` loaded), else ATen's."""
+    def from_int4(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                  bias: torch.Tensor | None = None, ours: bool = False,
+                  offsets: torch.Tensor | None = None) -> QuantizedLinear:
+        """``ours``: packed for our kernel (float32 activations; ``our_kernel`` loaded), else ATen's.
+        ``offsets`` (ours only) instead of ``zeros``: weights q scale + offset (GGUF's Q4_0 and Q4_1)."""
         out_features, in_features = q.shape
         group = in_features // scales.shape[1]
         if ours:
-            return cls("int4", in_features, out_features, cpu_linear.pack_int4(q, scales, zeros), None, bias, group)
+            packed = cpu_linear.pack_int4(q, scales, zeros, offsets)
+            return cls("int4", in_features, out_features, packed, None, bias, group)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # innerKTiles: unused on CPU
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
         return cls("int4", in_features, out_features, packed, scales_and_zeros, bias, group)

@@ -18,10 +18,12 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from session.checkpoints import locate, reading_once
 from session.config import EngineConfig
 from session.errors import ConfigError
 from session.families.registry import family_of
 from session.families.support import check_supported
+from session.model import gguf
 from session.model.attention import PagedAttention, PagedBatch, attend_runs, causal_masks, choose_backend
 from session.model.backend import ModelInfo
 from session.model.cpu import attention as cpu_attention, fused_layer, linear as cpu_linear
@@ -97,7 +99,7 @@ def cpu_has_bf16() -> bool:
 
 class ModelRunner:
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto",
-                 pack_weights: bool = True, cpu_kernels: bool = True, quantization: str = "none"):
+                 pack_weights: bool = True, cpu_kernels: bool = True, quantization: str = "auto"):
         from transformers import AutoConfig
 
         self.model_path = model_path
@@ -105,25 +107,29 @@ class ModelRunner:
         select_device(self.device)  # before any allocation on it (the first CUDA call, "auto"'s probe aside)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = self.dtype if kv_dtype == "auto" else getattr(torch, kv_dtype)  # see RESIDENT_KV_DTYPE
-        hf_config = AutoConfig.from_pretrained(model_path)
-        check_supported(hf_config)  # refuse, naming the feature, before any weight is read
-        self.hf_config = hf_config
-        self.family = family_of(hf_config.model_type)  # known: check_supported passed
-        self.is_multimodal = self.family.multimodal
-        text_config = hf_config.text_config if self.is_multimodal else hf_config
-        self.model = self._load(model_path, hf_config)
-        self.mrope = self.family.mrope  # 3-D positions: prefill takes them, decode an offset
-        self.merge_size = hf_config.vision_config.spatial_merge_size if self.mrope else 1  # M-RoPE image grids
-        if self.is_multimodal:
-            self.lm = self.model.model.language_model
-            self.vision_feature_layer = getattr(hf_config, "vision_feature_layer", None)  # LLaVA's
-            self.vision_select = getattr(hf_config, "vision_feature_select_strategy", None)
-        else:
-            self.lm = self.model.model
-        self.lm_head = self.model.lm_head
-        self.layers = list(self.lm.layers)
-        self.cpu_kernels = cpu_kernels  # RESIDENT_CPU_KERNELS: ours on CPU where they build
-        self.quantization = self._quantize(quantization)  # before packing and LoRA: they take what it leaves
+        self.checkpoint = locate(model_path)  # a Hugging Face folder or a GGUF file (session/checkpoints.py)
+        if self.checkpoint is None:
+            raise ConfigError(f"no Hugging Face checkpoint or GGUF file at {model_path!r}")
+        with reading_once():  # a GGUF file: parsed once for the config, the weights and its blocks
+            hf_config = AutoConfig.from_pretrained(self.checkpoint.folder, **self.checkpoint.kwargs)
+            check_supported(hf_config)  # refuse, naming the feature, before any weight is read
+            self.hf_config = hf_config
+            self.family = family_of(hf_config.model_type)  # known: check_supported passed
+            self.is_multimodal = self.family.multimodal
+            text_config = hf_config.text_config if self.is_multimodal else hf_config
+            self.model = self._load(hf_config)
+            self.mrope = self.family.mrope  # 3-D positions: prefill takes them, decode an offset
+            self.merge_size = hf_config.vision_config.spatial_merge_size if self.mrope else 1  # M-RoPE image grids
+            if self.is_multimodal:
+                self.lm = self.model.model.language_model
+                self.vision_feature_layer = getattr(hf_config, "vision_feature_layer", None)  # LLaVA's
+                self.vision_select = getattr(hf_config, "vision_feature_select_strategy", None)
+            else:
+                self.lm = self.model.model
+            self.lm_head = self.model.lm_head
+            self.layers = list(self.lm.layers)
+            self.cpu_kernels = cpu_kernels  # RESIDENT_CPU_KERNELS: ours on CPU where they build
+            self.quantization = self._quantize(quantization)  # before packing and LoRA: they take what it leaves
         self.lm_head = self.model.lm_head  # int8 on our kernel quantizes the head too
         self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
@@ -141,8 +147,15 @@ class ModelRunner:
 
     def _quantize(self, method: str) -> QuantizationReport | None:
         """RESIDENT_QUANTIZATION: the decoder layers' linears weight-only int8 or int4 (session/model/quantize.py),
-        once, at load; its QuantizationReport, or None for "none" (the float checkpoint as loaded)."""
-        if method == "none":
+        once, at load; its QuantizationReport, or None for "none" (the float checkpoint as loaded). A GGUF
+        file's quantized linears are kept packed first (session/model/gguf.py; "none" dequantizes them):
+        int8 or int4 then quantize only what it left float."""
+        self.gguf = None  # GgufReport of a GGUF checkpoint
+        if self.checkpoint.gguf_path is not None and method != "none":
+            why = gguf.can_keep(self.device, self.dtype, self.cpu_kernels)
+            self.gguf = gguf.keep_packed(self.model, self.layers, self.checkpoint.gguf_path, why)
+            logger.info(self.gguf.describe())
+        if method in ("none", "auto"):
             return None
         report = quantize_language_model(self.model, self.layers, method, self.device, self.cpu_kernels)
         logger.info(report.describe())
@@ -187,11 +200,11 @@ class ModelRunner:
                    pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels,
                    quantization=config.quantization)
 
-    def _load(self, path: str, hf_config):
+    def _load(self, hf_config):
         import transformers
 
         cls = getattr(transformers, family_of(hf_config.model_type).hf_class)
-        model = cls.from_pretrained(path, dtype=self.dtype)
+        model = cls.from_pretrained(self.checkpoint.folder, dtype=self.dtype, **self.checkpoint.kwargs)
         return model.to(self.device).eval().requires_grad_(False)
 
     def _info(self, hf_config, text_config) -> ModelInfo:

@@ -63,7 +63,7 @@ INT4_KERNEL = CppKernel("int4 linear", "linear_i4.cpp", (AVX512, AVX2))  # float
 OPERATORS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32", torch.int8: "linear_i8",
              torch.uint8: "linear_i4"}  # by packed dtype
 INT4_GROUP_LINES = 16  # per group, after a block's K lines of 8 bytes: 16 float32 scales and 16 offsets
-INT8_SCALE_LINES = 4  # after a block's K lines of 16 int8: its 16 float32 scales (csrc/linear_i8.cpp)
+INT8_SCALE_LINES = 4  # after a block's K lines of 16 int8, per group: its 16 float32 scales (csrc/linear_i8.cpp)
 LANES = 16  # outputs per packed block: one float32 lane each
 INPUTS = {torch.bfloat16: 2, torch.float32: 1}  # inputs per packed line of 16 outputs (64 bytes)
 CANDIDATE_BLOCKS = (512, 1024, 256, 2048, 4096)  # input block sizes the probe tries, in this order
@@ -94,16 +94,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """q int8 [n, K] and per-output scales [n] -> int8 [ceil(n / 16), K + 4, 16] (csrc/linear_i8.cpp): per
-    block of 16 outputs, its K lines of 16 weights, then its 16 scales in float32. Zero past n."""
+    """q int8 [n, K] and scales [n] (per output) or [n, K / G] (per output and group of G inputs) ->
+    int8 [ceil(n / 16), K + 4 K / G, 16] (csrc/linear_i8.cpp): per block of 16 outputs, its K lines of 16
+    weights, then per group its 16 scales in float32 (G = K: one group). Zero past n."""
     n, k = q.shape
+    per_group = scales.float().reshape(n, -1)  # [n, groups]
+    groups = per_group.shape[1]
     blocks = -(-n // LANES)
     lines = q.new_zeros(blocks * LANES, k)
     lines[:n] = q
     lines = lines.view(blocks, LANES, k).transpose(1, 2)  # [NB, K, 16]
-    padded = torch.zeros(blocks * LANES, dtype=torch.float32)
-    padded[:n] = scales.float()
-    trailer = padded.view(blocks, LANES).view(torch.int8).view(blocks, INT8_SCALE_LINES, LANES)
+    padded = torch.zeros(blocks * LANES, groups, dtype=torch.float32)
+    padded[:n] = per_group
+    trailer = padded.view(blocks, LANES, groups).transpose(1, 2).contiguous()  # [NB, groups, 16]
+    trailer = trailer.view(torch.int8).view(blocks, groups * INT8_SCALE_LINES, LANES)
     return torch.cat([lines, trailer], dim=1).contiguous()
 
 
@@ -124,10 +128,12 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
     return exact.view(out_features, in_features)
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+              offsets: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, K] in 0..15, scales and zeros [n, K / G] -> uint8 [ceil(n / 16), K + 16 K / G, 8]
     (csrc/linear_i4.cpp): per block of 16 outputs, its K lines of 16 nibbles (byte j: output j low,
-    j + 8 high), then per group its 16 scales and 16 offsets (``int4_offsets``) in float32. Zero past n."""
+    j + 8 high), then per group its 16 scales and 16 offsets (``int4_offsets``) in float32. Zero past n.
+    ``offsets`` instead of ``zeros``: each weight q scale + offset as given (GGUF's Q4_1: its mins)."""
     n, k = q.shape
     groups = scales.shape[1]
     blocks = -(-n // LANES)
@@ -137,7 +143,7 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tor
     nibbles = (lines[:, 0] | (lines[:, 1] << 4)).transpose(1, 2)  # [NB, K, 8]
     per_group = torch.zeros(blocks * LANES, groups, 2, dtype=torch.float32)
     per_group[:n, :, 0] = scales.float()
-    per_group[:n, :, 1] = int4_offsets(scales, zeros)
+    per_group[:n, :, 1] = int4_offsets(scales, zeros) if offsets is None else offsets.float()
     trailer = per_group.view(blocks, LANES, groups, 2).permute(0, 2, 3, 1).contiguous()  # [NB, G, 2, 16]
     trailer = trailer.view(torch.uint8).view(blocks, groups * INT4_GROUP_LINES, LANES // 2)
     return torch.cat([nibbles, trailer], dim=1).contiguous()
@@ -145,8 +151,8 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tor
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k_block: int) -> torch.Tensor:
     """x [..., K] -> [..., n] by the kernel, inputs summed in blocks of ``k_block``; ``packed``'s dtype
-    names the format (bfloat16 pairs, float32 lines, int8 lines with their scales: ``pack_int8``, int4
-    lines with their groups' scales and offsets: ``pack_int4``, ``k_block`` then the group)."""
+    names the format (bfloat16 pairs, float32 lines, int8 lines with their groups' scales: ``pack_int8``,
+    int4 lines with their groups' scales and offsets: ``pack_int4``; on both ``k_block`` is the group)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

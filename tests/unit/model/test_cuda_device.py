@@ -130,7 +130,7 @@ class Stop(Exception):
     pass
 
 
-def build_runner(monkeypatch, cuda: FakeCuda, device: str) -> None:
+def build_runner(monkeypatch, cuda: FakeCuda, tmp_path, device: str) -> None:
     """Build a ModelRunner up to its checkpoint's config, which is the first thing it reads."""
     import transformers
 
@@ -138,25 +138,26 @@ def build_runner(monkeypatch, cuda: FakeCuda, device: str) -> None:
         cuda.calls.append(("load_config",))
         raise Stop
 
+    (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", load_config)
     with pytest.raises(Stop):
-        model_runner.ModelRunner("checkpoint", device=device)
+        model_runner.ModelRunner(str(tmp_path), device=device)
 
 
-def test_a_runner_on_cuda_1_sets_its_device_before_anything_else(monkeypatch, cuda):
-    build_runner(monkeypatch, cuda, "cuda:1")
+def test_a_runner_on_cuda_1_sets_its_device_before_anything_else(monkeypatch, cuda, tmp_path):
+    build_runner(monkeypatch, cuda, tmp_path, "cuda:1")
     assert cuda.calls == [("set_device", 1), ("load_config",)]
 
 
-def test_auto_and_bare_cuda_name_gpu_0(monkeypatch, cuda):
-    build_runner(monkeypatch, cuda, "auto")
+def test_auto_and_bare_cuda_name_gpu_0(monkeypatch, cuda, tmp_path):
+    build_runner(monkeypatch, cuda, tmp_path, "auto")
     assert cuda.calls == [("is_available",), ("set_device", 0), ("load_config",)]  # probing opens no context
     assert model_runner.resolve_device("cuda") == torch.device("cuda", 0)
     assert model_runner.resolve_device("cuda:1") == torch.device("cuda", 1)
 
 
-def test_a_runner_on_cpu_makes_no_cuda_call(monkeypatch, cuda):
-    build_runner(monkeypatch, cuda, "cpu")
+def test_a_runner_on_cpu_makes_no_cuda_call(monkeypatch, cuda, tmp_path):
+    build_runner(monkeypatch, cuda, tmp_path, "cpu")
     assert cuda.calls == [("load_config",)]
     assert model_runner.resolve_device("cpu") == torch.device("cpu")
 

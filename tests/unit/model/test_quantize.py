@@ -334,7 +334,7 @@ def test_other_devices_and_methods_are_refused(tiny):
 
 def test_config_names_the_variable(tiny_model_path):
     environ = {"RESIDENT_MODEL_PATH": str(tiny_model_path)}
-    assert EngineConfig.from_sources(environ=environ).quantization == "none"
+    assert EngineConfig.from_sources(environ=environ).quantization == "auto"  # float here: a GGUF's own
     assert EngineConfig.from_sources(environ=environ | {"RESIDENT_QUANTIZATION": "int4"}).quantization == "int4"
-    with pytest.raises(ConfigError, match="RESIDENT_QUANTIZATION must be none, int8 or int4"):
+    with pytest.raises(ConfigError, match="RESIDENT_QUANTIZATION must be auto, none, int8 or int4"):
         EngineConfig.from_sources(environ=environ | {"RESIDENT_QUANTIZATION": "fp8"})

@@ -9,11 +9,10 @@
 //
 // A format F names its element type (Elem: x and y), its weights' type (Weight) and elements per line
 // (kLine: one input's, or pair's, weights for 16 outputs), the lines of trailer after each block's
-// weights (``trailer_lines``: the int8 block's 16 float32 scales, the int4 block's scales and offsets
-// per group), ``group`` (what a block of k_block inputs reads from the trailer: int4's group), ``load``
-// (one line as the products take it: int8 and int4 lines become float32), ``close`` (a block's sums
-// as they add to the others: int4's group scaled, with kRowSums the rows' input sums it needs) and
-// ``finish``, which turns the 16 sums into outputs before the bias (the int8 format: times the scales).
+// weights (``trailer_lines``: per group of k_block inputs the int8 block's 16 float32 scales, the int4
+// block's scales and offsets), ``group`` (what a group reads from the trailer), ``load`` (one line as
+// the products take it: int8 and int4 lines become float32) and ``close`` (a block's sums as they add
+// to the others: the group scaled, int4 with kRowSums the rows' input sums it needs).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -62,7 +61,6 @@ struct Bf16Pairs {
   static int64_t trailer_lines(int64_t, int64_t) { return 0; }
   static Group group(const Weight*, int64_t) { return {}; }
   static Loaded load(const Weight* w, const Group&) { return (__m512bh)_mm512_loadu_si512(w); }
-  static V16 finish(V16 sum, const Weight*) { return sum; }
   static constexpr bool kRowSums = false;
   static V16 close(V16 acc, const Group&, float) { return acc; }
   static Input input(const Elem* row, int64_t p) {  // inputs 2p, 2p+1 of a row, in every lane
@@ -111,21 +109,26 @@ struct F32Lines : FloatRows {
   static constexpr int kLine = kLanes;
   static int64_t trailer_lines(int64_t, int64_t) { return 0; }
   static Loaded load(const Weight* w, const Group&) { return simd::loadu(w); }
-  static V16 finish(V16 sum, const Weight*) { return sum; }
 };
 
-// int8 weights, float32 inputs and outputs (weight-only quantization, session/model/quantize.py): per
-// block of 16 outputs and input, the 16 int8 weights of one 16-byte line, converted to float32
-// (exact) and added as F32Lines adds its weights; after the block's K lines, 4 lines holding its 16
-// float32 scales (zero past n). Each output is scale * (the float32 sum of x_k q_k, input after
-// input), rounded once more: per lane, in an order that depends on nothing but K.
+// int8 weights in groups of k_block inputs, float32 inputs and outputs (weight-only quantization,
+// session/model/quantize.py; a group of K inputs is one scale per output): per block of 16 outputs and
+// input, the 16 int8 weights of one 16-byte line, converted to float32 (exact) and added as F32Lines
+// adds its weights; after the block's K lines, per group 4 lines holding its 16 float32 scales (zero
+// past n). A group's part is scale * (the float32 sum of x_k q_k, input after input), the parts added
+// in order (GGUF's Q8_0: groups of 32): per lane, in an order that depends on nothing but K and the group.
 struct Int8Lines : FloatRows {
   using Weight = int8_t;
+  struct Group {
+    V16 scales;
+  };
   static constexpr at::ScalarType kWeightType = at::kChar;
   static constexpr int kLine = kLanes;
-  static int64_t trailer_lines(int64_t, int64_t) { return sizeof(float); }  // lines of 16 bytes: 16 scales
+  static constexpr int kGroupLines = sizeof(float);  // lines of 16 bytes: 16 scales
+  static int64_t trailer_lines(int64_t steps, int64_t k_block) { return steps / k_block * kGroupLines; }
+  static Group group(const Weight* trailer, int64_t g) { return {floats(trailer + g * kGroupLines * kLine)}; }
   static Loaded load(const Weight* w, const Group&) { return simd::loadu(w); }
-  static V16 finish(V16 sum, const Weight* scales) { return simd::mul(sum, floats(scales)); }
+  static V16 close(V16 acc, const Group& g, float) { return simd::mul(acc, g.scales); }
   static V16 floats(const Weight* bytes) {  // 16 float32 stored in the trailer's bytes
     float lanes[kLanes];
     std::memcpy(lanes, bytes, sizeof lanes);
@@ -161,7 +164,6 @@ struct Int4Lines : FloatRows {
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
     return simd::from_int8(nibbles);
   }
-  static V16 finish(V16 sum, const Weight*) { return sum; }
   static V16 close(V16 acc, const Group& g, float xsum) {  // the group's sum: scale sum(x q) + offset sum(x)
     return simd::fmadd(acc, g.scales, simd::mul(simd::set1(xsum), g.offsets));
   }
@@ -226,7 +228,7 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
     typename F::Elem* out = pb.y + (m0 + m) * pb.n;
     for (int r = 0; r < NR; ++r) {
       const int64_t first = (b0 + r) * kLanes;
-      V16 sum = F::finish(simd::loadu(sums + r * kLanes), pb.w + (b0 + r) * block_stride + pb.steps * line);
+      V16 sum = simd::loadu(sums + r * kLanes);
       if (pb.bias != nullptr) sum = simd::add(sum, simd::loadu(pb.bias + first));
       F::store(out + first, sum, std::min<int64_t>(kLanes, pb.n - first));
     }

@@ -7,7 +7,8 @@ product of the dequantized weights (session/model/quantize.py's ``dequantize_int
 - within two float32 roundings of the sum on random weights (the measure test_quantize.py takes for
   ATen's kernels);
 - each row as if alone (any row count, one thread or two), shapes that leave a block of 16 outputs
-  part full, and the packed layout itself (``pack_int8``).
+  part full, and the packed layout itself (``pack_int8``);
+- the same with a scale per group of 32 inputs (GGUF's Q8_0, session/model/gguf.py).
 
 The AVX2 build's bits equal the AVX-512 build's: tests/unit/model/cpu/test_kernels.py."""
 
@@ -46,6 +47,40 @@ def test_bit_for_bit_the_float64_product_where_float32_is_exact(shape):
     assert torch.equal(want.float().double(), want)  # the case is exact in float32 indeed
     assert torch.equal(cpu_linear.linear(x, packed, bias, n, k), want.float())
     assert torch.equal(cpu_linear.linear(x, packed, None, n, k), (want - bias.double()).float())
+
+
+GROUPED = [(64, 64), (100, 1024), (17, 96), (576, 576), (1536, 576)]  # (out, in), groups of 32 inputs
+
+
+def grouped_scales(n: int, k: int, seed: int) -> torch.Tensor:
+    """Powers of two from 2^-4 to 2^-2 per output and group of 32 inputs: each group's part x q scale is
+    a multiple of 2^-7 and every sum of parts below 2^6 k, a float32 for k <= 2^11."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp2(torch.randint(-4, -1, (n, k // 32), generator=g).float())
+
+
+@pytest.mark.parametrize("shape", GROUPED, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_groups_bit_for_bit_the_float64_product_where_float32_is_exact(shape):
+    n, k = shape
+    x, q, _, bias = exact_case(n, k, 7, seed=n + k)
+    scales = grouped_scales(n, k, seed=k)
+    want = x.double() @ dequantize_int8(q, scales).T + bias.double()
+    assert torch.equal(want.float().double(), want)
+    linear = QuantizedLinear.from_int8(q, scales, bias, ours=True)
+    assert linear.group_size == 32 and linear.block == 32
+    assert torch.equal(linear(x), want.float())
+
+
+def test_a_wrong_group_scale_would_show():
+    n, k = 64, 96
+    x, q, _, bias = exact_case(n, k, 3, seed=2)
+    scales = grouped_scales(n, k, seed=3)
+    good = cpu_linear.linear(x, cpu_linear.pack_int8(q, scales), bias, n, 32)
+    doubled = scales.clone()
+    doubled[9, 1] *= 2  # output 9, inputs 32..63
+    other = cpu_linear.linear(x, cpu_linear.pack_int8(q, doubled), bias, n, 32)
+    assert not torch.equal(other[:, 9], good[:, 9])
+    assert torch.equal(other[:, :9], good[:, :9]) and torch.equal(other[:, 10:], good[:, 10:])
 
 
 def test_a_wrong_weight_or_scale_would_show():
@@ -106,3 +141,15 @@ def test_the_packed_layout():
     assert (packed[1, :k, 4:] == 0).all()  # past n
     trailer = packed[:, k:].reshape(2, 64).view(torch.float32)  # [2, 16]
     assert torch.equal(trailer.flatten()[:n], scales) and (trailer.flatten()[n:] == 0).all()
+
+
+def test_the_packed_layout_with_groups():
+    n, k = 20, 64
+    q = (torch.arange(n * k) % 200 - 100).to(torch.int8).view(n, k)
+    scales = torch.arange(1, 2 * n + 1).float().view(n, 2) / 4  # [n, 2 groups of 32]
+    packed = cpu_linear.pack_int8(q, scales)
+    assert packed.shape == (2, k + 2 * 4, 16)
+    assert torch.equal(packed[0, :k], q[:16].T)
+    trailer = packed[:, k:].reshape(2, 2, 64).view(torch.float32)  # [NB, group, 16]
+    assert torch.equal(trailer[0, 1], scales[:16, 1]) and torch.equal(trailer[1, 0, :4], scales[16:, 0])
+    assert (trailer[1, :, 4:] == 0).all()
