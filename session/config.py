@@ -32,6 +32,10 @@ class EngineConfig:
     # weight-only: auto (a GGUF file's own, kept packed: session/model/gguf.py; else none), none, int8
     # (per-channel), int4 (groups of 128): session/model/quantize.py
     quantization: str = "auto"
+    # what our quantized linears multiply on CPU: float (float32 rows: exact products of the quantized
+    # weights) or int8 (rows quantized to int8 per 32 inputs and integer dot products, as llama.cpp
+    # multiplies its files: faster, less exact; session/model/cpu/csrc/linear_q8.h)
+    activations: str = "float"
     kv_dtype: str = "auto"  # KV cache and attention: "auto" = dtype; or float32 (more precise, twice the KV bytes)
     session_ttl_s: float = 1200.0  # idle sessions expire after this many seconds
     reaper_interval_s: float = 1.0  # how often the engine looks for expired sessions
@@ -151,6 +155,8 @@ class EngineConfig:
             raise ConfigError(f"{ENV_PREFIX}DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ConfigError(f"{ENV_PREFIX}QUANTIZATION must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.activations not in ("float", "int8"):
+            raise ConfigError(f"{ENV_PREFIX}ACTIVATIONS must be float or int8, got {self.activations!r}")
         if self.kv_dtype not in ("auto", "float32"):
             raise ConfigError(f"{ENV_PREFIX}KV_DTYPE must be auto or float32, got {self.kv_dtype!r}")
         if locate(self.model_path) is None:

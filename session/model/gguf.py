@@ -63,6 +63,7 @@ class GgufReport:
     model_bytes_before: int
     model_bytes_after: int
     other: dict[str, int] = field(default_factory=dict)  # GGUF type -> other tensors (norms, embeddings)
+    int8_rows: bool = False  # the kept linears multiply int8-quantized activations (RESIDENT_ACTIVATIONS)
 
     @property
     def num_kept(self) -> int:
@@ -72,7 +73,8 @@ class GgufReport:
         kept = ", ".join(f"{count} {kind} -> {'int8' if kind in INT8_FORMATS else 'int4'} (groups of {GROUP})"
                          for kind, count in sorted(self.kept.items())) or "none"
         head = f" (the head from {self.head})" if self.head else ""
-        line = f"weights: GGUF {self.file}, kept packed on our kernels: {kept}{head}"
+        inputs = "inputs quantized to int8 per 32, as llama.cpp" if self.int8_rows else "float32 inputs"
+        line = f"weights: GGUF {self.file}, kept packed on our kernels ({inputs}): {kept}{head}"
         if self.dequantized:
             floats = ", ".join(f"{count} {kind}" for kind, count in sorted(self.dequantized.items()))
             line += f"; linears dequantized to float by transformers: {floats}"
@@ -144,20 +146,22 @@ def dequantize_q4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) 
     return (grouped * scales.double()[..., None] + offsets.double()[..., None]).view(q.shape)
 
 
-def packed_linear(data: np.ndarray, kind: str, bias: torch.Tensor | None) -> tuple[QuantizedLinear, torch.Tensor]:
-    """A GGUF tensor's rows as our QuantizedLinear, and the float64 weights it multiplies by."""
+def packed_linear(data: np.ndarray, kind: str, bias: torch.Tensor | None,
+                  int8_rows: bool = False) -> tuple[QuantizedLinear, torch.Tensor]:
+    """A GGUF tensor's rows as our QuantizedLinear (``int8_rows``: on the int8-activation kernel, as
+    llama.cpp multiplies them), and the float64 weights it multiplies by."""
     if kind in INT8_FORMATS:
         q, scales = unpack_q8_0(data)
-        return QuantizedLinear.from_int8(q, scales, bias, ours=True), dequantize_int8(q, scales)
+        return QuantizedLinear.from_int8(q, scales, bias, ours=True, int8_rows=int8_rows), dequantize_int8(q, scales)
     q, scales, offsets = unpack_q4(data, kind)
-    return (QuantizedLinear.from_int4(q, scales, None, bias, ours=True, offsets=offsets),
+    return (QuantizedLinear.from_int4(q, scales, None, bias, ours=True, offsets=offsets, int8_rows=int8_rows),
             dequantize_q4(q, scales, offsets))
 
 
 # ------------------------------------------------------------------ the model
 
 
-def can_keep(device: torch.device, dtype: torch.dtype, cpu_kernels: bool) -> str:
+def can_keep(device: torch.device, dtype: torch.dtype, cpu_kernels: bool, int8_rows: bool = False) -> str:
     """"" where our kernels can take a GGUF's packed formats, else why not (the log line says it)."""
     if device.type != "cpu":
         return f"kept packed only on CPU; this model runs on {device.type}"
@@ -165,7 +169,8 @@ def can_keep(device: torch.device, dtype: torch.dtype, cpu_kernels: bool) -> str
         return f"our int8/int4 kernels take float32 activations, not {dtype}"
     if not cpu_kernels:
         return "RESIDENT_CPU_KERNELS=0"
-    if not (cpu_linear.INT8_KERNEL.load() and cpu_linear.INT4_KERNEL.load()):
+    kernels = (cpu_linear.Q8_KERNEL,) if int8_rows else (cpu_linear.INT8_KERNEL, cpu_linear.INT4_KERNEL)
+    if not all(kernel.load() for kernel in kernels):
         return "our int8/int4 kernels do not build on this machine"
     return ""
 
@@ -213,7 +218,8 @@ def linear_targets(model: nn.Module, layers: list[nn.Module]) -> list[tuple[str,
     return targets
 
 
-def keep_packed(model: nn.Module, layers: list[nn.Module], path: Path, why_float: str) -> GgufReport:
+def keep_packed(model: nn.Module, layers: list[nn.Module], path: Path, why_float: str,
+                int8_rows: bool = False) -> GgufReport:
     """Replace, in place, each linear of ``layers`` and the head whose GGUF tensor is in a kept format by
     its QuantizedLinear from the file's blocks (module docstring); ``why_float`` (``can_keep``) not ""
     keeps every linear float and says why. Returns what it did."""
@@ -235,7 +241,7 @@ def keep_packed(model: nn.Module, layers: list[nn.Module], path: Path, why_float
         if kind not in BLOCK_BYTES or why_float:
             dequantized[kind] += 1
             continue
-        quantized, weights = packed_linear(rows, kind, linear.bias)
+        quantized, weights = packed_linear(rows, kind, linear.bias, int8_rows)
         if weights.shape != linear.weight.shape or not torch.equal(weights.float(), linear.weight.float()):
             mismatched += 1
             continue
@@ -245,7 +251,7 @@ def keep_packed(model: nn.Module, layers: list[nn.Module], path: Path, why_float
             head_from = kind
     other = Counter(kind for kind, _, gguf_name in names.values() if gguf_name not in used)
     return GgufReport(path.name, dict(kept), head_from, dict(dequantized), mismatched, why_float, before,
-                      model_bytes(model), dict(other))
+                      model_bytes(model), dict(other), int8_rows)
 
 
 def name_of(model: nn.Module, module: nn.Module) -> str:

@@ -178,9 +178,13 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_int8(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                  ours: bool = False) -> QuantizedLinear:
-        """``ours``: packed for our kernel (float32 activations; ``our_kernel`` loaded), else ATen's."""
+                  ours: bool = False, int8_rows: bool = False) -> QuantizedLinear:
+        """``ours``: packed for our kernel (float32 activations; ``our_kernel`` loaded), else ATen's.
+        ``int8_rows`` (ours only): packed for the int8-activation kernel (``can_take_int8_rows``)."""
         out_features, in_features = q.shape
+        if ours and int8_rows:  # every scale repeated over its groups of 32 inputs: the same weights
+            packed = cpu_linear.pack_q8(q, scales, None, 8)
+            return cls("int8", in_features, out_features, packed, None, bias, cpu_linear.Q8_GROUP)
         if ours:  # scales [out], or [out, in / group] (GGUF's Q8_0)
             group = in_features // scales.shape[1] if scales.dim() == 2 else 0
             return cls("int8", in_features, out_features, cpu_linear.pack_int8(q, scales), None, bias, group)
@@ -189,17 +193,27 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_int4(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                   bias: torch.Tensor | None = None, ours: bool = False,
-                  offsets: torch.Tensor | None = None) -> QuantizedLinear:
+                  offsets: torch.Tensor | None = None, int8_rows: bool = False) -> QuantizedLinear:
         """``ours``: packed for our kernel (float32 activations; ``our_kernel`` loaded), else ATen's.
-        ``offsets`` (ours only) instead of ``zeros``: weights q scale + offset (GGUF's Q4_0 and Q4_1)."""
+        ``offsets`` (ours only) instead of ``zeros``: weights q scale + offset (GGUF's Q4_0 and Q4_1).
+        ``int8_rows`` (ours only): packed for the int8-activation kernel (the same weights q scale + offset)."""
         out_features, in_features = q.shape
         group = in_features // scales.shape[1]
+        if ours and int8_rows:
+            offset = cpu_linear.int4_offsets(scales, zeros) if offsets is None else offsets.float()
+            packed = cpu_linear.pack_q8(q, scales, offset, 4)
+            return cls("int4", in_features, out_features, packed, None, bias, cpu_linear.Q8_GROUP)
         if ours:
             packed = cpu_linear.pack_int4(q, scales, zeros, offsets)
             return cls("int4", in_features, out_features, packed, None, bias, group)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # innerKTiles: unused on CPU
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
         return cls("int4", in_features, out_features, packed, scales_and_zeros, bias, group)
+
+    @property
+    def int8_rows(self) -> bool:
+        """Packed for the int8-activation kernel (csrc/linear_q8.h: RESIDENT_ACTIVATIONS=int8)."""
+        return self.packed.dtype == torch.int16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:  # int8: one block of inputs; int4: a block per group
@@ -219,14 +233,18 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}{group}{kernel}"
 
 
-def quantize_linear(linear: nn.Linear, method: str, ours: bool = False) -> QuantizedLinear | None:
+def quantize_linear(linear: nn.Linear, method: str, ours: bool = False,
+                    int8_rows: bool = False) -> QuantizedLinear | None:
     """``linear`` as a QuantizedLinear in its own dtype, or None where ATen's kernel does not take its
     shape (``int4_group``, INT8_BF16_IN_MULTIPLE). ``ours``: on our kernels (float32 scales; int8 takes
-    any shape, int4 the shapes ``int4_group`` gives a group)."""
+    any shape, int4 the shapes ``int4_group`` gives a group); ``int8_rows``: on the int8-activation one
+    where its inputs come in whole groups of 32 (``can_take_int8_rows``), else as ``ours``."""
     weight, dtype = linear.weight, linear.weight.dtype
+    int8_rows = int8_rows and linear.in_features % cpu_linear.Q8_GROUP == 0
     if method == "int8":
         if ours:
-            return QuantizedLinear.from_int8(*quantize_int8(weight, torch.float32), linear.bias, ours=True)
+            return QuantizedLinear.from_int8(*quantize_int8(weight, torch.float32), linear.bias, ours=True,
+                                             int8_rows=int8_rows)
         if dtype == torch.bfloat16 and linear.in_features % INT8_BF16_IN_MULTIPLE:
             return None
         return QuantizedLinear.from_int8(*quantize_int8(weight, dtype), linear.bias)
@@ -234,7 +252,7 @@ def quantize_linear(linear: nn.Linear, method: str, ours: bool = False) -> Quant
     if group is None:
         return None
     return QuantizedLinear.from_int4(*quantize_int4(weight, group, torch.float32 if ours else dtype), linear.bias,
-                                     ours=ours)
+                                     ours=ours, int8_rows=int8_rows)
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -276,11 +294,15 @@ def target_linears(layers: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Lin
     return list(found.values())
 
 
-def our_kernel(method: str, device: torch.device, dtype: torch.dtype, cpu_kernels: bool) -> str | None:
+def our_kernel(method: str, device: torch.device, dtype: torch.dtype, cpu_kernels: bool,
+               int8_rows: bool = False) -> str | None:
     """The label of our int8 or int4 kernel where it runs the linears (CPU, float32 activations,
-    RESIDENT_CPU_KERNELS on, and the kernel builds: session/model/cpu/kernels.py), else None (ATen's)."""
+    RESIDENT_CPU_KERNELS on, and the kernel builds: session/model/cpu/kernels.py), else None (ATen's).
+    ``int8_rows`` (RESIDENT_ACTIVATIONS=int8): the int8-activation kernel where it builds."""
     if not (device.type == "cpu" and dtype == torch.float32 and cpu_kernels):
         return None
+    if int8_rows and cpu_linear.Q8_KERNEL.load():
+        return f"resident::linear_q8 (CPU, {cpu_linear.Q8_KERNEL.isa.name}: our kernel, inputs quantized to int8)"
     kernel = cpu_linear.INT8_KERNEL if method == "int8" else cpu_linear.INT4_KERNEL
     if not kernel.load():
         return None
@@ -289,31 +311,34 @@ def our_kernel(method: str, device: torch.device, dtype: torch.dtype, cpu_kernel
 
 
 def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: str,
-                            device: torch.device, cpu_kernels: bool = True) -> QuantizationReport:
+                            device: torch.device, cpu_kernels: bool = True,
+                            int8_rows: bool = False) -> QuantizationReport:
     """Quantize the linears of ``layers`` (the language model's decoder layers, inside ``model``) with
     ``method`` (int8 or int4), in place, by the kernel ``choose_kernel`` picks for ``device``, or ours
-    (``our_kernel``; ``cpu_kernels``: RESIDENT_CPU_KERNELS), which also takes ``model.lm_head``."""
+    (``our_kernel``; ``cpu_kernels``: RESIDENT_CPU_KERNELS; ``int8_rows``: RESIDENT_ACTIVATIONS=int8),
+    which also takes ``model.lm_head``."""
     targets = target_linears(layers)
     dtype = targets[0][2].weight.dtype if targets else torch.float32
     kernel = choose_kernel(method, device, dtype)
-    ours = our_kernel(method, device, dtype, cpu_kernels)
+    ours = our_kernel(method, device, dtype, cpu_kernels, int8_rows)
+    int8_rows = ours is not None and "linear_q8" in ours
     before = model_bytes(model)
     if device.type == "cuda":
         num_linears, groups = quantize_with_torchao(model, [linear for _, _, linear in targets], method)
     else:
-        num_linears, groups = replace_linears(targets, method, ours is not None)
-    head = ours is not None and quantize_head(model)  # int8 for either method: see the module docstring
+        num_linears, groups = replace_linears(targets, method, ours is not None, int8_rows)
+    head = ours is not None and quantize_head(model, int8_rows)  # int8 for either method: see the module docstring
     return QuantizationReport(method, ours or kernel, num_linears, len(targets) - num_linears, groups, before,
                               model_bytes(model), head)
 
 
 def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str,
-                    ours: bool = False) -> tuple[int, tuple[int, ...]]:
+                    ours: bool = False, int8_rows: bool = False) -> tuple[int, tuple[int, ...]]:
     """CPU: each target replaced by its QuantizedLinear in its parent (its float weight then freed);
     (how many, the int4 group sizes used). ``ours``: on our kernels."""
     count, groups = 0, set()
     for parent, name, linear in targets:
-        quantized = quantize_linear(linear, method, ours)
+        quantized = quantize_linear(linear, method, ours, int8_rows)
         if quantized is not None:
             setattr(parent, name, quantized)
             count += 1
@@ -321,14 +346,15 @@ def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str
     return count, tuple(sorted(groups - {0}, reverse=True))
 
 
-def quantize_head(model: nn.Module) -> bool:
+def quantize_head(model: nn.Module, int8_rows: bool = False) -> bool:
     """``model.lm_head`` (a plain ``nn.Linear``) replaced by its int8 QuantizedLinear on our int8 kernel
     (loaded here: an int4 model's layers load only the int4 one); a head tied to the embeddings leaves
     them float (the lookup reads them). False where there is no such head or the kernel cannot be had."""
     head = getattr(model, "lm_head", None)
-    if type(head) is not nn.Linear or not cpu_linear.INT8_KERNEL.load():
+    kernel = cpu_linear.Q8_KERNEL if int8_rows else cpu_linear.INT8_KERNEL
+    if type(head) is not nn.Linear or not kernel.load():
         return False
-    model.lm_head = quantize_linear(head, "int8", ours=True)
+    model.lm_head = quantize_linear(head, "int8", ours=True, int8_rows=int8_rows)
     return True
 
 

@@ -99,7 +99,8 @@ def cpu_has_bf16() -> bool:
 
 class ModelRunner:
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto",
-                 pack_weights: bool = True, cpu_kernels: bool = True, quantization: str = "auto"):
+                 pack_weights: bool = True, cpu_kernels: bool = True, quantization: str = "auto",
+                 activations: str = "float"):
         from transformers import AutoConfig
 
         self.model_path = model_path
@@ -129,7 +130,8 @@ class ModelRunner:
             self.lm_head = self.model.lm_head
             self.layers = list(self.lm.layers)
             self.cpu_kernels = cpu_kernels  # RESIDENT_CPU_KERNELS: ours on CPU where they build
-            self.quantization = self._quantize(quantization)  # before packing and LoRA: they take what it leaves
+            # before packing and LoRA: they take what it leaves
+            self.quantization = self._quantize(quantization, activations)
         self.lm_head = self.model.lm_head  # int8 on our kernel quantizes the head too
         self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
@@ -145,19 +147,24 @@ class ModelRunner:
         self.path: PerRowPath | None = None  # how decode and extend run (configure_decode)
         self.configure_decode(default_attention(self.device))
 
-    def _quantize(self, method: str) -> QuantizationReport | None:
+    def _quantize(self, method: str, activations: str = "float") -> QuantizationReport | None:
         """RESIDENT_QUANTIZATION: the decoder layers' linears weight-only int8 or int4 (session/model/quantize.py),
         once, at load; its QuantizationReport, or None for "none" (the float checkpoint as loaded). A GGUF
         file's quantized linears are kept packed first (session/model/gguf.py; "none" dequantizes them):
-        int8 or int4 then quantize only what it left float."""
+        int8 or int4 then quantize only what it left float. RESIDENT_ACTIVATIONS: whether all of them
+        multiply float32 rows or rows quantized to int8 (as llama.cpp does; where that kernel builds)."""
         self.gguf = None  # GgufReport of a GGUF checkpoint
         if self.checkpoint.gguf_path is not None and method != "none":
-            why = gguf.can_keep(self.device, self.dtype, self.cpu_kernels)
-            self.gguf = gguf.keep_packed(self.model, self.layers, self.checkpoint.gguf_path, why)
+            int8_rows = activations == "int8"
+            why = gguf.can_keep(self.device, self.dtype, self.cpu_kernels, int8_rows)
+            if why and int8_rows and not gguf.can_keep(self.device, self.dtype, self.cpu_kernels):
+                int8_rows, why = False, ""  # no int8-activation kernel here: the float32-input ones
+            self.gguf = gguf.keep_packed(self.model, self.layers, self.checkpoint.gguf_path, why, int8_rows)
             logger.info(self.gguf.describe())
         if method in ("none", "auto"):
             return None
-        report = quantize_language_model(self.model, self.layers, method, self.device, self.cpu_kernels)
+        report = quantize_language_model(self.model, self.layers, method, self.device, self.cpu_kernels,
+                                         int8_rows=activations == "int8")
         logger.info(report.describe())
         return report
 
@@ -198,7 +205,7 @@ class ModelRunner:
         # compiled graphs (RESIDENT_COMPILE) trace dense weights: dynamo does not take oneDNN's opaque tensors
         return cls(config.model_path, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
                    pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels,
-                   quantization=config.quantization)
+                   quantization=config.quantization, activations=config.activations)
 
     def _load(self, hf_config):
         import transformers

@@ -107,3 +107,48 @@ def test_none_serves_the_weights_transformers_dequantized(gguf_file, tokenizer):
             served.stop()
 
     assert answers(str(gguf_file), "none") == answers(str(build(REPO / "models")), "auto")
+
+
+# ------------------------------------------------------------------ RESIDENT_ACTIVATIONS=int8
+
+
+@pytest.fixture(scope="module")
+def int8_rows_engine(gguf_file):
+    engine = Engine(EngineConfig(model_path=str(gguf_file), activations="int8", speculative="off",
+                                 max_device_adapters=0)).start()
+    yield engine
+    engine.stop()
+
+
+def test_int8_rows_run_the_int8_activation_kernel_in_the_cpp_step(int8_rows_engine):
+    runner = int8_rows_engine.parts.runner
+    assert runner.gguf.int8_rows and runner.gguf.kept == {"Q4_1": 210, "Q8_0": 1} and runner.gguf.mismatched == 0
+    for linear in (runner.layers[3].self_attn.v_proj, runner.lm_head):
+        assert isinstance(linear, QuantizedLinear) and linear.int8_rows and linear.block == 32
+    assert runner.path.stack is not None and runner.path.stack.head  # the whole step and the head in C++
+
+
+NEAR_TIE = 0.5  # logits: see the test below
+
+
+def test_int8_rows_session_follows_the_same_kernels_forward(int8_rows_engine, gguf_file):
+    """The engine's C++ step against transformers' forward over the same int8-activation linears, teacher
+    forced on the engine's answers: every token transformers' argmax or within NEAR_TIE of it, most of them
+    the argmax. Not token for token: rounding each row to int8 turns the last-bit differences between two
+    correct attention orders (transformers' own full forward and its cached decode part at 0.35 of a logit
+    on turn 1's 17th token here) into whole quantization steps."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = locate(gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=torch.float32, **checkpoint.kwargs).eval()
+    assert gguf.keep_packed(model, list(model.model.layers), gguf_file, "", int8_rows=True).num_kept == 211
+    exact = total = 0
+    for prompt, finished in session_turns(int8_rows_engine, "gguf-int8-rows", QUESTIONS[:2]):
+        answer_ids = list(finished.token_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + answer_ids[:-1]])).logits[0, len(prompt) - 1:]
+        chosen = logits[torch.arange(len(answer_ids)), torch.tensor(answer_ids)]
+        assert (chosen >= logits.max(dim=-1).values - NEAR_TIE).all()
+        exact += int((logits.argmax(dim=-1) == torch.tensor(answer_ids)).sum())
+        total += len(answer_ids)
+    assert exact >= 0.9 * total

@@ -227,3 +227,28 @@ def test_smollm2_quantized_equals_its_quantized_generate_and_mostly_agrees_with_
         print(f"SmolLM2 {method}: {100 * share:.0f}% of tokens before the first difference from float32 "
               f"({len(prompts)} prompts x 32)")
         assert share >= floor
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_int8_activations_equal_the_same_kernels_generate(tiny_model_path, method):
+    """RESIDENT_ACTIVATIONS=int8: the linears multiply rows quantized to int8 (session/model/cpu/csrc/
+    linear_q8.h), in the C++ decode step, token for token what transformers' forward gives over them."""
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    prompt = AutoTokenizer.from_pretrained(tiny_model_path)(ECHO[0])["input_ids"]
+    engine = Engine(EngineConfig(model_path=str(tiny_model_path), quantization=method, activations="int8",
+                                 speculative="off", max_device_adapters=0)).start()
+    try:
+        runner = engine.parts.runner
+        assert "resident::linear_q8" in runner.quantization.kernel and runner.quantization.head
+        assert all(layer.self_attn.q_proj.int8_rows for layer in runner.layers) and runner.lm_head.int8_rows
+        assert runner.path.stack is not None and runner.path.stack.head
+        got = list(finished(run(engine, GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=16),
+                                                          stream=EventStream(), token_ids=prompt))).token_ids)
+    finally:
+        engine.stop()
+    reference = LlavaForConditionalGeneration.from_pretrained(tiny_model_path).eval()
+    report = quantize_language_model(reference, list(reference.model.language_model.layers), method, CPU,
+                                     int8_rows=True)
+    assert report.num_linears == 14 and report.head and reference.lm_head.int8_rows
+    assert len(got) == 16 and got == generate(reference, prompt, 16)

@@ -18,7 +18,8 @@ Qwen2, Qwen3 with its q/k norms; LLaVA's language model is a Llama), an RMSNorm 
 SiLU MLP, and all seven linears on one of our kernels (session/model/cpu/linear.py): bfloat16 or
 float32 weights, or int8 or int4 weights on our kernels (RESIDENT_QUANTIZATION with float32
 activations, session/model/quantize.py; the float32 layer's arithmetic around them). The packed
-weights' dtype names the format (KERNELS' keys; int4's is uint8). Anything else (ATen's quantized
+weights' dtype names the format (KERNELS' keys; int4's is uint8; int16: int8 or int4 weights with
+int8-quantized activations, RESIDENT_ACTIVATIONS=int8, csrc/linear_q8.h). Anything else (ATen's quantized
 linears: bfloat16 activations) runs the Python layer. Who calls this: ``CpuKernelPath.decode_rows`` (session/model/decode_paths.py).
 """
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, CppKernel
+from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, AVX512_VNNI, CppKernel
 from session.model.cpu.linear import KernelLinear
 from session.model.quantize import QuantizedLinear, is_quantized
 
@@ -41,11 +42,13 @@ KERNELS = {  # per format (the packed linears' dtype): the library, with its lin
     torch.float32: CppKernel("fused float32 decode layer", "decode_layer_f32.cpp", (AVX512, AVX2)),
     torch.int8: CppKernel("fused int8-weight decode layer", "decode_layer_i8.cpp", (AVX512, AVX2)),
     torch.uint8: CppKernel("fused int4-weight decode layer", "decode_layer_i4.cpp", (AVX512, AVX2)),
+    torch.int16: CppKernel("fused int8-activation decode layer", "decode_layer_q8.cpp", (AVX512_VNNI, AVX2)),
 }
 KERNEL = KERNELS[torch.bfloat16]
-SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "i8", torch.uint8: "i4"}  # operators per format
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "i8", torch.uint8: "i4",
+          torch.int16: "q8"}  # operators per format
 STACKS = {torch.bfloat16: "DecodeStack", torch.float32: "DecodeStackF32", torch.int8: "DecodeStackI8",
-          torch.uint8: "DecodeStackI4"}
+          torch.uint8: "DecodeStackI4", torch.int16: "DecodeStackQ8"}
 # The RMSNorm classes whose forward is LlamaRMSNorm's, operator for operator (weight * normed, not
 # Gemma's 1 + weight)
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}

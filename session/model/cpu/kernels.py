@@ -46,9 +46,12 @@ class Isa:
 
 AVX512_BF16 = Isa("avx512-bf16", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
                   ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"))
+AVX512_VNNI = Isa("avx512-vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"),
+                  ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"))
 AVX512 = Isa("avx512", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"), ("avx512f", "avx512bw", "avx512vl", "fma"))
 AVX2 = Isa("avx2", ("-mavx2", "-mfma"), ("avx2", "fma"))
-ISA_CAPS = {"avx512-bf16": (AVX512_BF16, AVX512, AVX2), "avx512": (AVX512, AVX2), "avx2": (AVX2,)}
+ISA_CAPS = {"avx512-bf16": (AVX512_BF16, AVX512_VNNI, AVX512, AVX2), "avx512": (AVX512_VNNI, AVX512, AVX2),
+            "avx2": (AVX2,)}
 
 
 def allowed_isas() -> tuple[Isa, ...]:

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, CppKernel, bf16_products_use_amx
+from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, AVX512_VNNI, CppKernel, bf16_products_use_amx
 from session.model.cpu.packed_linear import swap_weight, worth_packing
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,10 @@ KERNELS = {
 KERNEL = KERNELS[torch.bfloat16]
 INT8_KERNEL = CppKernel("int8 linear", "linear_i8.cpp", (AVX512, AVX2))  # float32 rows, int8 weights
 INT4_KERNEL = CppKernel("int4 linear", "linear_i4.cpp", (AVX512, AVX2))  # float32 rows, int4 weights in groups
+# int8 or int4 weights times int8-quantized rows (RESIDENT_ACTIVATIONS=int8): integer dot products
+Q8_KERNEL = CppKernel("int8-activation linear", "linear_q8.cpp", (AVX512_VNNI, AVX2))
 OPERATORS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32", torch.int8: "linear_i8",
-             torch.uint8: "linear_i4"}  # by packed dtype
+             torch.uint8: "linear_i4", torch.int16: "linear_q8"}  # by packed dtype
 INT4_GROUP_LINES = 16  # per group, after a block's K lines of 8 bytes: 16 float32 scales and 16 offsets
 INT8_SCALE_LINES = 4  # after a block's K lines of 16 int8, per group: its 16 float32 scales (csrc/linear_i8.cpp)
 LANES = 16  # outputs per packed block: one float32 lane each
@@ -147,6 +149,55 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     trailer = per_group.view(blocks, LANES, groups, 2).permute(0, 2, 3, 1).contiguous()  # [NB, G, 2, 16]
     trailer = trailer.view(torch.uint8).view(blocks, groups * INT4_GROUP_LINES, LANES // 2)
     return torch.cat([nibbles, trailer], dim=1).contiguous()
+
+
+Q8_GROUP = 32  # inputs per group of the int8-activation format (csrc/linear_q8.h)
+Q8_ZERO = {8: 128, 4: 0}  # bits -> the zero its unsigned weights are stored from
+
+
+def pack_q8(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Weights for csrc/linear_q8.h: q [n, K] (8 bits: int8, the weight s q, stored as q + 128; 4 bits:
+    0..15, the weight s q + o), scales and offsets [n, K / G] for groups of G (scales [n]: G = K)
+    inputs, G a multiple of 32 (each repeated over its groups of 32; offsets None: zero) -> int16 [ceil(n /
+    16), K / 32, (L + 2) 32]: per block of 16 outputs and group of 32 inputs, L lines of 64 bytes of
+    unsigned weights (8 bits: L = 8, line j byte 4l + b = u[l][4j + b]; 4 bits: L = 4, line j byte 4l + b
+    = u[l][8j + b] | u[l][8j + 4 + b] << 4), then the 16 scales, then the 16 offsets, float32; zero past n."""
+    n, k = q.shape
+    groups, blocks = k // Q8_GROUP, -(-n // LANES)
+    scales = scales.reshape(n, -1)  # [n] (one group of K) or [n, K / G]
+    per_group = k // scales.shape[1] // Q8_GROUP  # groups of 32 per given group
+    unsigned = torch.zeros(blocks * LANES, k, dtype=torch.uint8)
+    unsigned[:n] = (q.to(torch.int16) + 128).to(torch.uint8) if bits == 8 else q.to(torch.uint8)
+    trailer = torch.zeros(blocks * LANES, groups, 2, dtype=torch.float32)
+    trailer[:n, :, 0] = scales.float().repeat_interleave(per_group, dim=1)
+    if offsets is not None:
+        trailer[:n, :, 1] = offsets.float().repeat_interleave(per_group, dim=1)
+    by_group = unsigned.view(blocks, LANES, groups, Q8_GROUP).permute(0, 2, 1, 3)  # [NB, G, 16, 32]
+    if bits == 8:
+        lines = by_group.reshape(blocks, groups, LANES, 8, 4).permute(0, 1, 3, 2, 4)  # [NB, G, 8, 16, 4]
+    else:
+        halves = by_group.reshape(blocks, groups, LANES, 4, 2, 4)  # j, first or second 4 inputs, b
+        lines = (halves[..., 0, :] | (halves[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)  # [NB, G, 4, 16, 4]
+    floats = trailer.view(blocks, LANES, groups, 2).permute(0, 2, 3, 1).contiguous()  # [NB, G, 2, 16]
+    packed = torch.cat([lines.reshape(blocks, groups, -1), floats.view(torch.uint8).view(blocks, groups, -1)], dim=2)
+    return packed.contiguous().view(torch.int16)
+
+
+def dequantize_q8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The weights [n, K] in float64 that ``pack_q8``'s layout holds (tests; the start-up check)."""
+    blocks, groups = packed.shape[:2]
+    raw = packed.view(torch.uint8)
+    bits = 8 if raw.shape[2] == 10 * 64 else 4
+    lines = raw[..., : raw.shape[2] - 128]
+    floats = raw[..., raw.shape[2] - 128:].contiguous().view(torch.float32).view(blocks, groups, 2, LANES)
+    if bits == 8:
+        u = lines.reshape(blocks, groups, 8, LANES, 4).permute(0, 3, 1, 2, 4)  # [NB, 16, G, 8, 4]
+    else:
+        nibbles = lines.reshape(blocks, groups, 4, LANES, 4)
+        u = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4).permute(0, 3, 1, 2, 4, 5)  # [NB, 16, G, 4, 2, 4]
+    weights = (u.reshape(blocks * LANES, groups, Q8_GROUP).double() - Q8_ZERO[bits])
+    scales, offsets = (floats[:, :, i].permute(0, 2, 1).reshape(blocks * LANES, groups).double() for i in (0, 1))
+    return (weights * scales[..., None] + offsets[..., None]).view(blocks * LANES, k)[:n]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k_block: int) -> torch.Tensor:

@@ -80,7 +80,7 @@ def test_the_start_up_line():
                              225_000_000)
     assert report.num_kept == 211
     assert report.describe() == (
-        "weights: GGUF m.gguf, kept packed on our kernels: 210 Q4_1 -> int4 (groups of 32), 1 Q8_0 -> int8 "
+        "weights: GGUF m.gguf, kept packed on our kernels (float32 inputs): 210 Q4_1 -> int4 (groups of 32), 1 Q8_0 -> int8 "
         "(groups of 32) (the head from Q8_0); linears dequantized to float by transformers: 2 Q6_K; 1 left "
         "float: their blocks did not give transformers' weights; 538 MB -> 225 MB")
 

@@ -80,7 +80,7 @@ from session.model.cpu import linear as cpu_linear
 from session.model.cpu import fused_layer
 from session.model.quantize import quantize_int4, quantize_int8
 assert cpu_linear.load(torch.float32) and cpu_attention.load() and fused_layer.load(torch.float32)
-assert cpu_linear.INT8_KERNEL.load() and cpu_linear.INT4_KERNEL.load()
+assert cpu_linear.INT8_KERNEL.load() and cpu_linear.INT4_KERNEL.load() and cpu_linear.Q8_KERNEL.load()
 g = torch.Generator().manual_seed(0)
 x, w, bias = torch.randn(5, 1030, generator=g), torch.randn(100, 1030, generator=g), torch.randn(100, generator=g)
 linear = [cpu_linear.linear(x[:rows], cpu_linear.pack(w), bias, 100, block) for rows in (1, 5) for block in (512, 1024)]
@@ -88,6 +88,9 @@ int8 = cpu_linear.pack_int8(*quantize_int8(w, torch.float32))
 linear += [cpu_linear.linear(x[:rows], int8, bias, 100, 1030) for rows in (1, 5)]
 int4 = cpu_linear.pack_int4(*quantize_int4(w[:, :1024], 64, torch.float32))
 linear += [cpu_linear.linear(x[:rows, :1024], int4, bias, 100, 64) for rows in (1, 5)]
+q8 = [cpu_linear.pack_q8(*quantize_int8(w[:, :1024], torch.float32), None, 8),
+      cpu_linear.pack_q8(*quantize_int4(w[:, :1024], 64, torch.float32)[:2], -w[:, :1024:64] / 8, 4)]
+linear += [cpu_linear.linear(x[:rows, :1024], packed, bias, 100, 32) for packed in q8 for rows in (1, 5)]
 q = torch.randn(3, 8, 64, generator=g)
 pool = torch.randn(2, 40, 16, 64, generator=g)
 table = torch.randperm(39, generator=g)[:36].view(3, 12).int() + 1
@@ -113,6 +116,6 @@ def run_program(tmp_path: Path, cap: str) -> dict:
 def test_the_avx2_build_computes_the_avx512_builds_bits(tmp_path):
     wide, narrow = run_program(tmp_path, "avx512"), run_program(tmp_path, "avx2")
     assert (wide["isa"], narrow["isa"]) == ("avx512", "avx2")
-    assert len(wide["out"]) == len(narrow["out"]) == 10
+    assert len(wide["out"]) == len(narrow["out"]) == 14
     for ours, theirs in zip(wide["out"], narrow["out"]):
         assert torch.equal(torch.tensor(ours), torch.tensor(theirs))
