@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, AVX512_VNNI, CppKernel
+from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, AVX512_VNNI, AVX2_F16C, CppKernel
 from session.model.cpu.linear import KernelLinear
 from session.model.quantize import QuantizedLinear, is_quantized
 
@@ -42,7 +42,7 @@ KERNELS = {  # per format (the packed linears' dtype): the library, with its lin
     torch.float32: CppKernel("fused float32 decode layer", "decode_layer_f32.cpp", (AVX512, AVX2)),
     torch.int8: CppKernel("fused int8-weight decode layer", "decode_layer_i8.cpp", (AVX512, AVX2)),
     torch.uint8: CppKernel("fused int4-weight decode layer", "decode_layer_i4.cpp", (AVX512, AVX2)),
-    torch.int16: CppKernel("fused int8-activation decode layer", "decode_layer_q8.cpp", (AVX512_VNNI, AVX2)),
+    torch.int16: CppKernel("fused int8-activation decode layer", "decode_layer_q8.cpp", (AVX512_VNNI, AVX2_F16C)),
 }
 KERNEL = KERNELS[torch.bfloat16]
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "i8", torch.uint8: "i4",

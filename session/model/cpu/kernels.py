@@ -50,8 +50,9 @@ AVX512_VNNI = Isa("avx512-vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mav
                   ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"))
 AVX512 = Isa("avx512", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"), ("avx512f", "avx512bw", "avx512vl", "fma"))
 AVX2 = Isa("avx2", ("-mavx2", "-mfma"), ("avx2", "fma"))
-ISA_CAPS = {"avx512-bf16": (AVX512_BF16, AVX512_VNNI, AVX512, AVX2), "avx512": (AVX512_VNNI, AVX512, AVX2),
-            "avx2": (AVX2,)}
+AVX2_F16C = Isa("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))  # float16 loads (every AVX2 CPU)
+ISA_CAPS = {"avx512-bf16": (AVX512_BF16, AVX512_VNNI, AVX512, AVX2, AVX2_F16C),
+            "avx512": (AVX512_VNNI, AVX512, AVX2, AVX2_F16C), "avx2": (AVX2, AVX2_F16C)}
 
 
 def allowed_isas() -> tuple[Isa, ...]:

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, AVX512_VNNI, CppKernel, bf16_products_use_amx
+from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, AVX512_VNNI, AVX2_F16C, CppKernel, bf16_products_use_amx
 from session.model.cpu.packed_linear import swap_weight, worth_packing
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ KERNEL = KERNELS[torch.bfloat16]
 INT8_KERNEL = CppKernel("int8 linear", "linear_i8.cpp", (AVX512, AVX2))  # float32 rows, int8 weights
 INT4_KERNEL = CppKernel("int4 linear", "linear_i4.cpp", (AVX512, AVX2))  # float32 rows, int4 weights in groups
 # int8 or int4 weights times int8-quantized rows (RESIDENT_ACTIVATIONS=int8): integer dot products
-Q8_KERNEL = CppKernel("int8-activation linear", "linear_q8.cpp", (AVX512_VNNI, AVX2))
+Q8_KERNEL = CppKernel("int8-activation linear", "linear_q8.cpp", (AVX512_VNNI, AVX2_F16C))
 OPERATORS = {torch.bfloat16: "linear_bf16", torch.float32: "linear_f32", torch.int8: "linear_i8",
              torch.uint8: "linear_i4", torch.int16: "linear_q8"}  # by packed dtype
 INT4_GROUP_LINES = 16  # per group, after a block's K lines of 8 bytes: 16 float32 scales and 16 offsets
@@ -159,9 +159,10 @@ def pack_q8(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
     """Weights for csrc/linear_q8.h: q [n, K] (8 bits: int8, the weight s q, stored as q + 128; 4 bits:
     0..15, the weight s q + o), scales and offsets [n, K / G] for groups of G (scales [n]: G = K)
     inputs, G a multiple of 32 (each repeated over its groups of 32; offsets None: zero) -> int16 [ceil(n /
-    16), K / 32, (L + 2) 32]: per block of 16 outputs and group of 32 inputs, L lines of 64 bytes of
+    16), K / 32, group bytes / 2]: per block of 16 outputs and group of 32 inputs, L lines of 64 bytes of
     unsigned weights (8 bits: L = 8, line j byte 4l + b = u[l][4j + b]; 4 bits: L = 4, line j byte 4l + b
-    = u[l][8j + b] | u[l][8j + 4 + b] << 4), then the 16 scales, then the 16 offsets, float32; zero past n."""
+    = u[l][8j + b] | u[l][8j + 4 + b] << 4), then the 16 scales, then the 16 offsets, in float16 where
+    every one is a float16 exactly (GGUF's), else float32; zero past n."""
     n, k = q.shape
     groups, blocks = k // Q8_GROUP, -(-n // LANES)
     scales = scales.reshape(n, -1)  # [n] (one group of K) or [n, K / G]
@@ -172,6 +173,8 @@ def pack_q8(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
     trailer[:n, :, 0] = scales.float().repeat_interleave(per_group, dim=1)
     if offsets is not None:
         trailer[:n, :, 1] = offsets.float().repeat_interleave(per_group, dim=1)
+    if torch.equal(trailer.half().float(), trailer):
+        trailer = trailer.half()
     by_group = unsigned.view(blocks, LANES, groups, Q8_GROUP).permute(0, 2, 1, 3)  # [NB, G, 16, 32]
     if bits == 8:
         lines = by_group.reshape(blocks, groups, LANES, 8, 4).permute(0, 1, 3, 2, 4)  # [NB, G, 8, 16, 4]
@@ -187,9 +190,12 @@ def dequantize_q8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The weights [n, K] in float64 that ``pack_q8``'s layout holds (tests; the start-up check)."""
     blocks, groups = packed.shape[:2]
     raw = packed.view(torch.uint8)
-    bits = 8 if raw.shape[2] == 10 * 64 else 4
-    lines = raw[..., : raw.shape[2] - 128]
-    floats = raw[..., raw.shape[2] - 128:].contiguous().view(torch.float32).view(blocks, groups, 2, LANES)
+    size = raw.shape[2]  # 8 or 4 lines of 64 bytes, then 2 lines (float32) or 1 (float16)
+    bits = 8 if size in (10 * 64, 9 * 64) else 4
+    trailer_bytes = size - (8 if bits == 8 else 4) * 64
+    float_type = torch.float32 if trailer_bytes == 128 else torch.float16
+    lines = raw[..., : size - trailer_bytes]
+    floats = raw[..., size - trailer_bytes:].contiguous().view(float_type).view(blocks, groups, 2, LANES)
     if bits == 8:
         u = lines.reshape(blocks, groups, 8, LANES, 4).permute(0, 3, 1, 2, 4)  # [NB, 16, G, 8, 4]
     else:

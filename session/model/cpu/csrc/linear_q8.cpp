@@ -1,7 +1,7 @@
 // int8 and int4 weights times int8-quantized activations (RESIDENT_ACTIVATIONS=int8): the Q8Lines format of
 // csrc/linear_q8.h, which says what is computed.
 //
-// resident::linear_q8(x [M, K] float32, packed [NB, K / 32, (L + 2) 32] int16, bias [n] or None, n, group)
+// resident::linear_q8(x [M, K] float32, packed [NB, K / 32, group bytes / 2] int16, bias [n] or None, n, group)
 // -> [M, n] float32 (``group``: 32, the only one; taken for the signature the other formats share)
 // resident::quantize_rows_q8(x [M, K] float32) -> int8 [M, K + 8 K / 32]: each row's q, then its groups'
 // float32 scales, then their int32 sums of q (what linear_q8 multiplies; tests read it)

@@ -9,10 +9,12 @@
 //
 // Weights, packed per block of 16 outputs (NB = ceil(n / 16)) and group of 32 inputs: L lines of 64
 // bytes of unsigned weights u (8 bits: L = 8, line j byte 4l + b = u[l][4j + b]; 4 bits: L = 4, line j
-// byte 4l + b = u[l][8j + b] | u[l][8j + 4 + b] << 4), then the group's 16 float32 scales s, then its 16
-// float32 offsets o (zero past n): the weight is s (u - Z) + o, Z = 128 (8 bits: s q, q = u - 128) or 0
+// byte 4l + b = u[l][8j + b] | u[l][8j + 4 + b] << 4), then the group's 16 scales s, then its 16 offsets o
+// (zero past n), in float32, or in float16 where every one is a float16 (a GGUF file's Q8_0, Q4_0 and Q4_1:
+// a quarter fewer bytes to stream for int4): the weight is s (u - Z) + o, Z = 128 (8 bits: s q, q = u - 128) or 0
 // (4 bits: s u + o, Q4_1's form; Q4_0's o = -8 s). Stored
-// as int16 (the dtype names the format: session/model/cpu/linear.py's pack_q8), [NB, K / 32, (L + 2) 32].
+// as int16 (the dtype names the format: session/model/cpu/linear.py's pack_q8), [NB, K / 32, group bytes / 2];
+// the group's byte count tells the four layouts apart.
 //
 // Each output lane, per group: d = sum of u q - Z sum(q), an exact int32 (VPDPBUSD on AVX512-VNNI;
 // VPMADDUBSW and VPMADDWD on AVX2, the same integer), then part = fma(float(d), s * scale, (o * scale) *
@@ -42,7 +44,8 @@ constexpr int kLine = 64;
 
 inline int lines_of(int bits) { return bits == 8 ? 8 : 4; }
 inline int32_t zero_of(int bits) { return bits == 8 ? 128 : 0; }
-inline int64_t group_bytes(int bits) { return (lines_of(bits) + 2) * kLine; }
+// a group's bytes: its lines, then 16 scales and 16 offsets in float32 (two lines) or float16 (one)
+inline int64_t group_bytes(int bits, bool halves) { return lines_of(bits) * kLine + (halves ? 1 : 2) * kLine; }
 
 // ------------------------------------------------------------------ 16 int32 / float32 lanes
 
@@ -59,9 +62,13 @@ struct F16 {
 inline I16 izero() { return {_mm512_setzero_si512()}; }
 inline F16 fzero() { return {_mm512_setzero_ps()}; }
 inline F16 fload(const uint8_t* p) { return {_mm512_loadu_ps(p)}; }
+inline F16 hload(const uint8_t* p) {  // 16 float16 -> float32 (exact)
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
 inline F16 fset1(float x) { return {_mm512_set1_ps(x)}; }
 inline F16 to_float(I16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline I16 sub_zero(I16 a, int32_t z) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(z))}; }
+inline I16 iadd(I16 a, I16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline F16 fmul(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline F16 fadd(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline F16 fmadd(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
@@ -89,12 +96,17 @@ inline F16 fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline F16 fload(const uint8_t* p) {
   return {_mm256_loadu_ps(reinterpret_cast<const float*>(p)), _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8)};
 }
+inline F16 hload(const uint8_t* p) {  // 16 float16 -> float32 (exact; F16C)
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
 inline F16 fset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline F16 to_float(I16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline I16 sub_zero(I16 a, int32_t z) {
   const __m256i zz = _mm256_set1_epi32(z);
   return {_mm256_sub_epi32(a.lo, zz), _mm256_sub_epi32(a.hi, zz)};
 }
+inline I16 iadd(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 inline F16 fmul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline F16 fadd(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline F16 fmadd(F16 a, F16 b, F16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
@@ -161,17 +173,34 @@ inline Rows quantize_rows(const at::Tensor& x, at::Tensor& out) {
     float* scales = reinterpret_cast<float*>(q + k);
     int32_t* sums = reinterpret_cast<int32_t*>(scales + groups);
     for (int64_t g = 0; g < groups; ++g) {
+      const float* group = from + g * kGroup;
+#if defined(__AVX512F__)
+      const __m512 a = _mm512_loadu_ps(group), b = _mm512_loadu_ps(group + 16);
+      const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+#else
       float most = 0.0f;
-      for (int j = 0; j < kGroup; ++j) most = std::max(most, std::fabs(from[g * kGroup + j]));
+      for (int j = 0; j < kGroup; ++j) most = std::max(most, std::fabs(group[j]));
+#endif
       const float scale = most / 127.0f;
       const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+#if defined(__AVX512F__)  // x inverse rounded to nearest even (the default rounding), as nearbyint below
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
+      const __m512i limit = _mm512_set1_epi32(127);
+      const __m512i ca = _mm512_max_epi32(_mm512_min_epi32(qa, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+      const __m512i cb = _mm512_max_epi32(_mm512_min_epi32(qb, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup), _mm512_cvtepi32_epi8(ca));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup + 16), _mm512_cvtepi32_epi8(cb));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
+#else
       int32_t sum = 0;
       for (int j = 0; j < kGroup; ++j) {
-        const float v = std::nearbyint(from[g * kGroup + j] * inverse);
+        const float v = std::nearbyint(group[j] * inverse);
         const int8_t qv = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
         q[g * kGroup + j] = qv;
         sum += qv;
       }
+#endif
       scales[g] = scale;
       sums[g] = sum;
     }
@@ -189,6 +218,7 @@ struct Problem {
   const float* bias;  // [n] (or padded to whole blocks) or nullptr
   float* y;           // [M, n]
   int64_t groups, n, group_bytes;
+  bool halves;  // the scales and offsets in float16
 };
 
 inline int32_t quad(const int8_t* p) {
@@ -206,9 +236,11 @@ void tile(const Problem& pb, int64_t m0, int64_t b0) {
   const int64_t block_bytes = pb.groups * pb.group_bytes;
   const int lines = lines_of(kBits);
   for (int64_t g = 0; g < pb.groups; ++g) {
-    I16 acc[MR][NR];
+    // two integer chains per row and block (lines alternate between them, added exactly at the group's
+    // end): a one-row tile is otherwise one VPDPBUSD after another on one register, at its latency
+    I16 acc[MR][NR][2];
     for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < NR; ++r) acc[m][r] = izero();
+      for (int r = 0; r < NR; ++r) acc[m][r][0] = acc[m][r][1] = izero();
     const int8_t* xq[MR];
     for (int m = 0; m < MR; ++m) xq[m] = pb.x.q + (m0 + m) * pb.x.stride + g * kGroup;
     for (int r = 0; r < NR; ++r) {
@@ -216,26 +248,27 @@ void tile(const Problem& pb, int64_t m0, int64_t b0) {
       for (int j = 0; j < lines; ++j) {
         const Line line = load_line(w + j * kLine);
         if (kBits == 8) {
-          for (int m = 0; m < MR; ++m) acc[m][r] = dot<8>(acc[m][r], line, quad(xq[m] + 4 * j));
+          for (int m = 0; m < MR; ++m) acc[m][r][j & 1] = dot<8>(acc[m][r][j & 1], line, quad(xq[m] + 4 * j));
         } else {
           const Line first = low_nibbles(line), second = high_nibbles(line);
           for (int m = 0; m < MR; ++m) {
-            acc[m][r] = dot<4>(acc[m][r], first, quad(xq[m] + 8 * j));
-            acc[m][r] = dot<4>(acc[m][r], second, quad(xq[m] + 8 * j + 4));
+            acc[m][r][0] = dot<4>(acc[m][r][0], first, quad(xq[m] + 8 * j));
+            acc[m][r][1] = dot<4>(acc[m][r][1], second, quad(xq[m] + 8 * j + 4));
           }
         }
       }
     }
     for (int r = 0; r < NR; ++r) {
       const uint8_t* trailer = pb.w + (b0 + r) * block_bytes + g * pb.group_bytes + lines * kLine;
-      const F16 s = fload(trailer), o = fload(trailer + kLine);
+      const F16 s = pb.halves ? hload(trailer) : fload(trailer);
+      const F16 o = pb.halves ? hload(trailer + kLine / 2) : fload(trailer + kLine);
       for (int m = 0; m < MR; ++m) {
         const int64_t row = m0 + m;
         const float* scales = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(pb.x.scales) + row * pb.x.stride);
         const int32_t* sums = reinterpret_cast<const int32_t*>(reinterpret_cast<const uint8_t*>(pb.x.sums) + row * pb.x.stride);
         const F16 xs = fset1(scales[g]);
         const int32_t xsum = sums[g];
-        const I16 d = sub_zero(acc[m][r], zero_of(kBits) * xsum);  // exact: |d| < 2^24
+        const I16 d = sub_zero(iadd(acc[m][r][0], acc[m][r][1]), zero_of(kBits) * xsum);  // exact: |d| < 2^24
         const F16 part = fmadd(to_float(d), fmul(s, xs), fmul(fmul(o, xs), fset1(static_cast<float>(xsum))));
         total[m][r] = fadd(total[m][r], part);
       }
@@ -258,11 +291,15 @@ void tile(const Problem& pb, int64_t m0, int64_t b0) {
 }
 
 #if defined(__AVX512F__)
-constexpr int kRowTile = 4;  // 4 rows x 2 blocks: 8 int32 and 8 float32 accumulators of 32 registers
+constexpr int kRowTile = 4;  // 4 rows x 2 blocks: 16 int32 and 8 float32 accumulators of 32 registers
+constexpr int kFewRows = 2;  // up to 2 rows (decode): 4 blocks a tile, more chains side by side
 #else
 constexpr int kRowTile = 2;  // AVX2: a lane set takes two registers
+constexpr int kFewRows = 0;
 #endif
-constexpr int kBlockTile = 2;
+
+// output blocks per tile for ``rows`` rows
+inline int64_t blocks_per_tile(int64_t rows) { return rows <= kFewRows ? 4 : 2; }
 
 template <int kBits, int NR>
 void rows_of(const Problem& pb, int64_t rows, int64_t b0) {
@@ -278,11 +315,12 @@ void rows_of(const Problem& pb, int64_t rows, int64_t b0) {
 
 template <int kBits>
 void run_tile(const Problem& pb, int64_t rows, int64_t t) {
-  const int64_t blocks = (pb.n + kLanes - 1) / kLanes, b0 = t * kBlockTile;
-  if (blocks - b0 >= 2) {
-    rows_of<kBits, 2>(pb, rows, b0);
-  } else {
-    rows_of<kBits, 1>(pb, rows, b0);
+  const int64_t blocks = (pb.n + kLanes - 1) / kLanes, per_tile = blocks_per_tile(rows), b0 = t * per_tile;
+  switch (std::min<int64_t>(per_tile, blocks - b0)) {
+    case 4: rows_of<kBits, 4>(pb, rows, b0); break;
+    case 3: rows_of<kBits, 3>(pb, rows, b0); break;
+    case 2: rows_of<kBits, 2>(pb, rows, b0); break;
+    default: rows_of<kBits, 1>(pb, rows, b0); break;
   }
 }
 
@@ -334,8 +372,11 @@ struct Prepared<Q8Lines> {
                     packed.size(0) == blocks && packed.size(1) == groups,
                 "packed: [ceil(n / 16), K / 32, (L + 2) 32] int16, contiguous");
     const int64_t bytes = packed.size(2) * 2;
-    TORCH_CHECK(bytes == q8::group_bytes(8) || bytes == q8::group_bytes(4), "packed: 8 or 4 lines per group");
-    bits = bytes == q8::group_bytes(8) ? 8 : 4;
+    bool halves = false;
+    for (int b : {8, 4})
+      for (bool h : {false, true})
+        if (bytes == q8::group_bytes(b, h)) bits = b, halves = h;
+    TORCH_CHECK(bytes == q8::group_bytes(bits, halves), "packed: 8 or 4 lines per group, float32 or float16 scales");
     y = buffer(out, {rows, n}, x.options());
     if (bias.has_value() && bias->defined()) {
       const bool converted = bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 1 &&
@@ -345,8 +386,9 @@ struct Prepared<Q8Lines> {
     const q8::Rows quantized_rows = rows == 0 ? q8::Rows{nullptr, nullptr, nullptr, 0} : q8::quantize_rows(x, rows_slot);
     quantized = rows_slot;
     pb = q8::Problem{quantized_rows, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
-                     bias_sums.defined() ? bias_sums.data_ptr<float>() : nullptr, y.data_ptr<float>(), groups, n, bytes};
-    column_tiles = rows == 0 ? 0 : (blocks + q8::kBlockTile - 1) / q8::kBlockTile;
+                     bias_sums.defined() ? bias_sums.data_ptr<float>() : nullptr, y.data_ptr<float>(), groups, n, bytes,
+                     halves};
+    column_tiles = rows == 0 ? 0 : (blocks + q8::blocks_per_tile(rows) - 1) / q8::blocks_per_tile(rows);
   }
 };
 

@@ -114,6 +114,7 @@ def test_bit_for_bit_where_every_float_step_is_exact(bits):
     scales = torch.exp2(torch.randint(-6, -3, (n, k // 32), generator=g).float())
     offsets = None if bits == 8 else torch.randint(-16, 16, (n, k // 32), generator=g).float() / 128
     packed = cpu_linear.pack_q8(q, scales, offsets, bits)
+    assert packed.shape[2] == (9 if bits == 8 else 5) * 32  # every scale and offset a float16: stored so
     want = x.double() @ cpu_linear.dequantize_q8(packed, n, k).T
     assert torch.equal(quantized_rows(x)[0] / 128, x.double())  # the rows quantize exactly
     assert torch.equal(want.float().double(), want)
