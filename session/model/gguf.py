@@ -18,6 +18,10 @@ exact before its last addition); a tensor that differs (a layout transformers pe
 module does not follow) stays float, counted. A head tied to the embeddings (SmolLM2's ``token_embd``)
 becomes an int8 copy from the embedding's blocks; the lookup reads the float embeddings.
 
+With RESIDENT_ACTIVATIONS=int8 the same blocks go to the int8-activation kernel instead (``int8_rows``:
+csrc/linear_q8.h, rows rounded to int8 per 32 inputs, as llama.cpp computes these files), scales and
+offsets kept in float16 where they are float16 (Q8_0, Q4_0, Q4_1: a quarter fewer bytes for int4).
+
 Everything else stays as transformers dequantized it, in the model's dtype, and the start-up line
 counts it by GGUF type: norms (F32), other formats (F16, BF16, Q5_*, Q6_K, IQ*), and every linear
 where our kernels cannot run (CUDA, bfloat16 activations, RESIDENT_CPU_KERNELS=0). RESIDENT_QUANTIZATION

@@ -25,6 +25,9 @@ Kernels, chosen once by device (``choose_kernel``, ``our_kernel``):
   the same bits), each row as if alone; the C++ decode layer and step take them
   (session/model/cpu/fused_layer.py), LoRA rows included. RESIDENT_CPU_KERNELS=0, or a CPU or
   toolchain that cannot build them, leaves ATen's.
+- CPU with RESIDENT_ACTIVATIONS=int8: ours on rows quantized to int8 per 32 inputs (``int8_rows``;
+  csrc/linear_q8.h, AVX512-VNNI or AVX2): integer dot products, as llama.cpp multiplies its files; the
+  same weights (scales repeated per 32 inputs), less exact products, in the C++ step too.
 - CPU otherwise (bfloat16 activations): ATen's, through ``QuantizedLinear``: ``aten._weight_int8pack_mm`` (int8 [out, in], scales [out])
   and ``aten._weight_int4pack_mm_for_cpu`` on weights packed by ``aten._convert_weight_to_int4pack_for_cpu``
   (scales and zeros [in / group, out, 2]). Both compute each row of x as if alone, whatever the other
