@@ -338,3 +338,7 @@ def test_config_names_the_variable(tiny_model_path):
     assert EngineConfig.from_sources(environ=environ | {"RESIDENT_QUANTIZATION": "int4"}).quantization == "int4"
     with pytest.raises(ConfigError, match="RESIDENT_QUANTIZATION must be auto, none, int8 or int4"):
         EngineConfig.from_sources(environ=environ | {"RESIDENT_QUANTIZATION": "fp8"})
+    assert EngineConfig.from_sources(environ=environ).activations == "float"
+    assert EngineConfig.from_sources(environ=environ | {"RESIDENT_ACTIVATIONS": "int8"}).activations == "int8"
+    with pytest.raises(ConfigError, match="RESIDENT_ACTIVATIONS must be float or int8, got 'int4'"):
+        EngineConfig.from_sources(environ=environ | {"RESIDENT_ACTIVATIONS": "int4"})
