@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, AVX512_VNNI, AVX2_F16C, CppKernel
+from session.model.cpu.kernels import AVX2, AVX2_F16C, AVX512, AVX512_BF16, AVX512_VNNI, CppKernel
 from session.model.cpu.linear import KernelLinear
 from session.model.quantize import QuantizedLinear, is_quantized
 

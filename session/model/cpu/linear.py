@@ -48,7 +48,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from session.model.cpu.kernels import AVX2, AVX512, AVX512_BF16, AVX512_VNNI, AVX2_F16C, CppKernel, bf16_products_use_amx
+from session.model.cpu.kernels import (
+    AVX2,
+    AVX2_F16C,
+    AVX512,
+    AVX512_BF16,
+    AVX512_VNNI,
+    CppKernel,
+    bf16_products_use_amx,
+)
 from session.model.cpu.packed_linear import swap_weight, worth_packing
 
 logger = logging.getLogger(__name__)
