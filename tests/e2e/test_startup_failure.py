@@ -42,6 +42,7 @@ class Run:
     elapsed_s: float
     started: dict[int, psutil.Process] = field(default_factory=dict)  # pid -> every process the launcher started
     commands: dict[int, str] = field(default_factory=dict)  # pid -> its command line, read when first seen
+    parents: dict[int, int] = field(default_factory=dict)  # pid -> its parent's pid
 
 
 def launch(command: str, env: dict[str, str], tmp_path: Path) -> Run:
@@ -84,6 +85,7 @@ def record_descendants(pid: int, run: Run) -> None:
         if child.pid not in run.started:
             try:
                 run.commands[child.pid] = " ".join(child.cmdline())
+                run.parents[child.pid] = child.ppid()
             except psutil.Error:
                 continue
             run.started[child.pid] = child
@@ -97,7 +99,9 @@ def error_line(run: Run) -> str:
 
 
 def assert_it_started_torchserve_and_left_nothing(run: Run, num_instances: int) -> None:
-    frontends = [pid for pid, cmd in run.commands.items() if "org.pytorch.serve.ModelServer" in cmd]
+    # a frontend's own children (its Python workers) carry its command line between fork and exec: not counted
+    frontends = [pid for pid, cmd in run.commands.items() if "org.pytorch.serve.ModelServer" in cmd
+                 and "org.pytorch.serve.ModelServer" not in run.commands.get(run.parents[pid], "")]
     assert len(frontends) == num_instances, run.commands
     # The worker itself is not asserted seen: it may start and die between two samples of the process
     # tree (its error line and traceback, asserted by the callers, are what it leaves).
