@@ -38,6 +38,7 @@ import logging
 
 import torch
 
+from session.errors import CapacityExceeded
 from session.model.prefix_cache import PrefixTable
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,13 @@ class BlockPool:
     which owns it, and the caches it hands out; the engine loop thread only).
 
     The pool is sized once where a device budget is known (``reserve``, from session/engine/assembly.py:
-    on CUDA the budget is never unlimited, so there the pool never grows). Where nothing was
-    reserved (CPU, no budget) it doubles when it runs out of free blocks: that copies the pool, at
-    most log2(blocks) times in a worker's life, and never on a session's own growth.
+    on CUDA the budget is never unlimited). Such a pool is ``fixed``: it never grows, so never holds
+    a second allocation of itself on a full card. The memory manager (session/state/memory.py) makes
+    room in it before a turn takes blocks (``available``), demoting sessions where its idle blocks do
+    not suffice; short all the same, ``allocate`` refuses (CapacityExceeded, 503) and ``crop`` gives
+    up a partly kept block rather than copy it. Where nothing was reserved (CPU, no budget) it doubles
+    when it runs out of free blocks: that copies the pool, at most log2(blocks) times in a worker's
+    life, and never on a session's own growth.
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -100,10 +105,20 @@ class BlockPool:
     def new_cache(self, max_tokens: int) -> PagedKVCache:
         return PagedKVCache(self, max_tokens=max_tokens)
 
+    @property
+    def available(self) -> int:
+        """Blocks ``allocate`` can hand out without growing: the free ones and the idle published ones
+        it would evict (a fixed pool's)."""
+        return len(self.free_ids) + (len(self.prefix.idle) if self.fixed else 0)
+
     def allocate(self, num_blocks: int) -> list[int]:
         """``num_blocks`` free block ids, each now held once. Short of free blocks, a ``fixed`` pool
-        evicts idle published blocks (least recently used first); any other grows."""
+        evicts idle published blocks (least recently used first), and past them refuses
+        (CapacityExceeded: the memory manager had not made room); any other grows."""
         if num_blocks > len(self.free_ids) and self.fixed:
+            if num_blocks > self.available:
+                raise CapacityExceeded(f"the KV block pool is full ({self.num_blocks - 1} blocks of {self.block_tokens} "
+                                       f"tokens, {num_blocks} more asked for); retry shortly", retry_after_s=1)
             self._free_evicted(num_blocks - len(self.free_ids))
         if num_blocks > len(self.free_ids):
             self.reserve(max(2 * self.num_blocks, self.num_blocks + num_blocks - len(self.free_ids)))
@@ -333,6 +348,10 @@ class PoolAccounts:
     def idle_bytes(self) -> int:
         return sum(len(p.prefix.idle) * p.block_nbytes for p in self.pools)
 
+    def fits(self, needs: list[tuple[BlockPool, int]]) -> bool:
+        """Can each fixed pool hand out the blocks asked of it (``needs``: pool, blocks) without growing?"""
+        return all(not pool.fixed or pool.available >= blocks for pool, blocks in needs)
+
     def evict_idle_bytes(self, num_bytes: int) -> int:
         freed = 0
         for pool in self.pools:
@@ -467,7 +486,8 @@ class PagedKVCache:
         """Forget positions from ``length`` on. Private blocks stay held; from the first block past the
         kept full ones that is shared (published or held elsewhere) on, blocks are given back, and a
         shared block that ``length`` cuts into is first copied to a private one (copy-on-write), so
-        that writing there never changes what another cache reads."""
+        that writing there never changes what another cache reads; a full fixed pool has no block to
+        copy into, and the cache then ends before that block (its owner recomputes the rest)."""
         self.length = min(self.length, length)
         size, keep = self.block_tokens, self.length // self.block_tokens
         cut = next((i for i in range(keep, len(self.block_ids)) if self.pool.is_shared(self.block_ids[i])), None)
@@ -475,7 +495,9 @@ class PagedKVCache:
             return
         tail = self.block_ids[cut:]
         self.block_ids = self.block_ids[:cut]
-        if cut == keep and self.length % size:  # the partly kept block: its kept positions, copied
+        if cut == keep and self.length % size and self.pool.fixed and not self.pool.available:
+            self.length = keep * size  # a full fixed pool: the partly kept block's positions are given up too
+        elif cut == keep and self.length % size:  # the partly kept block: its kept positions, copied
             [copy] = self.pool.allocate(1)
             self.pool.copy_block(tail[0], copy)
             self.block_ids.append(copy)

@@ -34,6 +34,8 @@ class BlockAccounts(Protocol):
 
     def evict_idle_bytes(self, num_bytes: int) -> int: ...
 
+    def fits(self, needs: list) -> bool: ...
+
 
 class MemoryManager:
     def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, store: SessionStore,
@@ -65,19 +67,21 @@ class MemoryManager:
     def host_bytes(self) -> int:
         return sum(s.host_bytes for s in self.store.all_sessions())
 
-    def reserve(self, session: SessionState, num_bytes: int) -> None:
+    def reserve(self, session: SessionState, num_bytes: int, blocks: list = ()) -> None:
         """Make room for ``num_bytes`` more device bytes for ``session`` by demoting idle sessions,
-        least recently used first. Raises CapacityExceeded (503) when not enough can be freed."""
+        least recently used first, and in each fixed pool for the blocks ``blocks`` asks of it ((pool,
+        blocks) pairs: a target's pool and its draft's fill at their own pace, the draft holding no
+        image tokens). Raises CapacityExceeded (503) when not enough can be freed."""
         if self.device_budget_bytes <= 0:
             return
         if num_bytes > self.device_budget_bytes:
             raise CapacityExceeded(f"this turn needs {num_bytes} bytes of KV cache; the device budget is "
                                    f"{self.device_budget_bytes}", retry_after_s=5)
         used = self.device_bytes + self.idle_bytes
-        while used + num_bytes > self.device_budget_bytes:
-            if self.idle_bytes:  # cached prefixes go first: they are only cache, sessions are promises
-                self.blocks.evict_idle_bytes(used + num_bytes - self.device_budget_bytes)
-            else:
+        while used + num_bytes > self.device_budget_bytes or not self._pools_fit(blocks):
+            if self.idle_bytes and used + num_bytes > self.device_budget_bytes:  # cached prefixes go first:
+                self.blocks.evict_idle_bytes(used + num_bytes - self.device_budget_bytes)  # sessions are promises
+            else:  # (a fixed pool's own idle blocks count as room: allocating evicts them)
                 victim = _least_recent(s for s in self.store.all_sessions() if s is not session
                                        and s.tier is Tier.DEVICE and not s.busy and s.device_bytes)
                 if victim is None:
@@ -85,6 +89,9 @@ class MemoryManager:
                                            "in a request; retry shortly", retry_after_s=1)
                 self.demote(victim)  # frees its own blocks; blocks it shared stay (or turn idle)
             used = self.device_bytes + self.idle_bytes
+
+    def _pools_fit(self, blocks: list) -> bool:
+        return self.blocks is None or not blocks or self.blocks.fits(blocks)
 
     def note_usage(self) -> None:
         """Called after the device holdings changed; keeps the peak for tests and metrics."""

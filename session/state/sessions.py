@@ -153,10 +153,12 @@ class Sessions:
                 usable = (len(ids) - 1) // self.share_block_tokens  # at least the last token is prefilled
                 kv.share_prefix(self.block_keys(session, ids, all_digests)[:usable])
             need = kv_bytes(kv, total_tokens) - kv.nbytes
+            blocks = [missing_blocks(kv, total_tokens)]
             draft_tokens = self.caches.draft_text_tokens(ids) + (total_tokens - len(ids))
             if session.draft_kv is not None:  # the draft reads the text only (no image placeholders)
                 need += kv_bytes(session.draft_kv, draft_tokens) - session.draft_kv.nbytes
-            self.memory.reserve(session, need)
+                blocks.append(missing_blocks(session.draft_kv, draft_tokens))
+            self.memory.reserve(session, need, [each for each in blocks if each is not None])
             if session.draft_kv is not None:
                 session.draft_kv.ensure_capacity(draft_tokens)
             kv.ensure_capacity(total_tokens)
@@ -562,3 +564,11 @@ def _decode_images(images: object) -> dict[str, bytes]:
             raise BadRequest(f"image {digest[:12]}: its bytes do not hash to its digest")
         decoded[digest] = raw
     return decoded
+
+
+def missing_blocks(kv: KVCache, num_tokens: int) -> tuple | None:
+    """(its pool, the blocks ``kv.ensure_capacity(num_tokens)`` would take from it) for a paged cache,
+    what the memory manager makes room for in that pool; None for a static one."""
+    if not isinstance(kv, PagedKVCache):
+        return None
+    return kv.pool, max(0, -(-num_tokens // kv.block_tokens) - len(kv.block_ids))

@@ -3,8 +3,10 @@ pool's invariant, and the memory manager evicting idle blocks before it demotes 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from session.errors import CapacityExceeded
 from session.model.kv_cache import BlockPool, PoolAccounts
 from session.model.prefix_cache import block_keys
 from session.state.memory import MemoryManager
@@ -184,3 +186,56 @@ def test_a_session_restored_from_the_host_tier_shares_the_published_prefix_and_c
     plain = p.new_cache(16)
     assert plain.load(k, v) == 0 and stored(plain) == tokens[:10]  # without keys: all copied
     assert set(plain.block_ids).isdisjoint(other.block_ids)
+
+
+def test_a_full_fixed_pool_refuses_rather_than_grows():
+    p = pool(num_blocks=3)  # 2 usable blocks
+    p.fixed = True
+    kv = p.new_cache(64)
+    fill(kv, [1, 2, 3, 4, 5])
+    with pytest.raises(CapacityExceeded, match="KV block pool is full") as refused:
+        p.new_cache(64).ensure_capacity(1)
+    assert refused.value.headers == {"Retry-After": "1"}
+    assert (p.num_blocks, p.num_grows, p.available) == (3, 0, 0) and p.check([kv.block_ids]) == []
+    unfixed = pool(num_blocks=3)  # no budget (CPU): grows instead
+    fill(unfixed.new_cache(64), [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert unfixed.num_blocks == 6 and unfixed.num_grows == 1
+
+
+def test_crop_into_a_shared_block_of_a_full_fixed_pool_ends_before_it():
+    """No block to copy the kept positions into: the cache ends at the block before (never grows)."""
+    p = pool(num_blocks=3)
+    p.fixed = True
+    owner = p.new_cache(64)
+    fill(owner, list(range(8)))
+    owner.publish(block_keys(list(range(8)), 4))
+    other = p.new_cache(64)
+    other.share_prefix(block_keys(list(range(8)) + [1], 4))
+    other.crop(6)
+    assert (other.length, other.block_ids, p.num_blocks) == (4, owner.block_ids[:1], 3)
+    assert stored(other) == [0, 1, 2, 3] and stored(owner) == list(range(8))
+    assert p.check([owner.block_ids, other.block_ids]) == []
+
+
+def test_the_memory_manager_makes_room_in_each_fixed_pool():
+    """A target pool and a draft pool reserved side by side fill at their own pace (image tokens are
+    the target's only): a turn that fits the byte budget but not the target's pool demotes a session."""
+    target, draft = pool(num_blocks=4), pool(num_blocks=4)  # 3 usable blocks each
+    target.fixed = draft.fixed = True
+    store = SessionStore(ttl_s=100, max_sessions=8, clock=lambda: 0.0)
+    memory = MemoryManager(device_budget_bytes=6 * target.block_nbytes, host_budget_bytes=1 << 20, store=store,
+                           blocks=PoolAccounts([target, draft]))
+    resident = store.open(SessionState(session_id="a", kv=target.new_cache(64), created_at=0, expires_at=100,
+                                       tier=Tier.DEVICE))
+    resident.draft_kv = draft.new_cache(64)
+    fill(resident.kv, list(range(9)))  # 3 target blocks (an image's tokens among them)
+    fill(resident.draft_kv, [1])  # 1 draft block (its text)
+    newcomer = store.open(SessionState(session_id="b", kv=target.new_cache(64), created_at=0, expires_at=100,
+                                       tier=Tier.DEVICE))
+    memory.reserve(newcomer, 2 * target.block_nbytes, [(draft, 2)])  # 4 + 2 of 6 bytes' worth: both fit
+    assert resident.tier is Tier.DEVICE
+    memory.reserve(newcomer, target.block_nbytes, [(target, 1)])  # 4 + 1 bytes fit, the target's pool does not
+    assert resident.tier is Tier.HOST and target.available == 3 and draft.available == 3
+    assert (target.num_grows, draft.num_grows) == (0, 0)
+    with pytest.raises(CapacityExceeded):  # more than a pool holds, with no session left to demote
+        memory.reserve(newcomer, target.block_nbytes, [(target, 4)])
