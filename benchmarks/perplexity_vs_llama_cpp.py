@@ -10,7 +10,9 @@ tokenizer; llama.cpp tokenizes with its own copy of the same vocabulary, so the 
 characters differently (the token counts are printed).
 
 Rows (ours | llama.cpp): float32 | f32; int8 (per-channel, float rows) | Q8_0; Q8_0 file, float rows and
-int8 rows | Q8_0; int4 (groups of 128/64, float rows) | Q4_1; Q4_1 file, float rows and int8 rows | Q4_1.
+int8 rows | Q8_0; int4 in groups of 32 (the default) and of 64 (float rows) | Q4_1; Q4_1 file, float
+rows and int8 rows | Q4_1; the float32 checkpoint in compressed-tensors' W4A16 (groups of 64,
+model_store/build_compressed.py, served packed) | Q4_1.
 The files are benchmarks/vs_llama_cpp.py's (built there if absent).
 
 Run: python -m benchmarks.perplexity_vs_llama_cpp [--ctx 512] [--chunks 8] [--threads 2]
@@ -32,11 +34,14 @@ import torch
 from benchmarks.common import REPO, format_table, write_json
 from benchmarks.vs_llama_cpp import gguf_files
 
-ROWS = [  # (label, RESIDENT_QUANTIZATION on the float32 checkpoint or None for the file, file type, int8 rows)
-    ("float32", "none", "f32", False), ("int8, float rows", "int8", "Q8_0", False),
-    ("Q8_0 file, float rows", None, "Q8_0", False), ("Q8_0 file, int8 rows", None, "Q8_0", True),
-    ("int4, float rows", "int4", "Q4_1", False), ("Q4_1 file, float rows", None, "Q4_1", False),
-    ("Q4_1 file, int8 rows", None, "Q4_1", True),
+ROWS = [  # (label, RESIDENT_QUANTIZATION on the float32 checkpoint or None for the file, file type, int8 rows,
+    #          RESIDENT_INT4_GROUP)
+    ("float32", "none", "f32", False, 32), ("int8, float rows", "int8", "Q8_0", False, 32),
+    ("Q8_0 file, float rows", None, "Q8_0", False, 32), ("Q8_0 file, int8 rows", None, "Q8_0", True, 32),
+    ("int4 (groups of 32), float rows", "int4", "Q4_1", False, 32),
+    ("int4 (groups of 64), float rows", "int4", "Q4_1", False, 64),
+    ("Q4_1 file, float rows", None, "Q4_1", False, 32), ("Q4_1 file, int8 rows", None, "Q4_1", True, 32),
+    ("W4A16 checkpoint, float rows", "w4a16", "Q4_1", False, 32),  # compressed-tensors (build_compressed.py)
 ]
 
 
@@ -49,12 +54,21 @@ def model_for(row: tuple, model_path: Path, files: dict[str, Path]):
     from session.model.cpu import linear as cpu_linear
     from session.model.quantize import quantize_language_model
 
-    _, method, kind, int8_rows = row
+    _, method, kind, int8_rows, int4_group = row
     assert cpu_linear.INT8_KERNEL.load() and cpu_linear.INT4_KERNEL.load() and cpu_linear.Q8_KERNEL.load()
+    if method == "w4a16":
+        from model_store.build_compressed import build
+        from session.model import compressed
+
+        folder = build(model_path, "w4a16")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        print(compressed.keep_packed(model, list(model.model.layers), "", int8_rows).describe(), file=sys.stderr)
+        return model, AutoTokenizer.from_pretrained(folder)
     if method is not None:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         if method != "none":
-            quantize_language_model(model, list(model.model.layers), method, torch.device("cpu"), int8_rows=int8_rows)
+            quantize_language_model(model, list(model.model.layers), method, torch.device("cpu"), int8_rows=int8_rows,
+                                    int4_largest=int4_group)
         return model, AutoTokenizer.from_pretrained(model_path)
     checkpoint = locate(files[kind])
     model = AutoModelForCausalLM.from_pretrained(checkpoint.folder, dtype=torch.float32, **checkpoint.kwargs).eval()
@@ -110,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in ROWS:
         model, tokenizer = model_for(row, args.model_path, files)
         ppl, scored = our_perplexity(model, tokenizer, text, args.ctx, args.chunks)
-        label, _, kind, _ = row
+        label, kind = row[0], row[2]
         results[label] = {"ours": ppl, "tokens": scored, "llama_cpp": theirs[kind], "file": kind}
         table.append([label, f"{ppl:.3f}", kind, f"{theirs[kind]:.3f}"])
     print(f"perplexity on collections/__init__.py, {args.chunks} chunks of {args.ctx} tokens (second halves scored)")

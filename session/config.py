@@ -30,8 +30,9 @@ class EngineConfig:
     pack_weights: bool = True  # CPU: the language model's linears prepacked for oneDNN (session/model/cpu/packed_linear.py)
     cpu_kernels: bool = True  # CPU: our kernels (attention, linears, the decode step), built at start-up
     # weight-only: auto (a GGUF file's own, kept packed: session/model/gguf.py; else none), none, int8
-    # (per-channel), int4 (groups of 128): session/model/quantize.py
+    # (per-channel), int4 (groups of int4_group inputs): session/model/quantize.py
     quantization: str = "auto"
+    int4_group: int = 32  # int4's input group: 32 (llama.cpp's Q4 blocks), 64 or 128 (fewer scale bytes)
     # what our quantized linears multiply on CPU: float (float32 rows: exact products of the quantized
     # weights) or int8 (rows quantized to int8 per 32 inputs and integer dot products, as llama.cpp
     # multiplies its files: faster, less exact; session/model/cpu/csrc/linear_q8.h)
@@ -155,6 +156,8 @@ class EngineConfig:
             raise ConfigError(f"{ENV_PREFIX}DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ConfigError(f"{ENV_PREFIX}QUANTIZATION must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.int4_group not in (32, 64, 128):
+            raise ConfigError(f"{ENV_PREFIX}INT4_GROUP must be 32, 64 or 128, got {self.int4_group!r}")
         if self.activations not in ("float", "int8"):
             raise ConfigError(f"{ENV_PREFIX}ACTIVATIONS must be float or int8, got {self.activations!r}")
         if self.kv_dtype not in ("auto", "float32"):

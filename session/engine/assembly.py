@@ -223,7 +223,7 @@ def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):
         draft = ModelRunner(config.draft_model_path, device=config.device, dtype=config.dtype,
                             pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels,
                             quantization=config.quantization,  # the draft's weights as the target's
-                            activations=config.activations)
+                            activations=config.activations, int4_group=config.int4_group)
         from transformers import AutoTokenizer
 
         check_compatible(tokenizer, AutoTokenizer.from_pretrained(draft.checkpoint.folder, **draft.checkpoint.kwargs))

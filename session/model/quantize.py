@@ -5,8 +5,9 @@ model's float dtype, only the weights of the decoder layers' linears are stored 
 
 - ``int8``: per output channel, symmetric. Row o of W [out, in] gets scale_o = max|W[o]| / 127 and
   q = round(W / scale) in [-127, 127]; W ~ q * scale, each weight within scale_o / 2.
-- ``int4``: per group of 128 inputs (64 or 32 where the input width is not a multiple of 128, as
-  SmolLM2's 576 is not), asymmetric in the form the int4 kernels (tinygemm's layout) take: per group
+- ``int4``: per group of RESIDENT_INT4_GROUP inputs (32 by default, as llama.cpp's Q4_0/Q4_1; 64 or
+  128 store less and read less; a width the chosen size does not divide takes the next smaller that
+  does), asymmetric in the form the int4 kernels (tinygemm's layout) take: per group
   scale = (max - min) / 15, a float zero = min + 8 * scale, q = round((W - zero) / scale + 8) in
   [0, 15]; W ~ (q - 8) * scale + zero, each weight within scale / 2.
 
@@ -65,7 +66,12 @@ from session.model.cpu import linear as cpu_linear
 METHODS = ("none", "int8", "int4")
 INT8_MAX = 127  # symmetric: -128 is never used, so q and -q both fit
 INT4_LEVELS = 15  # q in 0..15, centred on 8
-INT4_GROUP_SIZES = (128, 64, 32)  # along the input dim, the first that divides it (the kernels take 32..256)
+INT4_GROUP_SIZES = (128, 64, 32)  # along the input dim: the largest allowed that divides it (kernels: 32..256)
+# Groups of 32 by default. On SmolLM2-135M-Instruct (whose weights are its Q4_1 file's, groups of 32)
+# groups of 64 raised perplexity on 2,048 tokens of Python source from 8.45 to 11.44 and groups of 32
+# reproduced every weight (8.45); on the deep demo target (trained in float16) every size stayed
+# within 0.3% (docs/MEASUREMENTS.md, "Quantized weights on CPU").
+INT4_DEFAULT_GROUP = 32
 INT4_OUT_MULTIPLE = 16  # ATen's int4 packing takes out_features in multiples of 16
 # ATen's int8 CPU kernel in bfloat16 reads inputs 16 at a time: other widths crashed or summed wrong on
 # this torch build (float32 and float16 took every width tried)
@@ -150,11 +156,12 @@ def round_up(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(stored.float() < scales, torch.nextafter(stored, torch.full_like(stored, math.inf)), stored)
 
 
-def int4_group(out_features: int, in_features: int) -> int | None:
-    """The input group size int4 takes for an [out, in] weight, or None where the kernels take none."""
+def int4_group(out_features: int, in_features: int, largest: int = INT4_DEFAULT_GROUP) -> int | None:
+    """The input group size int4 takes for an [out, in] weight: the largest of INT4_GROUP_SIZES up to
+    ``largest`` (RESIDENT_INT4_GROUP) that divides ``in_features``; None where the kernels take none."""
     if out_features % INT4_OUT_MULTIPLE:
         return None
-    return next((group for group in INT4_GROUP_SIZES if in_features % group == 0), None)
+    return next((group for group in INT4_GROUP_SIZES if group <= largest and in_features % group == 0), None)
 
 
 # ------------------------------------------------------------------ the CPU module
@@ -236,12 +243,13 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}{group}{kernel}"
 
 
-def quantize_linear(linear: nn.Linear, method: str, ours: bool = False,
-                    int8_rows: bool = False) -> QuantizedLinear | None:
+def quantize_linear(linear: nn.Linear, method: str, ours: bool = False, int8_rows: bool = False,
+                    int4_largest: int = INT4_DEFAULT_GROUP) -> QuantizedLinear | None:
     """``linear`` as a QuantizedLinear in its own dtype, or None where ATen's kernel does not take its
     shape (``int4_group``, INT8_BF16_IN_MULTIPLE). ``ours``: on our kernels (float32 scales; int8 takes
     any shape, int4 the shapes ``int4_group`` gives a group); ``int8_rows``: on the int8-activation one
-    where its inputs come in whole groups of 32 (``can_take_int8_rows``), else as ``ours``."""
+    where its inputs come in whole groups of 32 (``can_take_int8_rows``), else as ``ours``;
+    ``int4_largest``: RESIDENT_INT4_GROUP."""
     weight, dtype = linear.weight, linear.weight.dtype
     int8_rows = int8_rows and linear.in_features % cpu_linear.Q8_GROUP == 0
     if method == "int8":
@@ -251,7 +259,7 @@ def quantize_linear(linear: nn.Linear, method: str, ours: bool = False,
         if dtype == torch.bfloat16 and linear.in_features % INT8_BF16_IN_MULTIPLE:
             return None
         return QuantizedLinear.from_int8(*quantize_int8(weight, dtype), linear.bias)
-    group = int4_group(linear.out_features, linear.in_features)
+    group = int4_group(linear.out_features, linear.in_features, int4_largest)
     if group is None:
         return None
     return QuantizedLinear.from_int4(*quantize_int4(weight, group, torch.float32 if ours else dtype), linear.bias,
@@ -314,12 +322,12 @@ def our_kernel(method: str, device: torch.device, dtype: torch.dtype, cpu_kernel
 
 
 def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: str,
-                            device: torch.device, cpu_kernels: bool = True,
-                            int8_rows: bool = False) -> QuantizationReport:
+                            device: torch.device, cpu_kernels: bool = True, int8_rows: bool = False,
+                            int4_largest: int = INT4_DEFAULT_GROUP) -> QuantizationReport:
     """Quantize the linears of ``layers`` (the language model's decoder layers, inside ``model``) with
     ``method`` (int8 or int4), in place, by the kernel ``choose_kernel`` picks for ``device``, or ours
     (``our_kernel``; ``cpu_kernels``: RESIDENT_CPU_KERNELS; ``int8_rows``: RESIDENT_ACTIVATIONS=int8),
-    which also takes ``model.lm_head``."""
+    which also takes ``model.lm_head``; ``int4_largest``: RESIDENT_INT4_GROUP."""
     targets = target_linears(layers)
     dtype = targets[0][2].weight.dtype if targets else torch.float32
     kernel = choose_kernel(method, device, dtype)
@@ -327,21 +335,21 @@ def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: s
     int8_rows = ours is not None and "linear_q8" in ours
     before = model_bytes(model)
     if device.type == "cuda":
-        num_linears, groups = quantize_with_torchao(model, [linear for _, _, linear in targets], method)
+        num_linears, groups = quantize_with_torchao(model, [linear for _, _, linear in targets], method, int4_largest)
     else:
-        num_linears, groups = replace_linears(targets, method, ours is not None, int8_rows)
+        num_linears, groups = replace_linears(targets, method, ours is not None, int8_rows, int4_largest)
     head = ours is not None and quantize_head(model, int8_rows)  # int8 for either method: see the module docstring
     return QuantizationReport(method, ours or kernel, num_linears, len(targets) - num_linears, groups, before,
                               model_bytes(model), head)
 
 
-def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str,
-                    ours: bool = False, int8_rows: bool = False) -> tuple[int, tuple[int, ...]]:
+def replace_linears(targets: list[tuple[nn.Module, str, nn.Linear]], method: str, ours: bool = False,
+                    int8_rows: bool = False, int4_largest: int = INT4_DEFAULT_GROUP) -> tuple[int, tuple[int, ...]]:
     """CPU: each target replaced by its QuantizedLinear in its parent (its float weight then freed);
     (how many, the int4 group sizes used). ``ours``: on our kernels."""
     count, groups = 0, set()
     for parent, name, linear in targets:
-        quantized = quantize_linear(linear, method, ours, int8_rows)
+        quantized = quantize_linear(linear, method, ours, int8_rows, int4_largest)
         if quantized is not None:
             setattr(parent, name, quantized)
             count += 1
@@ -361,7 +369,8 @@ def quantize_head(model: nn.Module, int8_rows: bool = False) -> bool:
     return True
 
 
-def quantize_with_torchao(model: nn.Module, linears: list[nn.Linear], method: str) -> tuple[int, tuple[int, ...]]:
+def quantize_with_torchao(model: nn.Module, linears: list[nn.Linear], method: str,
+                         int4_largest: int = INT4_DEFAULT_GROUP) -> tuple[int, tuple[int, ...]]:
     """CUDA: torchao's ``quantize_`` on exactly ``linears`` (its filter picks them by identity; int4
     once per group size, shapes no group fits left float); (how many, the int4 group sizes used)."""
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
@@ -372,7 +381,8 @@ def quantize_with_torchao(model: nn.Module, linears: list[nn.Linear], method: st
         return len(chosen), ()
     count, used = 0, []
     for group in INT4_GROUP_SIZES:
-        chosen = {id(linear) for linear in linears if int4_group(linear.out_features, linear.in_features) == group}
+        chosen = {id(linear) for linear in linears
+                  if int4_group(linear.out_features, linear.in_features, int4_largest) == group}
         if chosen:
             quantize_(model, Int4WeightOnlyConfig(group_size=group),
                       filter_fn=lambda module, fqn, chosen=chosen: id(module) in chosen)

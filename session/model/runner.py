@@ -23,7 +23,7 @@ from session.config import EngineConfig
 from session.errors import ConfigError
 from session.families.registry import family_of
 from session.families.support import check_supported
-from session.model import gguf
+from session.model import compressed, gguf
 from session.model.attention import PagedAttention, PagedBatch, attend_runs, causal_masks, choose_backend
 from session.model.backend import ModelInfo
 from session.model.cpu import attention as cpu_attention, fused_layer, linear as cpu_linear
@@ -31,8 +31,8 @@ from session.model.cpu.kernels import cpu_flags
 from session.model.cpu.packed_linear import can_pack, pack_linears
 from session.model.decode_paths import BatchedPath, CpuKernelPath, PerRowPath
 from session.model.generation_defaults import describe as describe_unapplied, unapplied_generation_defaults
-from session.model.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache
-from session.model.quantize import QuantizationReport, quantize_language_model
+from session.model.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache, to_device
+from session.model.quantize import INT4_DEFAULT_GROUP, QuantizationReport, quantize_language_model
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def cpu_has_bf16() -> bool:
 class ModelRunner:
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto",
                  pack_weights: bool = True, cpu_kernels: bool = True, quantization: str = "auto",
-                 activations: str = "float"):
+                 activations: str = "float", int4_group: int = INT4_DEFAULT_GROUP):
         from transformers import AutoConfig
 
         self.model_path = model_path
@@ -131,7 +131,7 @@ class ModelRunner:
             self.layers = list(self.lm.layers)
             self.cpu_kernels = cpu_kernels  # RESIDENT_CPU_KERNELS: ours on CPU where they build
             # before packing and LoRA: they take what it leaves
-            self.quantization = self._quantize(quantization, activations)
+            self.quantization = self._quantize(quantization, activations, int4_group)
         self.lm_head = self.model.lm_head  # int8 on our kernel quantizes the head too
         self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
         self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
@@ -147,26 +147,40 @@ class ModelRunner:
         self.path: PerRowPath | None = None  # how decode and extend run (configure_decode)
         self.configure_decode(default_attention(self.device))
 
-    def _quantize(self, method: str, activations: str = "float") -> QuantizationReport | None:
+    def _quantize(self, method: str, activations: str = "float", int4_group: int = INT4_DEFAULT_GROUP) -> QuantizationReport | None:
         """RESIDENT_QUANTIZATION: the decoder layers' linears weight-only int8 or int4 (session/model/quantize.py),
         once, at load; its QuantizationReport, or None for "none" (the float checkpoint as loaded). A GGUF
-        file's quantized linears are kept packed first (session/model/gguf.py; "none" dequantizes them):
-        int8 or int4 then quantize only what it left float. RESIDENT_ACTIVATIONS: whether all of them
-        multiply float32 rows or rows quantized to int8 (as llama.cpp does; where that kernel builds)."""
+        file's quantized linears are kept packed first (session/model/gguf.py; "none" dequantizes them),
+        and so are a compressed-tensors checkpoint's (session/model/compressed.py): int8 or int4 then
+        quantize only what they left float. RESIDENT_ACTIVATIONS: whether all of them
+        multiply float32 rows or rows quantized to int8 (as llama.cpp does; where that kernel builds).
+        ``int4_group``: RESIDENT_INT4_GROUP, the largest input group int4 makes."""
         self.gguf = None  # GgufReport of a GGUF checkpoint
+        self.compressed = None  # CompressedReport of a compressed-tensors checkpoint
+        why, int8_rows = self._packed_kernels(activations)
         if self.checkpoint.gguf_path is not None and method != "none":
-            int8_rows = activations == "int8"
-            why = gguf.can_keep(self.device, self.dtype, self.cpu_kernels, int8_rows)
-            if why and int8_rows and not gguf.can_keep(self.device, self.dtype, self.cpu_kernels):
-                int8_rows, why = False, ""  # no int8-activation kernel here: the float32-input ones
             self.gguf = gguf.keep_packed(self.model, self.layers, self.checkpoint.gguf_path, why, int8_rows)
             logger.info(self.gguf.describe())
+        if compressed.is_compressed(self.model):  # decompressed wherever not kept: the layers never call forward
+            why = "RESIDENT_QUANTIZATION=none" if method == "none" else why
+            self.compressed = compressed.keep_packed(self.model, self.layers, why, int8_rows)
+            logger.info(self.compressed.describe())
         if method in ("none", "auto"):
             return None
         report = quantize_language_model(self.model, self.layers, method, self.device, self.cpu_kernels,
-                                         int8_rows=activations == "int8")
+                                         int8_rows=activations == "int8", int4_largest=int4_group)
         logger.info(report.describe())
         return report
+
+    def _packed_kernels(self, activations: str) -> tuple[str, bool]:
+        """(why a checkpoint's packed linears cannot stay packed here, or ""; whether they go to the
+        int8-activation kernel): RESIDENT_ACTIVATIONS=int8 falls back to the float32-input kernels
+        where only those build."""
+        int8_rows = activations == "int8"
+        why = gguf.can_keep(self.device, self.dtype, self.cpu_kernels, int8_rows)
+        if why and int8_rows and not gguf.can_keep(self.device, self.dtype, self.cpu_kernels):
+            return "", False
+        return why, int8_rows
 
     def _pack_linears(self, pack_weights: bool, cpu_kernels: bool) -> tuple[int, dict[str, int]]:
         """Prepack the language model's linears once: (how many, how many by what). On CPU (bfloat16,
@@ -205,7 +219,8 @@ class ModelRunner:
         # compiled graphs (RESIDENT_COMPILE) trace dense weights: dynamo does not take oneDNN's opaque tensors
         return cls(config.model_path, device=config.device, dtype=config.dtype, kv_dtype=config.kv_dtype,
                    pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels,
-                   quantization=config.quantization, activations=config.activations)
+                   quantization=config.quantization, activations=config.activations,
+                   int4_group=config.int4_group)
 
     def _load(self, hf_config):
         import transformers
@@ -290,12 +305,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def embed(self, token_ids: list[int], image_embeds: list[torch.Tensor]) -> torch.Tensor:
-        """[T] ids -> [T, hidden]; image placeholder positions take ``image_embeds`` in order."""
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        embeds = self.lm.embed_tokens(ids)
+        """[T] ids -> [T, hidden]; image placeholder positions take ``image_embeds`` in order. The
+        placeholders are found in the host's list, not by a mask on the device (a boolean index waits
+        for the device to count its hits); ids and positions go over without blocking."""
+        embeds = self.lm.embed_tokens(to_device(token_ids, self.device))
         if image_embeds:
-            mask = ids == self.info.image_token_id
-            embeds[mask] = torch.cat(image_embeds).to(embeds.dtype)
+            image_token = self.info.image_token_id
+            places = [index for index, token in enumerate(token_ids) if token == image_token]
+            embeds.index_copy_(0, to_device(places, self.device), torch.cat(image_embeds).to(embeds.dtype))
         return embeds
 
     @torch.inference_mode()

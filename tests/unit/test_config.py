@@ -32,7 +32,7 @@ def test_defaults(model_dir):
     config = build(model_dir)
     assert dataclasses.asdict(config) == {
         "model_path": model_dir, "device": "auto", "dtype": "auto", "pack_weights": True, "cpu_kernels": True,
-        "quantization": "auto", "activations": "float", "kv_dtype": "auto",
+        "quantization": "auto", "int4_group": 32, "activations": "float", "kv_dtype": "auto",
         "session_ttl_s": 1200.0,
         "reaper_interval_s": 1.0, "max_sessions": 1024, "max_context_tokens": 0, "max_new_tokens": 1024,
         "default_max_tokens": 128, "max_batch_size": 256, "step_token_budget": 256, "max_passed_over": 4,

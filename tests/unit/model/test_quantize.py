@@ -76,8 +76,10 @@ def test_int4_linear_is_the_product_of_its_dequantized_weight(shape):
     assert_product(linear(x[:, :1]), x[:, :1], dequantize_int4(q, scales, zeros), bias)
 
 
-def test_int4_groups_are_128_else_the_largest_that_divides_the_inputs():
-    assert [int4_group(64, k) for k in (256, 576, 96, 200)] == [128, 64, 32, None]
+def test_int4_groups_are_the_largest_allowed_that_divides_the_inputs():
+    assert [int4_group(64, k, 128) for k in (256, 576, 96, 200)] == [128, 64, 32, None]
+    assert [int4_group(64, k, 64) for k in (256, 576, 96, 200)] == [64, 64, 32, None]
+    assert [int4_group(64, k) for k in (256, 576, 96, 200)] == [32, 32, 32, None]  # RESIDENT_INT4_GROUP's default
     assert int4_group(20, 256) is None  # ATen packs out_features in multiples of 16
 
 
@@ -154,7 +156,7 @@ def test_the_decoder_layers_linears_are_replaced_and_nothing_else(tiny, method):
               for i, layer in enumerate(decoder_layers(tiny)) for name in LINEARS}
     tied = tiny.lm_head.weight.data_ptr() == tiny.get_input_embeddings().weight.data_ptr()
     embeddings = tiny.get_input_embeddings().weight.clone()
-    report = quantize_language_model(tiny, decoder_layers(tiny), method, torch.device("cpu"))
+    report = quantize_language_model(tiny, decoder_layers(tiny), method, torch.device("cpu"), int4_largest=128)
     # our kernels run both here (float32), and take the head too, in int8
     assert (report.method, report.num_linears, report.num_float, report.head) == (method, 14, 0, True)
     for i, layer in enumerate(decoder_layers(tiny)):
@@ -304,11 +306,19 @@ def test_cuda_int8_runs_torchao_on_exactly_the_decoder_linears(tiny, torchao):
 
 def test_cuda_int4_runs_torchao_once_per_group_size(tiny, torchao):
     tiny.to(torch.bfloat16)
-    report = quantize_language_model(tiny, decoder_layers(tiny), "int4", torch.device("cuda"))
+    report = quantize_language_model(tiny, decoder_layers(tiny), "int4", torch.device("cuda"), int4_largest=128)
     names = decoder_linear_names(tiny)
     assert torchao.calls == [(("int4", 128), [n for n in names if n.endswith("down_proj")]),
                              (("int4", 64), [n for n in names if not n.endswith("down_proj")])]
     assert (report.num_linears, report.group_sizes) == (14, (128, 64))
+
+
+def test_cuda_int4_takes_groups_of_32_by_default(tiny, torchao):
+    tiny.to(torch.bfloat16)
+    report = quantize_language_model(tiny, decoder_layers(tiny), "int4", torch.device("cuda"))
+    assert torchao.calls == [(("int4", 32), decoder_linear_names(tiny))]
+    assert (report.num_linears, report.group_sizes) == (14, (32,))
+    assert "groups of 32 inputs" in report.describe()
 
 
 def test_cuda_int4_needs_bfloat16(tiny, torchao):
@@ -342,3 +352,17 @@ def test_config_names_the_variable(tiny_model_path):
     assert EngineConfig.from_sources(environ=environ | {"RESIDENT_ACTIVATIONS": "int8"}).activations == "int8"
     with pytest.raises(ConfigError, match="RESIDENT_ACTIVATIONS must be float or int8, got 'int4'"):
         EngineConfig.from_sources(environ=environ | {"RESIDENT_ACTIVATIONS": "int4"})
+    assert EngineConfig.from_sources(environ=environ).int4_group == 32
+    assert EngineConfig.from_sources(environ=environ | {"RESIDENT_INT4_GROUP": "128"}).int4_group == 128
+    with pytest.raises(ConfigError, match="RESIDENT_INT4_GROUP must be 32, 64 or 128, got 96"):
+        EngineConfig.from_sources(environ=environ | {"RESIDENT_INT4_GROUP": "96"})
+
+
+def test_the_runner_takes_the_configured_int4_group(tiny_model_path):
+    """RESIDENT_INT4_GROUP reaches the linears: 128 where a width allows it, 32 by default."""
+    from session.model.runner import ModelRunner
+
+    default = ModelRunner(str(tiny_model_path), device="cpu", quantization="int4")
+    wide = ModelRunner(str(tiny_model_path), device="cpu", quantization="int4", int4_group=128)
+    assert default.quantization.group_sizes == (32,)
+    assert wide.quantization.group_sizes == (128, 64)
