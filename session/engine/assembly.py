@@ -181,9 +181,12 @@ def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):
     from session.model.buckets import power_buckets
     from session.model.static_shapes import StaticShapeRunner
 
-    return StaticShapeRunner(runner, max_context, batch_buckets=power_buckets(config.max_batch_size),
-                             compile=config.compile,
-                             compile_backend=config.compile_backend)
+    stepper = StaticShapeRunner(runner, max_context, batch_buckets=power_buckets(config.max_batch_size),
+                                compile=config.compile, compile_backend=config.compile_backend,
+                                max_prompt_tokens=config.step_token_budget)
+    if config.compile:  # every bucket now, largest first: serving never compiles
+        logger.info("compiled %d fixed-shape graphs (%s) at start-up", stepper.compile_all(), config.compile_backend)
+    return stepper
 
 
 def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget: int, max_context: int) -> None:
@@ -235,15 +238,24 @@ DEFAULT_CUDA_BUDGET_FRACTION = 0.9  # of the memory free after loading, when no 
 
 
 def device_budget(config: EngineConfig, runner) -> int:
-    """The device bytes sessions' KV may hold. On CUDA never unlimited: a full GPU must demote
-    sessions, not fail with an out-of-memory error (0.9 of what is free after loading, by default)."""
+    """The device bytes sessions' KV may hold. On CUDA and NeuronCores never unlimited: a full device
+    must demote sessions, not fail with an out-of-memory error (0.9 of what is free after loading, by
+    default)."""
     fraction = config.device_budget_fraction
-    if fraction <= 0 and (config.device_budget_bytes or runner.device.type != "cuda"):
+    accelerator = runner.device.type in ("cuda", "neuron")
+    if fraction <= 0 and (config.device_budget_bytes or not accelerator):
         return config.device_budget_bytes
-    if runner.device.type != "cuda":
-        raise ConfigError("RESIDENT_DEVICE_BUDGET_FRACTION needs a CUDA device; on CPU set "
+    if not accelerator:
+        raise ConfigError("RESIDENT_DEVICE_BUDGET_FRACTION needs a CUDA device or a NeuronCore; on CPU set "
                           "RESIDENT_DEVICE_BUDGET_BYTES")
-    free, _ = torch.cuda.mem_get_info(runner.device)
+    if runner.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(runner.device)
+    else:  # TorchNeuron answers torch.accelerator's memory functions for its device
+        try:
+            free, _ = torch.accelerator.get_memory_info(runner.device)
+        except (AttributeError, RuntimeError, NotImplementedError) as error:
+            raise ConfigError(f"cannot read the NeuronCore's free memory ({error}): set "
+                              "RESIDENT_DEVICE_BUDGET_BYTES") from None
     return int(free * (fraction if fraction > 0 else DEFAULT_CUDA_BUDGET_FRACTION))
 
 

@@ -529,9 +529,14 @@ class PagedKVCache:
         return shared
 
 
+STATIC_PAD_TOKENS = 16  # positions past a static cache's window that a padded step may write, never read
+
+
 class StaticKVCache:
-    """One session's keys and values in a buffer of ``max_tokens`` positions, allocated whole; a
-    step writes its new positions in place. Who calls this: the static-shape runner, the engine loop."""
+    """One session's keys and values in a buffer of ``max_tokens`` positions (and STATIC_PAD_TOKENS
+    more, for the padding rows of a fixed-shape step: session/model/static_shapes.py), allocated
+    whole; a step writes its new positions in place. Who calls this: the static-shape runner, the
+    engine loop."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, max_tokens: int):
@@ -548,12 +553,14 @@ class StaticKVCache:
     def _empty(self, capacity: int) -> torch.Tensor:
         # Read whole under a mask: masked positions get weight 0, and 0 * NaN from uninitialised
         # memory would still be NaN, so the buffers start zeroed.
-        return torch.zeros(self.num_layers, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,
+        positions = capacity + STATIC_PAD_TOKENS if capacity else 0
+        return torch.zeros(self.num_layers, self.num_kv_heads, positions, self.head_dim, dtype=self.dtype,
                            device=self.device)
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        """Positions the window holds (the buffer less its padding positions); 0 once released."""
+        return max(0, self.k.shape[2] - STATIC_PAD_TOKENS)
 
     @property
     def token_nbytes(self) -> int:
@@ -561,11 +568,11 @@ class StaticKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held on the device (both buffers, whole capacity)."""
-        return self.capacity * self.token_nbytes
+        """Bytes held on the device (both buffers, whole, padding positions included)."""
+        return self.k.shape[2] * self.token_nbytes
 
     def capacity_for(self, num_tokens: int) -> int:
-        return self.max_tokens
+        return self.max_tokens + STATIC_PAD_TOKENS  # in the memory manager's bytes: the whole buffer
 
     def ensure_capacity(self, num_tokens: int) -> None:
         """Allocates the buffers again after a ``release``; otherwise only checks ``max_tokens``."""

@@ -50,15 +50,41 @@ def attention_windows(text_config, num_layers: int) -> list[int | None]:
 
 
 def resolve_device(name: str) -> torch.device:
-    """RESIDENT_DEVICE -> a device; a CUDA one always with its index ("auto" and "cuda" are cuda:0, what
-    "cuda" means in a fresh process). Indexed, it means the same GPU on every thread: a bare "cuda" is
+    """RESIDENT_DEVICE -> a device ("auto": CUDA, else a NeuronCore where TorchNeuron has one, else the
+    CPU; "neuron" without TorchNeuron is refused, naming it); a CUDA one always with its index ("auto"
+    and "cuda" are cuda:0, what "cuda" means in a fresh process). Indexed, it means the same GPU on every thread: a bare "cuda" is
     each thread's current device, and a thread's current device starts at 0."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "neuron" if neuron_available() else "cpu"
+    if name.split(":")[0] == "neuron" and not neuron_available():
+        raise ConfigError(NEURON_MISSING.format(what="RESIDENT_DEVICE=neuron", found=neuron_found()))
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", 0)
     return device
+
+
+# TorchNeuron (torch-neuronx 2.13/2.14, Neuron SDK 2.33+, Trn2 and Trn3) registers the "neuron" device and
+# torch.compile's "neuron" backend; the SDK 2.31 images (torch-neuronx 2.9, NxD Inference) have neither.
+NEURON_MISSING = ("{what} needs TorchNeuron: torch-neuronx matching this torch (" + torch.__version__ + "), from "
+                  "Neuron SDK 2.33 or later, on a Trn2 or Trn3 instance; it registers the neuron device and "
+                  "torch.compile's neuron backend, and this Python has {found}")
+
+
+def neuron_available() -> bool:
+    """Is the neuron device registered (TorchNeuron loaded) with a NeuronCore to use?"""
+    module = getattr(torch, "neuron", None)
+    return module is not None and bool(module.is_available())
+
+
+def neuron_found() -> str:
+    """What this Python has of Neuron's packages, for NEURON_MISSING."""
+    from importlib import metadata
+
+    try:
+        return f"torch-neuronx {metadata.version('torch-neuronx')} without the neuron device"
+    except metadata.PackageNotFoundError:
+        return "no torch-neuronx"
 
 
 def select_device(device: torch.device) -> None:
@@ -74,10 +100,10 @@ def select_device(device: torch.device) -> None:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA, float32 on CPU (the dtype the equivalence tests pin). bfloat16 asked for
+    """auto: bfloat16 on CUDA and NeuronCores, float32 on CPU (the dtype the equivalence tests pin). bfloat16 asked for
     on a CPU without native bfloat16 (AVX512-BF16 or AMX) falls back to float32, which is faster there."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type in ("cuda", "neuron") else torch.float32
     if name == "bfloat16" and device.type == "cpu" and not cpu_has_bf16():
         logger.warning("RESIDENT_DTYPE=bfloat16: this CPU has no AVX512-BF16 or AMX; using float32")
         return torch.float32

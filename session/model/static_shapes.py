@@ -1,14 +1,23 @@
 """Fixed-shape prefill and decode: the form static-shape compilers need.
 
-AWS NeuronCores (torch-neuronx) compile one graph per input shape, and ``torch.compile``
-without dynamic shapes does the same. Here every tensor shape depends only on buckets:
-- KV caches are static: capacity fixed at the context window ``C`` (``StaticKVCache``);
-- a prefill pads its new tokens to a prompt bucket ``T`` and attends over all ``C`` positions
-  under a mask, so its graph depends on ``(T, C)`` only;
+AWS NeuronCores (TorchNeuron's ``torch.compile(backend="neuron")``) compile one graph per input shape,
+and ``torch.compile`` without dynamic shapes does the same. Here every tensor shape depends only on
+buckets, and there are few of them:
+- KV caches are static: one buffer per session for the context window ``C``, plus ``PAD_TOKENS``
+  positions past it that padding rows may write and nothing reads (``StaticKVCache``);
+- attention reads a KV-length bucket ``L`` of the buffer, not all of it: powers of two from
+  ``KV_SEGMENT`` (512) up, then the whole buffer, the smallest that holds the step's last position;
+  a 20-token follow-up at position 600 of a 4,096-token window reads 1,024 positions, not 4,112;
+- a prefill pads its new tokens to a prompt bucket ``T`` (powers of two from 16 up to the longest
+  prefill a step feeds) and attends over ``L`` under a mask, so its graph depends on ``(T, L)``. A
+  prompt longer than the largest bucket, or one whose padding would pass the buffer, runs in pieces
+  that are each a bucket (``_piece``), so no step ever has a shape outside the buckets;
 - a decode step pads the batch to a batch bucket ``B`` (padding rows write into a scratch cache)
-  and writes the new keys/values at per-row positions given as a tensor (``index_copy_``), so
-  its graph depends on ``(B, C)`` only.
-This module is the one place with device-specific compilation choices (see ``compile_step``).
+  and writes the new keys/values at per-row positions given as a tensor (``index_copy_``), so its
+  graph depends on ``(B, L)``.
+With compilation on, ``compile_all`` runs every (T, L) and (B, L) once at start-up, largest first, so
+serving never compiles (a persistent compile cache makes later start-ups fast: TorchNeuron's, or
+inductor's). This module is the one place with device-specific compilation choices (``compile_step``).
 It produces the same greedy tokens as the dynamic path (tests pin it).
 """
 
@@ -21,12 +30,20 @@ import torch.nn.functional as F
 
 from session.errors import ConfigError
 from session.model.buckets import bucket_for, power_buckets
-from session.model.kv_cache import StaticKVCache
+from session.model.kv_cache import STATIC_PAD_TOKENS, StaticKVCache
 from session.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
+PAD_TOKENS = STATIC_PAD_TOKENS  # the smallest prompt bucket: a padded piece never passes the buffer
+KV_SEGMENT = 512  # the shortest KV-length bucket (TorchNeuron's attention reads KV in segments of 512-4096)
+
+
+def kv_buckets(capacity: int) -> tuple[int, ...]:
+    """KV-length buckets of a ``capacity``-token window: powers of two from KV_SEGMENT below it, then
+    the whole buffer (the window and its padding positions)."""
+    return (*power_buckets(capacity, smallest=min(KV_SEGMENT, capacity))[:-1], capacity + PAD_TOKENS)
 
 
 def fixed_bucket(size: int, buckets: tuple[int, ...]) -> int:
@@ -44,7 +61,23 @@ def compile_step(fn, device: torch.device, enabled: bool, backend: str = "induct
     (RESIDENT_COMPILE_BACKEND; docker/Dockerfile.neuron sets it)."""
     if not enabled:
         return fn
+    check_backend(backend)
     return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
+
+
+def check_backend(backend: str) -> None:
+    """Refuse at start-up, naming what is missing, a torch.compile backend this Python does not have
+    (the first compile would fail while serving): above all ``neuron``, which only TorchNeuron registers."""
+    import torch._dynamo
+
+    if backend in torch._dynamo.list_backends(exclude_tags=()):
+        return
+    if backend == "neuron":
+        from session.model.runner import NEURON_MISSING, neuron_found
+
+        raise ConfigError(NEURON_MISSING.format(what="RESIDENT_COMPILE_BACKEND=neuron", found=neuron_found()))
+    raise ConfigError(f"RESIDENT_COMPILE_BACKEND={backend}: torch.compile has no such backend here "
+                      f"(it has {', '.join(sorted(torch._dynamo.list_backends()))})")
 
 
 class StaticShapeRunner:
@@ -55,44 +88,100 @@ class StaticShapeRunner:
     """
 
     def __init__(self, runner: ModelRunner, capacity: int, *, batch_buckets=DEFAULT_BATCH_BUCKETS,
-                 compile: bool = False, compile_backend: str = "inductor"):
+                 compile: bool = False, compile_backend: str = "inductor", max_prompt_tokens: int = 0):
         self.runner = runner
         self.capacity = capacity
         self.batch_buckets = tuple(batch_buckets)
-        self.prompt_buckets = power_buckets(capacity, smallest=16)
+        # the longest prefill a step feeds (RESIDENT_STEP_TOKEN_BUDGET): longer ones run in pieces
+        self.prompt_buckets = power_buckets(min(capacity, max_prompt_tokens or capacity), smallest=PAD_TOKENS)
+        self.kv_buckets = kv_buckets(capacity)
         self.scratch = runner.new_kv_cache(block_tokens=capacity, max_tokens=capacity, static=True)
+        self.compiled = compile
         self._decode = compile_step(self._decode_graph, runner.device, compile, compile_backend)
         self._prefill = compile_step(self._prefill_graph, runner.device, compile, compile_backend)
-        self.graph_shapes: set[tuple] = set()  # (kind, bucket) seen: one compiled graph each
+        if compile:  # one graph per shape, each a "recompile" to dynamo: let every bucket have one
+            import torch._dynamo
+
+            needed = len(self.all_shapes()) + 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, needed)
+        self.graph_shapes: set[tuple] = set()  # (kind, bucket, KV bucket) seen: one compiled graph each
+
+    def all_shapes(self) -> list[tuple[str, int, int]]:
+        """Every shape a step can take, largest first: ("prefill", T, L) with T <= L, ("decode", B, L)."""
+        prefill = [("prefill", t, length) for length in self.kv_buckets for t in self.prompt_buckets if t <= length]
+        decode = [("decode", b, length) for length in self.kv_buckets for b in self.batch_buckets]
+        return sorted(prefill + decode, key=lambda shape: (shape[2], shape[1]), reverse=True)
+
+    @torch.inference_mode()
+    def compile_all(self) -> int:
+        """Run every shape once on the scratch cache (start-up, when compiling: serving then never
+        compiles); how many. Its keys and values are padding rows' and never read unmasked."""
+        scratch, hidden = self.scratch, self.runner.info.hidden_size
+        device, dtype = self.runner.device, self.runner.dtype
+        self.runner.set_adapters(None)
+        for kind, size, length in self.all_shapes():
+            views = scratch.k[:, :, :length], scratch.v[:, :, :length]
+            if kind == "prefill":
+                positions = torch.arange(length - size, length, device=device)
+                self._prefill(torch.zeros(size, hidden, dtype=dtype, device=device), positions, *views)
+            else:
+                positions = torch.full((size,), length - 1, dtype=torch.long, device=device)
+                ids = torch.zeros(size, dtype=torch.long, device=device)
+                self._decode(ids, positions, [scratch.k[:, :, :length] for _ in range(size)],
+                             [scratch.v[:, :, :length] for _ in range(size)])  # a view each, as serving passes
+            self.graph_shapes.add((kind, size, length))
+        return len(self.graph_shapes)
 
     # ------------------------------------------------------------------ prefill
 
     @torch.inference_mode()
     def prefill(self, kv: StaticKVCache, embeds: torch.Tensor, all_logits: bool = False,
                 adapter_slot: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Same contract as ``ModelRunner.prefill``; pads the new tokens to a prompt bucket."""
+        """Same contract as ``ModelRunner.prefill``; runs in pieces of bucket shapes (``_piece``)."""
         _no_mrope(positions)
         self._check(kv)
         start, num_new = kv.length, embeds.shape[0]
-        bucket = fixed_bucket(num_new, self.prompt_buckets)
-        if start + bucket > self.capacity:  # the padded tail must fit too: fall back to the smallest fit
-            bucket = num_new
+        if start + num_new > self.capacity:
+            raise ValueError(f"KV cache cannot hold {start + num_new} tokens (max {self.capacity})")
+        self.runner.set_adapters([adapter_slot])
+        outputs, done = [], 0
+        while done < num_new:
+            piece, bucket = self._piece(start + done, num_new - done)
+            logits = self._prefill_piece(kv, start + done, embeds[done: done + piece], bucket)  # [bucket, V]
+            outputs.append(logits[:piece] if all_logits else logits[piece - 1: piece])
+            done += piece
+        kv.length = start + num_new
+        return torch.cat(outputs) if all_logits else outputs[-1][0]
+
+    def _piece(self, start: int, remaining: int) -> tuple[int, int]:
+        """(tokens, their prompt bucket) of the next piece of a prefill at ``start``: all that remain,
+        padded to their bucket, where that bucket fits the buffer; else the largest bucket that fits
+        both, unpadded. The buffer's PAD_TOKENS past the window make the smallest always fit."""
+        room = self.capacity + PAD_TOKENS - start
+        bucket = bucket_for(remaining, self.prompt_buckets)
+        if bucket is not None and bucket <= room:
+            return remaining, bucket
+        fit = max(b for b in self.prompt_buckets if b <= min(remaining, room))
+        return fit, fit
+
+    def _prefill_piece(self, kv: StaticKVCache, start: int, embeds: torch.Tensor, bucket: int) -> torch.Tensor:
+        num_new = embeds.shape[0]
         padded = torch.zeros(bucket, embeds.shape[1], dtype=embeds.dtype, device=embeds.device)
         padded[:num_new] = embeds
         positions = torch.arange(start, start + bucket, device=self.runner.device)  # [T]
-        self.graph_shapes.add(("prefill", bucket))
-        self.runner.set_adapters([adapter_slot])
-        logits = self._prefill(padded, positions, kv.k, kv.v)  # [T, V]
-        kv.length = start + num_new
-        return logits[:num_new] if all_logits else logits[num_new - 1]
+        length = fixed_bucket(start + bucket, self.kv_buckets)
+        self.graph_shapes.add(("prefill", bucket, length))
+        return self._prefill(padded, positions, kv.k[:, :, :length], kv.v[:, :, :length])
 
     def _prefill_graph(self, embeds, positions, k_cache, v_cache):
-        # embeds: [T, D]; positions: [T]; k_cache, v_cache: [L, KVH, C, hd]
+        # embeds: [T, D]; positions: [T]; k_cache, v_cache: [layers, KVH, L, hd] (a KV-length bucket's view)
         runner = self.runner
         h = embeds[None]
         cos, sin = runner.lm.rotary_emb(h, positions[None])
-        key_positions = torch.arange(self.capacity, device=positions.device)
-        mask = key_positions[None, :] <= positions[:, None]  # [T, C]: causal, and nothing past the new tokens
+        key_positions = torch.arange(k_cache.shape[2], device=positions.device)
+        mask = key_positions[None, :] <= positions[:, None]  # [T, L]: causal, and nothing past the new tokens
         for index, layer in enumerate(runner.layers):
             q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
             k_cache[index].index_copy_(1, positions, k[0])
@@ -115,25 +204,27 @@ class StaticShapeRunner:
                 raise ValueError(f"KV cache cannot hold {kv.length + 1} tokens (max {self.capacity})")
         num_rows = len(kvs)
         bucket = fixed_bucket(num_rows, self.batch_buckets)
+        length = fixed_bucket(max(kv.length for kv in kvs) + 1, self.kv_buckets)
         pad = bucket - num_rows
         device = self.runner.device
         ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=device)
         positions = torch.tensor([kv.length for kv in kvs] + [0] * pad, dtype=torch.long, device=device)
         caches = kvs + [self.scratch] * pad
-        self.graph_shapes.add(("decode", bucket))
+        self.graph_shapes.add(("decode", bucket, length))
         self.runner.set_adapters(None if adapter_slots is None else list(adapter_slots) + [0] * pad)
-        logits = self._decode(ids, positions, [c.k for c in caches], [c.v for c in caches])  # [B, V]
+        logits = self._decode(ids, positions, [c.k[:, :, :length] for c in caches],
+                              [c.v[:, :, :length] for c in caches])  # [B, V]
         for kv in kvs:
             kv.length += 1
         return logits[:num_rows]
 
     def _decode_graph(self, ids, positions, k_caches, v_caches):
-        # ids, positions: [B]; k_caches[b], v_caches[b]: [L, KVH, C, hd]
+        # ids, positions: [B]; k_caches[b], v_caches[b]: [layers, KVH, L, hd] (a KV-length bucket's view)
         runner = self.runner
         h = runner.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
         cos, sin = runner.lm.rotary_emb(h, positions[:, None])
-        key_positions = torch.arange(self.capacity, device=ids.device)
-        masks = key_positions[None, :] <= positions[:, None]  # [B, C]
+        key_positions = torch.arange(k_caches[0].shape[2], device=ids.device)
+        masks = key_positions[None, :] <= positions[:, None]  # [B, L]
         for index, layer in enumerate(runner.layers):
             q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]
             rows = []
@@ -142,7 +233,7 @@ class StaticShapeRunner:
                 v_caches[b][index].index_copy_(1, positions[b : b + 1], v[b])
                 rows.append(F.scaled_dot_product_attention(
                     q[b : b + 1], k_caches[b][index][None], v_caches[b][index][None], attn_mask=masks[b][None, :],
-                    scale=layer.self_attn.scaling, enable_gqa=_gqa(runner)))  # mask: [C] broadcasts over heads
+                    scale=layer.self_attn.scaling, enable_gqa=_gqa(runner)))  # mask: [L] broadcasts over heads
             h = runner.finish_layer(layer, h, torch.cat(rows))
         return runner.lm_head(runner.lm.norm(h)).float()[:, 0]
 

@@ -82,3 +82,44 @@ def test_the_budget_is_measured_after_the_adapters_and_the_draft_load(tiny_model
         f"budget (lora installed: {runner.lora is not None})") or 0)
     assembly.assemble(EngineConfig(model_path=str(tiny_model_path), max_device_adapters=2))
     assert events == ["draft", "budget (lora installed: True)"]
+
+
+def test_neuron_budget_is_a_fraction_of_what_torch_accelerator_reports(monkeypatch):
+    neuron = SimpleNamespace(device=SimpleNamespace(type="neuron"))
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda device=None: (8 << 30, 96 << 30))
+    assert device_budget(EngineConfig(), neuron) == int((8 << 30) * DEFAULT_CUDA_BUDGET_FRACTION)
+    assert device_budget(EngineConfig(device_budget_fraction=0.5), neuron) == 4 << 30
+
+    def unsupported(device=None):
+        raise RuntimeError("not implemented for neuron")
+
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", unsupported)
+    with pytest.raises(ConfigError, match="set RESIDENT_DEVICE_BUDGET_BYTES"):
+        device_budget(EngineConfig(), neuron)
+    assert device_budget(EngineConfig(device_budget_bytes=1 << 30), neuron) == 1 << 30
+
+
+def test_neuron_without_torchneuron_is_refused_naming_it():
+    from session.model.runner import resolve_device, resolve_dtype
+    from session.model.static_shapes import check_backend
+
+    assert getattr(torch, "neuron", None) is None  # no TorchNeuron on this machine
+    with pytest.raises(ConfigError, match=r"RESIDENT_DEVICE=neuron needs TorchNeuron: torch-neuronx matching "
+                                          r"this torch .*Neuron SDK 2.33 or later, on a Trn2 or Trn3 .*no torch-neuronx"):
+        resolve_device("neuron")
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="RESIDENT_COMPILE_BACKEND=neuron needs TorchNeuron"):
+        check_backend("neuron")
+    with pytest.raises(ConfigError, match="RESIDENT_COMPILE_BACKEND=inductr: torch.compile has no such backend"):
+        check_backend("inductr")
+    check_backend("aot_eager")  # a backend this torch has
+    assert resolve_dtype("auto", SimpleNamespace(type="neuron")) == torch.bfloat16
+
+
+def test_auto_picks_a_neuroncore_where_torchneuron_has_one(monkeypatch):
+    from session.model import runner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "neuron", SimpleNamespace(is_available=lambda: True), raising=False)
+    monkeypatch.setattr(runner.torch, "device", lambda name: SimpleNamespace(type=name, index=None))
+    assert runner.resolve_device("auto").type == "neuron"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from session.model.kv_cache import PAD_BLOCK, BlockPool, StaticKVCache
+from session.model.kv_cache import PAD_BLOCK, STATIC_PAD_TOKENS, BlockPool, StaticKVCache
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, MAX = 2, 3, 4, 8, 20
 LAYOUT = {"head_major": True}  # the layout make_pool builds (the autouse fixture runs every test in both)
@@ -171,7 +171,7 @@ def test_host_copies_round_trip():
 def test_static_allocates_max_tokens_up_front_and_never_reallocates():
     cache = make(static=True)
     assert cache.capacity == MAX
-    assert cache.nbytes == expected_nbytes(MAX)
+    assert cache.nbytes == expected_nbytes(MAX + STATIC_PAD_TOKENS)  # and the positions padding rows write
     k_ptr, v_ptr = cache.k.data_ptr(), cache.v.data_ptr()
     for num_tokens in (1, 8, 9, 17, 20):
         cache.ensure_capacity(num_tokens)
