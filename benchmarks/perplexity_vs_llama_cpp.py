@@ -12,7 +12,7 @@ characters differently (the token counts are printed).
 Rows (ours | llama.cpp): float32 | f32; int8 (per-channel, float rows) | Q8_0; Q8_0 file, float rows and
 int8 rows | Q8_0; int4 in groups of 32 (the default) and of 64 (float rows) | Q4_1; Q4_1 file, float
 rows and int8 rows | Q4_1; the float32 checkpoint in compressed-tensors' W4A16 (groups of 64,
-model_store/build_compressed.py, served packed) | Q4_1.
+symmetric, and groups of 32 with zero points: model_store/build_compressed.py, served packed) | Q4_1.
 The files are benchmarks/vs_llama_cpp.py's (built there if absent).
 
 Run: python -m benchmarks.perplexity_vs_llama_cpp [--ctx 512] [--chunks 8] [--threads 2]
@@ -42,6 +42,7 @@ ROWS = [  # (label, RESIDENT_QUANTIZATION on the float32 checkpoint or None for 
     ("int4 (groups of 64), float rows", "int4", "Q4_1", False, 64),
     ("Q4_1 file, float rows", None, "Q4_1", False, 32), ("Q4_1 file, int8 rows", None, "Q4_1", True, 32),
     ("W4A16 checkpoint, float rows", "w4a16", "Q4_1", False, 32),  # compressed-tensors (build_compressed.py)
+    ("W4A16 asymmetric checkpoint, float rows", "w4a16-asym", "Q4_1", False, 32),
 ]
 
 
@@ -56,13 +57,16 @@ def model_for(row: tuple, model_path: Path, files: dict[str, Path]):
 
     _, method, kind, int8_rows, int4_group = row
     assert cpu_linear.INT8_KERNEL.load() and cpu_linear.INT4_KERNEL.load() and cpu_linear.Q8_KERNEL.load()
-    if method == "w4a16":
+    if method in ("w4a16", "w4a16-asym"):
         from model_store.build_compressed import build
         from session.model import compressed
 
-        folder = build(model_path, "w4a16")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        print(compressed.keep_packed(model, list(model.model.layers), "", int8_rows).describe(), file=sys.stderr)
+        folder = build(model_path, method)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                     **compressed.load_kwargs("compressed-tensors")).eval()
+        report = compressed.keep_packed(model, list(model.model.layers), str(folder), "compressed-tensors", "",
+                                        int8_rows)
+        print(report.describe(), file=sys.stderr)
         return model, AutoTokenizer.from_pretrained(folder)
     if method is not None:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

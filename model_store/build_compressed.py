@@ -23,7 +23,13 @@ Idempotent: a finished build has ``resident_build.json``, written last into a te
 Who calls this: tests (tests/integration/test_compressed_tensors.py, tests/unit/model/test_compressed.py)
 and ``benchmarks/perplexity_vs_llama_cpp.py``.
 
-Run: python -m model_store.build_compressed [--scheme w4a16] [--source models/smollm2-135m-instruct]
+``build_awq`` writes an AutoAWQ checkpoint (GEMM layout: ``qweight`` [in, out / 8] and ``qzeros``
+[groups, out / 8] in int32 with AutoAWQ's nibble order, ``scales`` [groups, out] in float16; w = (q - zero)
+scale, q and zero in 0..15), rounded to nearest per group with min-max zero points, for the AutoAWQ path
+(session/model/compressed.py converts it with compressed-tensors' AutoAWQConverter); AutoAWQ itself is
+deprecated and not installed.
+
+Run: python -m model_store.build_compressed [--scheme w4a16|awq] [--source models/smollm2-135m-instruct]
 """
 
 from __future__ import annotations
@@ -122,16 +128,83 @@ def build(source: Path, scheme: str, out: Path | None = None) -> Path:
     return target
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column each of an int32's 8 nibbles holds, low nibble first
+
+
+def awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] in 0..15 -> int32 [rows, cols / 8], AutoAWQ's GEMM packing (AWQ_ORDER)."""
+    rows, cols = values.shape
+    grouped = values.long().view(rows, cols // 8, 8)[..., list(AWQ_ORDER)]
+    packed = sum(grouped[..., i] << (4 * i) for i in range(8))
+    return (packed - (packed >= 2 ** 31).long() * 2 ** 32).to(torch.int32)  # the bit pattern, as int32
+
+
+def awq_quantize(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [out, in] -> q [in, out] and zeros [in / group, out] in 0..15, scales [in / group, out] float16."""
+    out_features, in_features = weight.shape
+    grouped = weight.float().view(out_features, in_features // group, group)
+    low, high = grouped.amin(dim=-1).clamp(max=0), grouped.amax(dim=-1).clamp(min=0)
+    scales = ((high - low) / 15).clamp(min=2 ** -14).half()  # float16's smallest normal: never 0
+    zeros = (-low / scales.float()).round().clamp(0, 15)
+    q = (grouped / scales.float()[..., None] + zeros[..., None]).round().clamp(0, 15)
+    return q.view(out_features, in_features).T.contiguous(), zeros.T.contiguous(), scales.T.contiguous()
+
+
+def awq_weights(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float64 weights [out, in] an AutoAWQ linear stands for: (q - zero) scale per group."""
+    group = q.shape[0] // scales.shape[0]
+    per_input = (lambda t: t.double().repeat_interleave(group, dim=0))
+    return ((q.double() - per_input(zeros)) * per_input(scales)).T.contiguous()
+
+
+def build_awq(source: Path, out: Path, group: int = 32) -> Path:
+    """``source`` (a float checkpoint folder) as an AutoAWQ GEMM checkpoint in ``out`` (every decoder
+    linear, the head left float, as AutoAWQ does) unless built already; returns the folder."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / MARKER).exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    for stale in (tmp, out):
+        shutil.rmtree(stale, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    tensors, modules = {}, 0
+    for name, tensor in model.state_dict().items():
+        module = name.removesuffix(".weight")
+        if ".layers." in name and name.endswith(".weight") and tensor.dim() == 2 and "embed" not in name:
+            q, zeros, scales = awq_quantize(tensor, group)
+            tensors |= {f"{module}.qweight": awq_pack(q), f"{module}.qzeros": awq_pack(zeros),
+                        f"{module}.scales": scales}
+            modules += 1
+        else:
+            tensors[name] = tensor.contiguous()
+    model.config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                        "version": "gemm", "modules_to_not_convert": None}
+    tmp.mkdir(parents=True)
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+    (tmp / MARKER).write_text(json.dumps({"source": str(source), "scheme": f"awq-g{group}", "modules": modules},
+                                         indent=2))
+    tmp.rename(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, default=Path("models") / "smollm2-135m-instruct")
-    parser.add_argument("--scheme", choices=sorted(SCHEMES), default="w4a16")
+    parser.add_argument("--scheme", choices=sorted(SCHEMES) + ["awq"], default="w4a16")
     args = parser.parse_args(argv)
     if not (args.source / "config.json").exists() and args.source.name == "smollm2-135m-instruct":
         from model_store.build_smollm2 import build as build_smollm2
 
         build_smollm2(args.source.parent)
-    print(f"{build(args.source, args.scheme)} ready")
+    if args.scheme == "awq":
+        print(f"{build_awq(args.source, args.source.with_name(args.source.name + '-awq'))} ready")
+    else:
+        print(f"{build(args.source, args.scheme)} ready")
     return 0
 
 

@@ -285,7 +285,8 @@ class BatchedPath(PerRowPath):
         the row's own blocks past its new length (stale there, overwritten later) and come after every
         real query of the row, so none attends to them."""
         width = max(len(row) for row in token_rows)
-        if not (one_pool(kvs) and all(kv.length + width <= kv.max_tokens for kv in kvs)):
+        if not (one_pool(kvs) and all(kv.length + width <= kv.max_tokens for kv in kvs)
+                and padding_fits(kvs, lengths, width)):
             return super().extend(kvs, token_rows, lengths, adapter_slots)
         for kv, length in zip(kvs, lengths):
             kv.ensure_capacity(length + width)
@@ -293,6 +294,15 @@ class BatchedPath(PerRowPath):
         runner = self.runner
         plan = torch.tensor([[*ids, *row] for ids, row in zip(padded, plan_rows(kvs, width))], device=runner.device)
         return runner.forward_paged(kvs[0].pool, columns(plan, 0, width), to_batch(plan[:, width:], width))
+
+
+def padding_fits(kvs: list[PagedKVCache], lengths: list[int], width: int) -> bool:
+    """Can every row hold ``width`` positions from its length (padding included) without a fixed pool
+    growing? Rows padded past what their turn reserved take blocks the memory manager did not count."""
+    pool = kvs[0].pool
+    missing = sum(max(0, -(-(length + width) // pool.block_tokens) - len(kv.block_ids))
+                  for kv, length in zip(kvs, lengths))
+    return not pool.fixed or missing <= pool.available
 
 
 def step_inputs(runner: Layers, token_ids: list[int], lengths: list[int], offsets: torch.Tensor | None):

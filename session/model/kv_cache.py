@@ -495,13 +495,17 @@ class PagedKVCache:
             return
         tail = self.block_ids[cut:]
         self.block_ids = self.block_ids[:cut]
-        if cut == keep and self.length % size and self.pool.fixed and not self.pool.available:
+        if not (cut == keep and self.length % size):
+            self.pool.free(tail)
+            return
+        self.pool.free(tail[1:])  # first: a private block given back is one to copy into
+        if self.pool.fixed and not self.pool.available:
             self.length = keep * size  # a full fixed pool: the partly kept block's positions are given up too
-        elif cut == keep and self.length % size:  # the partly kept block: its kept positions, copied
+        else:  # the partly kept block: its kept positions, copied
             [copy] = self.pool.allocate(1)
             self.pool.copy_block(tail[0], copy)
             self.block_ids.append(copy)
-        self.pool.free(tail)
+        self.pool.free(tail[:1])
 
     def release(self) -> None:
         """Give every block back to the pool; a later ``ensure_capacity`` takes blocks again."""
@@ -519,10 +523,11 @@ class PagedKVCache:
         session restored from the host tier holds what others hold once). Returns the tokens shared."""
         length = k.shape[2]
         shared = 0
+        reserved = self.capacity  # what the turn took (the memory manager made room for it)
         if keys:
             self.release()  # the capacity taken for the turn: taken again past the shared prefix
             shared = self.share_prefix(list(keys[:length // self.block_tokens]))
-        self.ensure_capacity(length)
+        self.ensure_capacity(max(length, min(reserved, self.max_tokens)))
         if shared < length:
             self.pool.store(to_device(self.slots(shared, length), self.device), k[:, :, shared:], v[:, :, shared:])
         self.length = length

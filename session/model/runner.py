@@ -12,6 +12,7 @@ Who calls this: the engine loop thread only. Nothing here is thread-safe.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -137,9 +138,12 @@ class ModelRunner:
         self.checkpoint = locate(model_path)  # a Hugging Face folder or a GGUF file (session/checkpoints.py)
         if self.checkpoint is None:
             raise ConfigError(f"no Hugging Face checkpoint or GGUF file at {model_path!r}")
+        self.integer_method = None  # an integer checkpoint's quant_method (set by _load: session/model/compressed.py)
+        self.weights_folder = self.checkpoint.folder  # where the weights are read from (an AutoAWQ one: converted)
         with reading_once():  # a GGUF file: parsed once for the config, the weights and its blocks
             hf_config = AutoConfig.from_pretrained(self.checkpoint.folder, **self.checkpoint.kwargs)
             check_supported(hf_config)  # refuse, naming the feature, before any weight is read
+            compressed.check_loadable(hf_config)
             self.hf_config = hf_config
             self.family = family_of(hf_config.model_type)  # known: check_supported passed
             self.is_multimodal = self.family.multimodal
@@ -177,7 +181,7 @@ class ModelRunner:
         """RESIDENT_QUANTIZATION: the decoder layers' linears weight-only int8 or int4 (session/model/quantize.py),
         once, at load; its QuantizationReport, or None for "none" (the float checkpoint as loaded). A GGUF
         file's quantized linears are kept packed first (session/model/gguf.py; "none" dequantizes them),
-        and so are a compressed-tensors checkpoint's (session/model/compressed.py): int8 or int4 then
+        and so are a compressed-tensors or AutoAWQ checkpoint's (session/model/compressed.py): int8 or int4 then
         quantize only what they left float. RESIDENT_ACTIVATIONS: whether all of them
         multiply float32 rows or rows quantized to int8 (as llama.cpp does; where that kernel builds).
         ``int4_group``: RESIDENT_INT4_GROUP, the largest input group int4 makes."""
@@ -187,9 +191,10 @@ class ModelRunner:
         if self.checkpoint.gguf_path is not None and method != "none":
             self.gguf = gguf.keep_packed(self.model, self.layers, self.checkpoint.gguf_path, why, int8_rows)
             logger.info(self.gguf.describe())
-        if compressed.is_compressed(self.model):  # decompressed wherever not kept: the layers never call forward
+        if self.integer_method is not None:  # loaded dequantized: our kernels take the file's integers
             why = "RESIDENT_QUANTIZATION=none" if method == "none" else why
-            self.compressed = compressed.keep_packed(self.model, self.layers, why, int8_rows)
+            self.compressed = compressed.keep_packed(self.model, self.layers, self.weights_folder,
+                                                     self.integer_method, why, int8_rows)
             logger.info(self.compressed.describe())
         if method in ("none", "auto"):
             return None
@@ -252,7 +257,14 @@ class ModelRunner:
         import transformers
 
         cls = getattr(transformers, family_of(hf_config.model_type).hf_class)
-        model = cls.from_pretrained(self.checkpoint.folder, dtype=self.dtype, **self.checkpoint.kwargs)
+        method = compressed.quant_method(hf_config)
+        self.integer_method = method if method in ("compressed-tensors", "awq") else None
+        if self.integer_method == "awq":
+            self.weights_folder = compressed.convert_awq(self.checkpoint.folder, hf_config)
+        with warnings.catch_warnings():  # transformers notes that dequantize=True overrides the file's config
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            model = cls.from_pretrained(self.weights_folder, dtype=self.dtype, **self.checkpoint.kwargs,
+                                        **compressed.load_kwargs(self.integer_method))
         return model.to(self.device).eval().requires_grad_(False)
 
     def _info(self, hf_config, text_config) -> ModelInfo:

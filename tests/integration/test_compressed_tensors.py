@@ -5,8 +5,8 @@ float32 checkpoint by model_store/build_compressed.py with the compressed-tensor
 With RESIDENT_QUANTIZATION=auto its 210 linears run on our int4 kernel from the checkpoint's own
 integers. A 3-turn session and a stateless request answer token for token what transformers'
 ``generate`` gives over the same model: transformers' compressed-tensors load with ``keep_packed``
-applied. With RESIDENT_QUANTIZATION=none the library decompresses every linear to float, and the
-engine answers as transformers does when it decompresses them itself (on the first forward)."""
+applied. With RESIDENT_QUANTIZATION=none every linear stays as the library dequantized it, and the
+engine answers as transformers does when the library decompresses them on its first forward."""
 
 from __future__ import annotations
 
@@ -39,18 +39,19 @@ def engine(checkpoint):
     engine.stop()
 
 
-def transformers_model(checkpoint):
+def transformers_model(checkpoint, **kwargs):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, **kwargs).eval()
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint, engine):
     """transformers' model of the checkpoint, its linears replaced as the engine's runner replaces them
     (after the engine: its start-up loaded our kernels)."""
-    model = transformers_model(checkpoint)
-    assert compressed.keep_packed(model, list(model.model.layers), "").num_kept == 210
+    model = transformers_model(checkpoint, **compressed.load_kwargs("compressed-tensors"))
+    report = compressed.keep_packed(model, list(model.model.layers), str(checkpoint), "compressed-tensors", "")
+    assert report.num_kept == 210
     return model
 
 
@@ -75,7 +76,8 @@ def test_the_checkpoints_integers_run_on_our_kernels(engine):
     for linear in (runner.layers[0].self_attn.q_proj, runner.layers[29].mlp.down_proj):
         assert isinstance(linear, QuantizedLinear) and linear.ours and linear.group_size == 64
     assert runner.path.fused is not None and runner.path.stack is not None  # the C++ decode layer and step
-    assert "210 int4 (groups of 64)" in report.describe()
+    assert "compressed-tensors checkpoint, kept packed on our kernels (float32 inputs): 210 int4 (groups of 64)" \
+        in report.describe()
 
 
 def test_three_turn_session_equals_generate_over_the_same_integers(engine, tokenizer, reference):

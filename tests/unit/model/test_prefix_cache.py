@@ -239,3 +239,33 @@ def test_the_memory_manager_makes_room_in_each_fixed_pool():
     assert (target.num_grows, draft.num_grows) == (0, 0)
     with pytest.raises(CapacityExceeded):  # more than a pool holds, with no session left to demote
         memory.reserve(newcomer, target.block_nbytes, [(target, 4)])
+
+
+def test_crop_on_a_full_fixed_pool_copies_into_a_block_it_gives_back():
+    """The rollback's own private tail frees a block first: the kept positions are copied, not lost."""
+    p = pool(num_blocks=4)  # 3 usable blocks
+    p.fixed = True
+    owner = p.new_cache(64)
+    fill(owner, list(range(8)))
+    owner.publish(block_keys(list(range(8)), 4))
+    other = p.new_cache(64)
+    other.share_prefix(block_keys(list(range(8)) + [1], 4))
+    fill(other, [50, 51, 52])  # a private third block: the pool is full
+    assert p.available == 0
+    other.crop(6)
+    assert other.length == 6 and stored(other) == [0, 1, 2, 3, 4, 5] and stored(owner) == list(range(8))
+    assert other.block_ids[0] == owner.block_ids[0] and other.block_ids[1] not in owner.block_ids
+    assert p.num_blocks == 4 and p.check([owner.block_ids, other.block_ids]) == []
+
+
+def test_a_restore_sharing_a_prefix_keeps_the_capacity_its_turn_reserved():
+    p = pool(num_blocks=16)
+    p.fixed = True
+    kv = p.new_cache(64)
+    fill(kv, list(range(10)))
+    kv.publish(block_keys(list(range(10)), 4))
+    host = kv.to_host()
+    restored = p.new_cache(64)
+    restored.ensure_capacity(20)  # what the memory manager made room for: the turn's whole length
+    assert restored.load(*host, keys=block_keys(list(range(10)), 4)) == 8
+    assert restored.capacity == 20 and restored.length == 10 and stored(restored) == list(range(10))
