@@ -153,8 +153,8 @@ def awq_quantize(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
 def awq_weights(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The float64 weights [out, in] an AutoAWQ linear stands for: (q - zero) scale per group."""
     group = q.shape[0] // scales.shape[0]
-    per_input = (lambda t: t.double().repeat_interleave(group, dim=0))
-    return ((q.double() - per_input(zeros)) * per_input(scales)).T.contiguous()
+    zeros, scales = (t.double().repeat_interleave(group, dim=0) for t in (zeros, scales))  # per input
+    return ((q.double() - zeros) * scales).T.contiguous()
 
 
 def build_awq(source: Path, out: Path, group: int = 32) -> Path:

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from session.errors import ConfigError
-from session.model.quantize import QuantizedLinear, dequantize_int8, model_bytes, target_linears
+from session.model.quantize import QuantizedLinear, dequantize_int8, model_bytes
 
 KERNEL_GROUPS = (32, 64, 128)  # int4 groups our kernel takes as they are; others a multiple of 32 are regrouped
 CACHE_ENV = "RESIDENT_CONVERTED_DIR"  # where converted AutoAWQ checkpoints are kept
