@@ -93,6 +93,15 @@ def observe(model) -> int:
     return count
 
 
+def staging(target: Path) -> Path:
+    """A fresh temporary folder beside ``target``, renamed to it when whole (what an interrupted build
+    left, there or in ``target`` without its marker, is removed first)."""
+    tmp = target.with_name(target.name + ".tmp")
+    for stale in (tmp, target):
+        shutil.rmtree(stale, ignore_errors=True)
+    return tmp
+
+
 def compress(model, scheme: str):
     """``model``'s linears but the head quantized in ``scheme`` and compressed, in place, as a loaded
     compressed-tensors checkpoint holds them; (the compressor, how many modules)."""
@@ -115,9 +124,7 @@ def build(source: Path, scheme: str, out: Path | None = None) -> Path:
     target = out or source.with_name(f"{source.name}-{scheme}")
     if (target / MARKER).exists():
         return target
-    tmp = target.with_name(target.name + ".tmp")
-    for stale in (tmp, target):
-        shutil.rmtree(stale, ignore_errors=True)
+    tmp = staging(target)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     compressor, modules = compress(model, scheme)
     model.save_pretrained(tmp)
@@ -165,9 +172,7 @@ def build_awq(source: Path, out: Path, group: int = 32) -> Path:
 
     if (out / MARKER).exists():
         return out
-    tmp = out.with_name(out.name + ".tmp")
-    for stale in (tmp, out):
-        shutil.rmtree(stale, ignore_errors=True)
+    tmp = staging(out)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     tensors, modules = {}, 0
     for name, tensor in model.state_dict().items():
