@@ -7,7 +7,7 @@ one launch. Capture needs fixed shapes and addresses, so a step is padded to buc
 - block tables to the next power of two of blocks (up to the sessions' context window), so short
   contexts do not pay for the longest one.
 The inputs of a step (token ids, positions, slots, lengths, block tables) are one int64 ``plan``
-buffer per graph: a step copies one host tensor into it and replays. Activations live in one
+buffer per graph: a step copies one pinned host tensor into it without blocking, and replays. Activations live in one
 memory pool shared by all graphs, so nothing is allocated on the device per step but the [B, V]
 logits handed back (a copy: the graph's output buffer is overwritten by the next replay).
 
@@ -112,7 +112,9 @@ class DecodeGraphs:
         num_rows, num_blocks = key
         rows = [[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1, num_blocks))]
         rows += [[0, *pad_row(1, num_blocks, pool.block_tokens)]] * (num_rows - len(kvs))
-        captured.plan.copy_(torch.tensor(rows))  # on the device's current stream, then the replay on it too
+        # from pinned memory without blocking, on the device's current stream, then the replay on it too (a
+        # pageable source would make the host wait for the copy; the pinned block is reused only after it)
+        captured.plan.copy_(torch.tensor(rows).pin_memory(), non_blocking=True)
         captured.graph.replay()
         return captured.logits[: len(kvs)].clone()
 

@@ -186,8 +186,9 @@ class FakeRunner:
 
 
 @pytest.fixture
-def cpu_tensors(monkeypatch) -> list:
-    """torch.tensor(..., device=cuda:1) made on the CPU; the devices asked for, in order."""
+def cpu_tensors(monkeypatch, cuda) -> list:
+    """torch.tensor(..., device=cuda:1) made on the CPU; the devices asked for, in order. Pinning a
+    host tensor is noted in the fake's calls ("pin_memory") and leaves it as it is."""
     devices = []
     make = torch.tensor
 
@@ -195,7 +196,12 @@ def cpu_tensors(monkeypatch) -> list:
         devices.append(index_of(device) if device is not None else "host")
         return make(data, **kwargs)
 
+    def pin_memory(self, *args, **kwargs):
+        cuda.calls.append(("pin_memory",))
+        return self
+
     monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     return devices
 
 
@@ -222,6 +228,7 @@ def test_graphs_are_captured_on_a_stream_of_cuda_1(cuda, cpu_tensors):
     assert [call for call in cuda.calls if call[0] == "replay"] == [("replay", "current")] * 3
     assert set(named_gpus(cuda.calls)) == {1}, cuda.calls
     assert [d for d in cpu_tensors if d != "host"] == [1, 1]  # the two graphs' plans, on cuda:1
+    assert cuda.calls.count(("pin_memory",)) == 3  # each step's plan copied in from pinned memory
     assert logits.shape == (1, VOCAB)
 
 
