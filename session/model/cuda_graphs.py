@@ -11,7 +11,10 @@ buffer per graph: a step copies one pinned host tensor into it without blocking,
 memory pool shared by all graphs, so nothing is allocated on the device per step but the [B, V]
 logits handed back (a copy: the graph's output buffer is overwritten by the next replay).
 
-Graphs hold the base model: a step with LoRA rows runs eagerly (the adapter mix is host state).
+Graphs hold the base model: a step with LoRA rows runs eagerly (the adapter mix is host state). An
+M-RoPE model's graphs (Qwen2-VL, Qwen2.5-VL) carry each row's rope delta as the plan's last column:
+a generated token is text, at the same position in all three rotary rows, so the delta is all a
+decode step adds to its plain position.
 Every graph is captured at start-up (``capture_all``), largest first; a step whose graph is missing
 captures it then. A pool that grew (session/model/kv_cache.py; not on CUDA, where the pool is
 reserved from the budget) moved its tensors, so every graph is captured again.
@@ -72,6 +75,7 @@ class DecodeGraphs:
     def __init__(self, runner, batch_buckets: tuple[int, ...]):
         self.runner = runner
         self.batch_buckets = tuple(batch_buckets)
+        self.offsets = bool(getattr(runner, "mrope", False))  # M-RoPE: each row's rope delta, in the plan
         self.graphs: dict[tuple[int, int], Captured] = {}
         self.memory = torch.cuda.graph_pool_handle()
         # one capture stream for every graph: graphs sharing a memory pool are to be captured on the same
@@ -99,8 +103,9 @@ class DecodeGraphs:
     def fits(self, kvs: list[PagedKVCache]) -> bool:
         return graph_key(kvs, self.batch_buckets) is not None
 
-    def run(self, kvs: list[PagedKVCache], token_ids: list[int]) -> torch.Tensor:
-        """Decode one token for each row (caches already sized) by replaying the step's graph; logits [B, V]."""
+    def run(self, kvs: list[PagedKVCache], token_ids: list[int], offsets: list[int] | None = None) -> torch.Tensor:
+        """Decode one token for each row (caches already sized) by replaying the step's graph; logits [B, V].
+        ``offsets``: each row's M-RoPE rope delta (graphs of an M-RoPE model take them; None: 0)."""
         pool = kvs[0].pool
         if pool.k.data_ptr() != self.pool_address:
             self.graphs.clear()
@@ -109,9 +114,7 @@ class DecodeGraphs:
         captured = self.graphs.get(key)
         if captured is None:
             captured = self.graphs[key] = self._capture(pool, *key)
-        num_rows, num_blocks = key
-        rows = [[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1, num_blocks))]
-        rows += [[0, *pad_row(1, num_blocks, pool.block_tokens)]] * (num_rows - len(kvs))
+        rows = graph_rows(kvs, token_ids, offsets if self.offsets else None, *key, self.offsets)
         # from pinned memory without blocking, on the device's current stream, then the replay on it too (a
         # pageable source would make the host wait for the copy; the pinned block is reused only after it)
         captured.plan.copy_(torch.tensor(rows).pin_memory(), non_blocking=True)
@@ -122,10 +125,11 @@ class DecodeGraphs:
         logger.info("capturing the decode step as a CUDA graph: %d rows, %d blocks of %d tokens", num_rows,
                     num_blocks, pool.block_tokens)
         runner = self.runner
-        plan = torch.tensor([[0, *pad_row(1, num_blocks, pool.block_tokens)]] * num_rows, device=runner.device)
+        plan = torch.tensor(graph_rows([], [], None, num_rows, num_blocks, self.offsets, pool.block_tokens),
+                            device=runner.device)
 
         def step() -> torch.Tensor:
-            return runner.forward_paged(pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1))[:, 0]
+            return graph_step(runner, pool, plan, self.offsets)
 
         device, stream = runner.device, self.stream
         # the device guard: torch.cuda.graph synchronizes and empties the cache of the current device, and
@@ -139,3 +143,23 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.memory, stream=stream):
                 logits = step()
         return Captured(graph, plan, logits)
+
+
+def graph_rows(kvs: list[PagedKVCache], token_ids: list[int], offsets: list[int] | None, num_rows: int,
+               num_blocks: int, with_offsets: bool, block_tokens: int | None = None) -> list[list[int]]:
+    """A graph's plan on the host: per row [token id, *plan_rows' row (T = 1, ``num_blocks`` wide)], then
+    (``with_offsets``, an M-RoPE model's graphs) its rope delta; padding rows up to ``num_rows``."""
+    block_tokens = block_tokens or kvs[0].block_tokens
+    rows = [[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1, num_blocks))] if kvs else []
+    rows += [[0, *pad_row(1, num_blocks, block_tokens)]] * (num_rows - len(kvs))
+    if not with_offsets:
+        return rows
+    deltas = list(offsets or [0] * len(kvs)) + [0] * (num_rows - len(kvs))
+    return [[*row, delta] for row, delta in zip(rows, deltas)]
+
+
+def graph_step(runner, pool: BlockPool, plan: torch.Tensor, with_offsets: bool) -> torch.Tensor:
+    """The decode step a graph captures, over its ``plan`` (``graph_rows``) -> logits [rows, V]."""
+    width = plan.shape[1] - with_offsets
+    deltas = columns(plan, width, width + 1)[:, 0] if with_offsets else None
+    return runner.forward_paged(pool, columns(plan, 0, 1), to_batch(plan[:, 1:width], 1), deltas)[:, 0]

@@ -68,8 +68,9 @@ class PerRowPath:
         self.runner = runner
 
     def decode(self, kvs: list[KVCache], token_ids: list[int], lengths: list[int],
-               offsets: torch.Tensor | None, adapter_slots: list[int] | None) -> torch.Tensor:
-        """logits [B, V]: token_ids[b] fed at position lengths[b] (+ offsets[b]) of kvs[b]."""
+               offsets: list[int] | None, adapter_slots: list[int] | None) -> torch.Tensor:
+        """logits [B, V]: token_ids[b] fed at position lengths[b] (+ offsets[b], M-RoPE rope deltas, host
+        values) of kvs[b]."""
         runner = self.runner
         h, cos, sin = step_inputs(runner, token_ids, lengths, offsets)
         gqa = runner.info.num_heads != runner.info.num_kv_heads
@@ -205,7 +206,7 @@ class CpuKernelPath(PerRowPath):
         return logits
 
     def decode_rows(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
-                    offsets: torch.Tensor | None) -> torch.Tensor:
+                    offsets: list[int] | None) -> torch.Tensor:
         """Row b feeds token_ids[b] at position lengths[b] of kvs[b]'s sequence; a sequence may own several
         rows at consecutive positions (``extend``): each attends up to its own position, as its decode step
         would, and every linear sums as for one row (session/model/cpu/linear.py). -> logits [B, V]."""
@@ -274,11 +275,14 @@ class BatchedPath(PerRowPath):
     def decode(self, kvs, token_ids, lengths, offsets, adapter_slots):
         if not one_pool(kvs):
             return super().decode(kvs, token_ids, lengths, offsets, adapter_slots)
-        if self.graphs is not None and not any(adapter_slots or ()) and offsets is None and self.graphs.fits(kvs):
-            return self.graphs.run(kvs, token_ids)  # graphs hold the base model at plain positions only
+        graphs = self.graphs
+        if (graphs is not None and not any(adapter_slots or ()) and (offsets is None or graphs.offsets)
+                and graphs.fits(kvs)):
+            return graphs.run(kvs, token_ids, offsets)  # graphs hold the base model (M-RoPE offsets in the plan)
         runner = self.runner
         plan = torch.tensor([[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1))], device=runner.device)
-        return runner.forward_paged(kvs[0].pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1), offsets)[:, 0]
+        deltas = None if offsets is None else torch.tensor(offsets, device=runner.device)
+        return runner.forward_paged(kvs[0].pool, columns(plan, 0, 1), to_batch(plan[:, 1:], 1), deltas)[:, 0]
 
     def extend(self, kvs, token_rows, lengths, adapter_slots):
         """One ``forward_paged`` call: shorter rows padded to T with their last token, whose keys land in
@@ -305,13 +309,12 @@ def padding_fits(kvs: list[PagedKVCache], lengths: list[int], width: int) -> boo
     return not pool.fixed or missing <= pool.available
 
 
-def step_inputs(runner: Layers, token_ids: list[int], lengths: list[int], offsets: torch.Tensor | None):
-    """A decode step's embeddings h [B, 1, D] and rotary cos/sin at positions lengths[b] (+ offsets)."""
+def step_inputs(runner: Layers, token_ids: list[int], lengths: list[int], offsets: list[int] | None):
+    """A decode step's embeddings h [B, 1, D] and rotary cos/sin at positions lengths[b] (+ offsets[b])."""
     ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
     h = runner.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
-    positions = torch.tensor(lengths, device=runner.device)
-    if offsets is not None:
-        positions = positions + offsets
+    rotary = lengths if offsets is None else [n + delta for n, delta in zip(lengths, offsets)]
+    positions = torch.tensor(rotary, device=runner.device)
     cos, sin = runner.lm.rotary_emb(h, positions[:, None])
     return h, cos, sin
 

@@ -440,7 +440,7 @@ class ModelRunner:
         for kv, length in zip(kvs, lengths):
             kv.ensure_capacity(length + 1)
         self.set_adapters(adapter_slots)
-        offsets = None if not any(position_offsets or ()) else torch.tensor(position_offsets, device=self.device)
+        offsets = list(position_offsets) if any(position_offsets or ()) else None  # host values: see the paths
         logits = self.path.decode(kvs, token_ids, lengths, offsets, adapter_slots)
         for kv, length in zip(kvs, lengths):
             kv.length = length + 1

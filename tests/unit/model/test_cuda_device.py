@@ -180,7 +180,7 @@ class FakeRunner:
         self.device = torch.device("cuda", 1)
         self.forwards: list[tuple[FakeStream | None, bool]] = []  # (stream, captured)
 
-    def forward_paged(self, pool, ids, batch):
+    def forward_paged(self, pool, ids, batch, position_offsets=None):
         self.forwards.append((self.cuda.active, self.cuda.capturing is not None))
         return torch.arange(ids.shape[0] * VOCAB, dtype=torch.float32).view(-1, 1, VOCAB)  # [B, 1, V]
 
@@ -277,3 +277,31 @@ def test_no_graph_gathers_more_blocks_than_the_pool_holds_and_such_a_step_runs_e
     for kv in kvs[1:]:
         kv.ensure_capacity(1)
     assert not graphs.fits(kvs) and graphs.fits(kvs[:2])  # the eager path takes it (ModelRunner.decode)
+
+
+def test_an_m_rope_models_graph_plan_carries_each_rows_rope_delta():
+    """The graph step over its plan (run eagerly here, on the CPU) gives what the eager decode step
+    gives Qwen2-VL sessions with different rope deltas; padding rows add nothing."""
+    from model_store.build_qwen_vl import ensure
+    from session.model.cuda_graphs import graph_rows, graph_step
+    from session.model.runner import ModelRunner
+
+    runner = ModelRunner(str(ensure(["qwen2_vl"])["qwen2_vl"]), device="cpu", cpu_kernels=False)
+    runner.configure_decode("batched")
+    assert runner.mrope
+    kvs = [runner.new_kv_cache(block_tokens=8, max_tokens=64) for _ in range(2)]
+    kvs[0].pool.reserve(32)
+    for kv, ids in zip(kvs, ([3, 4, 5, 6, 7], [8, 9, 10])):
+        runner.prefill(kv, runner.embed(ids, []))
+    for kv in kvs:
+        kv.ensure_capacity(kv.length + 1)
+    rows = graph_rows(kvs, [11, 12], [-40, 7], 4, 2, True)
+    assert [row[-1] for row in rows] == [-40, 7, 0, 0] and len(rows[0]) == 1 + 1 + 1 + 2 + 1
+    lengths = [kv.length for kv in kvs]
+    graphed = graph_step(runner, kvs[0].pool, torch.tensor(rows), True)[:2]
+    for kv, length in zip(kvs, lengths):
+        kv.length = length  # the graph step wrote the same keys where the eager step writes them
+    eager = runner.decode(kvs, [11, 12], position_offsets=[-40, 7])
+    assert torch.allclose(graphed, eager, atol=1e-5, rtol=1e-5)
+    plain = graph_step(runner, kvs[0].pool, torch.tensor(graph_rows(kvs, [11, 12], None, 2, 2, False)), False)
+    assert not torch.allclose(plain, eager, atol=1e-3)  # without the deltas: other positions, other logits
