@@ -34,6 +34,16 @@ def stored(kv) -> list[int]:
     return [int(x) for x in kv.keys(0, kv.length)[0, :, 0].tolist()]
 
 
+def sharing_pair(p: BlockPool):
+    """An owner that wrote and published 8 tokens (2 blocks), and another cache holding both blocks."""
+    owner = p.new_cache(64)
+    fill(owner, list(range(8)))
+    owner.publish(block_keys(list(range(8)), 4))
+    other = p.new_cache(64)
+    other.share_prefix(block_keys(list(range(8)) + [1], 4))
+    return owner, other
+
+
 # ---------------------------------------------------------------- keys
 
 
@@ -100,11 +110,7 @@ def test_released_published_blocks_go_idle_and_are_found_again_then_evicted_tail
 
 def test_crop_into_a_shared_block_copies_it_first():
     p = pool()
-    owner = p.new_cache(64)
-    fill(owner, list(range(8)))
-    owner.publish(block_keys(list(range(8)), 4))
-    other = p.new_cache(64)
-    other.share_prefix(block_keys(list(range(8)) + [1], 4))
+    owner, other = sharing_pair(p)
     assert other.length == 8
     other.crop(6)  # a rollback into block 1, which the owner also holds
     assert other.block_ids[0] == owner.block_ids[0] and other.block_ids[1] != owner.block_ids[1]
@@ -206,11 +212,7 @@ def test_crop_into_a_shared_block_of_a_full_fixed_pool_ends_before_it():
     """No block to copy the kept positions into: the cache ends at the block before (never grows)."""
     p = pool(num_blocks=3)
     p.fixed = True
-    owner = p.new_cache(64)
-    fill(owner, list(range(8)))
-    owner.publish(block_keys(list(range(8)), 4))
-    other = p.new_cache(64)
-    other.share_prefix(block_keys(list(range(8)) + [1], 4))
+    owner, other = sharing_pair(p)
     other.crop(6)
     assert (other.length, other.block_ids, p.num_blocks) == (4, owner.block_ids[:1], 3)
     assert stored(other) == [0, 1, 2, 3] and stored(owner) == list(range(8))
@@ -245,11 +247,7 @@ def test_crop_on_a_full_fixed_pool_copies_into_a_block_it_gives_back():
     """The rollback's own private tail frees a block first: the kept positions are copied, not lost."""
     p = pool(num_blocks=4)  # 3 usable blocks
     p.fixed = True
-    owner = p.new_cache(64)
-    fill(owner, list(range(8)))
-    owner.publish(block_keys(list(range(8)), 4))
-    other = p.new_cache(64)
-    other.share_prefix(block_keys(list(range(8)) + [1], 4))
+    owner, other = sharing_pair(p)
     fill(other, [50, 51, 52])  # a private third block: the pool is full
     assert p.available == 0
     other.crop(6)
