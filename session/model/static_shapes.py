@@ -12,9 +12,12 @@ buckets, and there are few of them:
   prefill a step feeds) and attends over ``L`` under a mask, so its graph depends on ``(T, L)``. A
   prompt longer than the largest bucket, or one whose padding would pass the buffer, runs in pieces
   that are each a bucket (``_piece``), so no step ever has a shape outside the buckets;
-- a decode step pads the batch to a batch bucket ``B`` (padding rows write into a scratch cache)
-  and writes the new keys/values at per-row positions given as a tensor (``index_copy_``), so its
-  graph depends on ``(B, L)``.
+- a decode step pads the batch to a batch bucket ``B`` (padding rows read the first row's cache)
+  and its graph depends on ``(B, L)``. The graph only reads the caches: it attends over each row's
+  cached positions and, apart, its new key, and returns the new keys/values, which the caller
+  writes. A graph that mutated its inputs would be compiled for one aliasing of them (torch 2.13's
+  AOTAutograd bakes which inputs share storage into the graph, with no guard: compiled with aliased
+  padding rows and run with distinct sessions, it wrote the wrong rows).
 With compilation on, ``compile_all`` runs every (T, L) and (B, L) once at start-up, largest first, so
 serving never compiles (a persistent compile cache makes later start-ups fast: TorchNeuron's, or
 inductor's). This module is the one place with device-specific compilation choices (``compile_step``).
@@ -84,7 +87,7 @@ class StaticShapeRunner:
     """Prefill and batched decode with bucketed, fixed shapes over static KV caches.
 
     Who calls this: the engine loop thread, instead of ``ModelRunner.prefill/decode``, when
-    ``static_kv`` is configured. Owns a scratch cache for padding rows.
+    ``static_kv`` is configured.
     """
 
     def __init__(self, runner: ModelRunner, capacity: int, *, batch_buckets=DEFAULT_BATCH_BUCKETS,
@@ -95,7 +98,6 @@ class StaticShapeRunner:
         # the longest prefill a step feeds (RESIDENT_STEP_TOKEN_BUDGET): longer ones run in pieces
         self.prompt_buckets = power_buckets(min(capacity, max_prompt_tokens or capacity), smallest=PAD_TOKENS)
         self.kv_buckets = kv_buckets(capacity)
-        self.scratch = runner.new_kv_cache(block_tokens=capacity, max_tokens=capacity, static=True)
         self.compiled = compile
         self._decode = compile_step(self._decode_graph, runner.device, compile, compile_backend)
         self._prefill = compile_step(self._prefill_graph, runner.device, compile, compile_backend)
@@ -116,9 +118,11 @@ class StaticShapeRunner:
 
     @torch.inference_mode()
     def compile_all(self) -> int:
-        """Run every shape once on the scratch cache (start-up, when compiling: serving then never
-        compiles); how many. Its keys and values are padding rows' and never read unmasked."""
-        scratch, hidden = self.scratch, self.runner.info.hidden_size
+        """Run every shape once on a scratch cache, freed after (start-up, when compiling: serving then
+        never compiles); how many."""
+        with torch.inference_mode(False):  # a tensor as the sessions' caches are (dynamo guards its dispatch keys)
+            scratch = self.runner.new_kv_cache(block_tokens=self.capacity, max_tokens=self.capacity, static=True)
+        hidden = self.runner.info.hidden_size
         device, dtype = self.runner.device, self.runner.dtype
         self.runner.set_adapters(None)
         for kind, size, length in self.all_shapes():
@@ -209,37 +213,53 @@ class StaticShapeRunner:
         device = self.runner.device
         ids = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=device)
         positions = torch.tensor([kv.length for kv in kvs] + [0] * pad, dtype=torch.long, device=device)
-        caches = kvs + [self.scratch] * pad
+        caches = kvs + kvs[:1] * pad  # padding rows read the first row's cache (the graph never writes it)
         self.graph_shapes.add(("decode", bucket, length))
         self.runner.set_adapters(None if adapter_slots is None else list(adapter_slots) + [0] * pad)
-        logits = self._decode(ids, positions, [c.k[:, :, :length] for c in caches],
-                              [c.v[:, :, :length] for c in caches])  # [B, V]
-        for kv in kvs:
+        logits, new_k, new_v = self._decode(ids, positions, [c.k[:, :, :length] for c in caches],
+                                            [c.v[:, :, :length] for c in caches])  # [B, V], [layers, B, KVH, hd]
+        for row, kv in enumerate(kvs):
+            kv.k[:, :, kv.length] = new_k[:, row]
+            kv.v[:, :, kv.length] = new_v[:, row]
             kv.length += 1
         return logits[:num_rows]
 
     def _decode_graph(self, ids, positions, k_caches, v_caches):
-        # ids, positions: [B]; k_caches[b], v_caches[b]: [layers, KVH, L, hd] (a KV-length bucket's view)
+        # ids, positions: [B]; k_caches[b], v_caches[b]: [layers, KVH, L, hd] (a KV-length bucket's
+        # view), read only -> logits [B, V] and the step's keys and values [layers, B, KVH, hd]
         runner = self.runner
         h = runner.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
         cos, sin = runner.lm.rotary_emb(h, positions[:, None])
         key_positions = torch.arange(k_caches[0].shape[2], device=ids.device)
-        masks = key_positions[None, :] <= positions[:, None]  # [B, L]
+        masks = key_positions[None, :] < positions[:, None]  # [B, L]: the cached positions before each row's
+        new_k, new_v = [], []
         for index, layer in enumerate(runner.layers):
-            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]
-            rows = []
-            for b in range(ids.shape[0]):
-                k_caches[b][index].index_copy_(1, positions[b : b + 1], k[b])
-                v_caches[b][index].index_copy_(1, positions[b : b + 1], v[b])
-                rows.append(F.scaled_dot_product_attention(
-                    q[b : b + 1], k_caches[b][index][None], v_caches[b][index][None], attn_mask=masks[b][None, :],
-                    scale=layer.self_attn.scaling, enable_gqa=_gqa(runner)))  # mask: [L] broadcasts over heads
-            h = runner.finish_layer(layer, h, torch.cat(rows))
-        return runner.lm_head(runner.lm.norm(h)).float()[:, 0]
+            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
+            rows = [_attend(q[b], k_caches[b][index], v_caches[b][index], masks[b], k[b], v[b],
+                            layer.self_attn.scaling) for b in range(ids.shape[0])]
+            h = runner.finish_layer(layer, h, torch.stack(rows))
+            new_k.append(k[:, :, 0])
+            new_v.append(v[:, :, 0])
+        return runner.lm_head(runner.lm.norm(h)).float()[:, 0], torch.stack(new_k), torch.stack(new_v)
 
     def _check(self, kv: StaticKVCache) -> None:
         if kv.capacity != self.capacity:
             raise ValueError(f"static decoding needs KV caches of capacity {self.capacity}, got {kv.capacity}")
+
+
+def _attend(q, k_cache, v_cache, mask, k_new, v_new, scale: float) -> torch.Tensor:
+    """One decode row's attention over its cached keys (under ``mask``) and its own new key, without
+    writing the cache: q [H, 1, hd]; k_cache, v_cache [KVH, L, hd]; mask [L]; k_new, v_new [KVH, 1, hd]
+    -> [H, 1, hd]. Query head h reads KV head h // (H / KVH), as transformers' repeat_kv does."""
+    heads, _, head_dim = q.shape
+    kv_heads = k_cache.shape[0]
+    grouped = q.reshape(kv_heads, heads // kv_heads, head_dim)  # [KVH, G, hd]
+    cached = torch.matmul(grouped, k_cache.transpose(1, 2)) * scale  # [KVH, G, L]
+    cached = cached.masked_fill(~mask, float("-inf"))
+    own = (grouped * k_new).sum(-1, keepdim=True) * scale  # [KVH, G, 1]
+    weights = torch.softmax(torch.cat([cached, own], -1).float(), -1).to(v_cache.dtype)
+    out = torch.matmul(weights[..., :-1], v_cache) + weights[..., -1:] * v_new  # [KVH, G, hd]
+    return out.reshape(heads, 1, head_dim)
 
 
 def _gqa(runner: ModelRunner) -> bool:

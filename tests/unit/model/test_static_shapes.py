@@ -83,3 +83,34 @@ def test_compile_all_runs_every_shape_once(static):
     shapes = static.all_shapes()
     assert shapes[0] == ("prefill", 64, 616) and len(shapes) == 3 * 2 + 3 * 2  # 3 prompt and 3 batch buckets x 2
     assert static.compile_all() == len(shapes) and static.graph_shapes == set(shapes)
+
+
+def test_compiled_decode_of_distinct_sessions_after_compiling_on_one_scratch_cache(runner):
+    """compile_all feeds every row the same scratch cache; serving feeds distinct sessions and pads
+    with the first row's. The compiled step must give each session its own keys and logits (a graph
+    that wrote its inputs was compiled for the first aliasing it saw, and wrote the wrong rows)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled = StaticShapeRunner(runner, 256, batch_buckets=(2, 4), max_prompt_tokens=16, compile=True,
+                                 compile_backend="aot_eager")
+    eager = StaticShapeRunner(runner, 256, batch_buckets=(2, 4), max_prompt_tokens=16)
+    assert compiled.compile_all() == 3  # prefill (16, 272); decode (2, 272) and (4, 272)
+    counters.clear()
+    prompts = [[5, 9, 11], [40, 41, 42, 43, 44], [7, 100, 3, 8]]
+    sides = []
+    for stepper in (compiled, eager):
+        kvs = [runner.new_kv_cache(block_tokens=256, max_tokens=256, static=True) for _ in prompts]
+        for kv, ids in zip(kvs, prompts):
+            stepper.prefill(kv, runner.embed(ids, []))
+        steps = [stepper.decode(kvs, [12, 13, 14]), stepper.decode(kvs[:2], [15, 16]),
+                 stepper.decode(kvs, [17, 18, 19])]  # 3 rows pad to 4 (one padding row), 2 rows fill 2
+        sides.append((steps, kvs))
+    (got, got_kvs), (want, want_kvs) = sides
+    assert counters["stats"]["unique_graphs"] == 0  # the sessions' caches met the start-up graphs' guards
+    assert [kv.length for kv in got_kvs] == [6, 8, 6]
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5) and torch.equal(a.argmax(-1), b.argmax(-1))
+    for a, b in zip(got_kvs, want_kvs):  # each session's own keys and values, none of another's
+        assert torch.allclose(a.k, b.k, atol=1e-5) and torch.allclose(a.v, b.v, atol=1e-5)
