@@ -581,6 +581,10 @@ def check_kernels(report: Report, ctx: Context, runner, label: str, turn: bool =
     """Rows of the attention kernels seen per piece of work (the batched step's are the graph's)."""
     with report.stage(f"{label}: attention kernels"):
         require(runner, f"{label} was not built")
+        from session.model.attention import describe_backend
+
+        report.add(f"{label}: KV pool read by", "info", describe_backend(runner.kv_pool(ctx.shapes.block_tokens),
+                                                                         runner.decode_attention))
         measure = lambda fn: attention_kernels(ctx, fn)  # noqa: E731
         seen = measured_decode(runner, ctx, max(ctx.shapes.timed_batches), measure)
         if turn:

@@ -22,6 +22,7 @@ from session.engine.prompt import ChatFormatter
 from session.engine.scheduler import Scheduler
 from session.errors import BadRequest, ConfigError
 from session.families.vision import NO_IMAGES, ImagePreprocessor, Images
+from session.model.attention import describe_backend
 from session.model.backend import ModelBackend, Stepper
 from session.model.kv_cache import PoolAccounts
 from session.model.runner import ModelRunner, select_device
@@ -95,6 +96,8 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
         for each in paged:  # CUDA graphs: all at start-up, after the pools are reserved (none mid-serving)
             each.capture_decode_graphs(config.kv_block_tokens, max_context)
         blocks = PoolAccounts([each.kv_pool(config.kv_block_tokens) for each in paged])
+        logger.info("attention: %s decode; the KV pool read by %s", runner.decode_attention,
+                    describe_backend(runner.kv_pool(config.kv_block_tokens), runner.decode_attention))
     memory = MemoryManager(device_budget_bytes=budget, host_budget_bytes=config.host_budget_bytes, store=store,
                            blocks=blocks)
     share_block_tokens = config.kv_block_tokens if blocks is not None and config.prefix_cache_bytes else 0

@@ -5,11 +5,19 @@ row's keys live in blocks of the model's ``BlockPool`` (session/model/kv_cache.p
 table. Per layer, the step writes the new keys and values into their pool slots (one
 ``index_copy_`` for the batch) and runs one attention call for the batch:
 - ``flash_attn``: FlashAttention's ``flash_attn_with_kvcache`` reads the pool through the block
-  table with per-row lengths (``cache_seqlens``) and a sliding window where the layer has one.
-  Used on CUDA when the package imports, the dtype is half or bfloat16 and blocks are a multiple
-  of 256 tokens (FlashAttention-2's paged-KV requirement);
+  table with per-row lengths (``cache_seqlens``) and a sliding window where the layer has one;
+- ``varlen``: the same FlashAttention-2 paged kernel as torch ships it (``torch.nn.attention.varlen.
+  varlen_attn`` with ``block_table`` and ``seqused_k``), so no extra package: the new tokens of
+  all rows as one packed batch of queries (``cu_seq_q``), each row's keys read in place through
+  its block table, grouped-query heads without repeating them (``enable_gqa``), causal from the
+  bottom right (query t of T sits at position seq_len - T + t), windows as ``(W - 1, 0)``;
 - ``sdpa``: everywhere else, PyTorch SDPA over the rows' blocks gathered into ``[B, KVH, NB*P, hd]``
   under a mask of per-row lengths, causality and windows.
+Both FlashAttention kernels apply on CUDA with compute capability 8.0 or newer, half or bfloat16,
+a token-major pool with blocks a multiple of 256 tokens (FlashAttention-2's paged-KV requirement)
+and a head size that is a multiple of 8 up to 256 (``paged_flash_refusal`` says which is missing).
+The package is taken when it imports, else torch's. The prefill of one session on such a pool runs
+through the same kernel (``ModelRunner.prefill``), so a follow-up's prefill gathers nothing either.
 Nothing here depends on B or T for the number of operators it dispatches (tests/unit/model/test_op_count.py).
 
 Who calls this: ``ModelRunner`` on the engine loop thread, and its CUDA graphs (session/model/cuda_graphs.py),
@@ -18,6 +26,7 @@ which replay ``forward_paged`` with fixed-shape ``PagedBatch`` buffers.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -70,16 +79,63 @@ def to_batch(plan: torch.Tensor, num_new: int) -> PagedBatch:
     )
 
 
+PAGED_FLASH_CAPABILITY = (8, 0)  # FlashAttention-2: Ampere or newer
+KERNELS = {
+    "flash_attn": "FlashAttention's paged kernel (flash_attn_with_kvcache)",
+    "varlen": "torch's paged FlashAttention-2 (torch.nn.attention.varlen.varlen_attn with block_table)",
+    "sdpa": "SDPA over gathered blocks",
+}
+
+
+def paged_flash_refusal(pool: BlockPool) -> str | None:
+    """Why neither FlashAttention kernel reads ``pool`` (None: they can); see the module docstring."""
+    if pool.device.type != "cuda":
+        return f"the pool is on {pool.device.type}"
+    if pool.head_major:
+        return "the pool is head-major"
+    if pool.dtype not in (torch.float16, torch.bfloat16):
+        return f"the KV dtype is {pool.dtype} (FlashAttention takes float16 and bfloat16)"
+    if pool.block_tokens % FLASH_BLOCK_MULTIPLE:
+        return f"KV blocks of {pool.block_tokens} tokens (paged FlashAttention-2 needs a multiple of {FLASH_BLOCK_MULTIPLE})"
+    if pool.head_dim % 8 or pool.head_dim > 256:
+        return f"head size {pool.head_dim} (FlashAttention takes multiples of 8 up to 256)"
+    capability = torch.cuda.get_device_capability(pool.device)
+    if capability < PAGED_FLASH_CAPABILITY:
+        return f"compute capability {capability[0]}.{capability[1]} (FlashAttention-2 needs 8.0)"
+    return None
+
+
+def torch_paged_varlen():
+    """torch's ``varlen_attn`` where it takes a block table (torch 2.10 and later), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    return varlen_attn if "block_table" in parameters and "seqused_k" in parameters else None
+
+
 def choose_backend(pool: BlockPool) -> str:
-    """flash_attn where it applies (see the module docstring), else sdpa."""
-    if (pool.device.type != "cuda" or pool.head_major or pool.dtype not in (torch.float16, torch.bfloat16)
-            or pool.block_tokens % FLASH_BLOCK_MULTIPLE):
+    """flash_attn, else varlen, where FlashAttention reads the pool; else sdpa (module docstring)."""
+    if paged_flash_refusal(pool) is not None:
         return "sdpa"
     try:
         import flash_attn  # noqa: F401
     except ImportError:
-        return "sdpa"
+        return "varlen" if torch_paged_varlen() is not None else "sdpa"
     return "flash_attn"
+
+
+def describe_backend(pool: BlockPool, decode_path: str) -> str:
+    """The start-up log line's words for the kernel that reads ``pool`` (``decode_path``: the runner's
+    decode path's name), and why where it is SDPA over gathered blocks."""
+    if pool.device.type == "cpu" and decode_path != "batched":  # ModelRunner.prefill, decode_paths.py
+        return "each row's runs of blocks in place (torch's CPU flash kernel, or ours in bfloat16)"
+    backend = choose_backend(pool)
+    if backend != "sdpa":
+        return KERNELS[backend]
+    why = paged_flash_refusal(pool) or "neither flash_attn nor a torch with paged varlen_attn is installed"
+    return f"{KERNELS['sdpa']} ({why})"
 
 
 class PagedAttention:
@@ -94,6 +150,14 @@ class PagedAttention:
             from flash_attn import flash_attn_with_kvcache
 
             self.flash = flash_attn_with_kvcache
+        elif backend == "varlen":
+            # every row feeds T queries; keys: each row's seq_len of them, through its block table
+            rows, num_new = batch.slots.shape
+            self.varlen = torch_paged_varlen()
+            self.cu_q = torch.arange(0, (rows + 1) * num_new, num_new, dtype=torch.int32, device=batch.slots.device)
+            first = torch.zeros(1, dtype=torch.int32, device=batch.seq_lens.device)
+            self.cu_k = torch.cat([first, torch.cumsum(batch.seq_lens, 0, dtype=torch.int32)])
+            self.max_k = batch.block_table.shape[1] * pool.block_tokens  # a bound known on the host
         else:
             self.masks = {w: self._mask(w) for w in set(windows)}
 
@@ -119,6 +183,14 @@ class PagedAttention:
                              block_table=batch.block_table, softmax_scale=scale, causal=True,
                              window_size=(-1, -1) if window is None else (window - 1, 0))  # [B, T, H, hd]
             return out.transpose(1, 2)
+        if self.backend == "varlen":
+            rows, heads, num_new, head_dim = q.shape
+            out = self.varlen(q.transpose(1, 2).reshape(rows * num_new, heads, head_dim), pool.k[layer], pool.v[layer],
+                              self.cu_q, self.cu_k, num_new, self.max_k, scale=scale,
+                              window_size=(-1, 0) if window is None else (window - 1, 0),
+                              enable_gqa=heads != pool.num_kv_heads, seqused_k=batch.seq_lens,
+                              block_table=batch.block_table)  # [B*T, H, hd]
+            return out.view(rows, num_new, heads, head_dim).transpose(1, 2)
         keys, values = pool.gather(layer, batch.block_table)  # [B, KVH, S, hd]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.masks[window], scale=scale,
                                               enable_gqa=q.shape[1] != keys.shape[1])

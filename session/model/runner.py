@@ -25,7 +25,15 @@ from session.errors import ConfigError
 from session.families.registry import family_of
 from session.families.support import check_supported
 from session.model import compressed, gguf
-from session.model.attention import PagedAttention, PagedBatch, attend_runs, causal_masks, choose_backend
+from session.model.attention import (
+    PagedAttention,
+    PagedBatch,
+    attend_runs,
+    causal_masks,
+    choose_backend,
+    plan_rows,
+    to_batch,
+)
 from session.model.backend import ModelInfo
 from session.model.cpu import attention as cpu_attention, fused_layer, linear as cpu_linear
 from session.model.cpu.kernels import cpu_flags
@@ -375,10 +383,15 @@ class ModelRunner:
         # only the last W of them (keys j > start+i-W)
         masks = causal_masks(start, num_new, self.windows, self.device)
         gqa = self.info.num_heads != self.info.num_kv_heads
+        paged = self.paged_prefill(kv, num_new)
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             window = self.windows[index]
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
+            if paged is not None:  # writes the new keys and attends through the block table, in place
+                o = paged(index, q, k, v, window=window, scale=attn.scaling)
+                h = self.finish_layer(layer, h, o)
+                continue
             kv.write(index, start, k[0], v[0])
             if self.in_place(kv, window):  # the cache's runs of blocks in place, however it grew
                 o = attend_runs(q, kv.runs(index, 0, end), attn.scaling, gqa, masks[window])
@@ -388,6 +401,18 @@ class ModelRunner:
             h = self.finish_layer(layer, h, o)
         kv.length = end
         return self.logits(h)[0] if all_logits else self.logits(h[:, -1:])[0, 0]
+
+    def paged_prefill(self, kv: KVCache, num_new: int) -> PagedAttention | None:
+        """A prefill's attention through a FlashAttention kernel reading the session's blocks in place,
+        where one reads its pool (session/model/attention.py: CUDA); None elsewhere. One plan copy to
+        the device per prefill, none per layer."""
+        if not isinstance(kv, PagedKVCache):
+            return None
+        backend = choose_backend(kv.pool)
+        if backend == "sdpa":
+            return None
+        plan = to_device(plan_rows([kv], num_new)[0], self.device)[None]
+        return PagedAttention(kv.pool, to_batch(plan, num_new), self.windows, backend)
 
     def in_place(self, kv: KVCache, window: int | None) -> bool:
         """Attend over a paged cache's runs of blocks in place (``attend_runs``) rather than a gathered

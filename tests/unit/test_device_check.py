@@ -34,6 +34,7 @@ ROWS = [  # rows the CPU smoke must print, each with its result
     ("llava-tiny: build", "pass"),
     ("llava-tiny: paths vs transformers, batch 16", "pass"),
     ("llava-tiny: host syncs", "n/a"),
+    ("llava-tiny: KV pool read by", "info"),
     ("llava-tiny: attention kernels, decode eager", "info"),
     ("llava-tiny: attention kernels, prefill 40", "info"),
     ("llava-tiny: first turn, 40 tokens with an image", "info"),
@@ -117,6 +118,8 @@ def test_the_cpu_smoke_passes_in_process(tmp_path, capsys):
     assert {check: rows.get(check) for check, _ in ROWS} == dict(ROWS)
     saved = json.loads((tmp_path / "device_check_tiny.json").read_text())
     assert saved["shapes"] == "tiny" and [row[:2] for row in saved["rows"]] == [[c, r] for c, r in rows.items()]
+    pool_read = {row[0]: row[2] for row in saved["rows"]}["llava-tiny: KV pool read by"]
+    assert pool_read.startswith("each row's runs of blocks in place")  # the CPU's per-row path
     equivalence = saved["results"]["llama-tiny-gqa: paths vs transformers, batch 16"]["by_path"]
     assert set(equivalence) == {"batched", "per_row", "prefill"}  # no graph replay without CUDA
     assert all(e["max_rel_error"] < 1e-4 and e["agreement"] == 1.0 for e in equivalence.values())
