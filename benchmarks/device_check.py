@@ -420,9 +420,11 @@ PATH_NAMES = {"cuda_graphs": "graphs", "batched": "eager", "per_row": "per-row"}
 
 def serve_path(runner, ctx: Context) -> str:
     """Configure the path the engine serves this device with (RESIDENT_ATTENTION=auto: graph replay on
-    CUDA, per row on CPU) for the buckets of the check's largest batch; its name."""
+    CUDA, per row on CPU) for the buckets of the check's largest batch, with the verify graphs of a
+    speculating engine (``verify_tokens`` a row); its name."""
     path = "cuda_graphs" if ctx.cuda else "per_row"
-    runner.configure_decode(path, power_buckets(max(ctx.shapes.batches)))
+    largest = max(ctx.shapes.batches)
+    runner.configure_decode(path, power_buckets(largest), ctx.shapes.verify_tokens, power_buckets(min(largest, 16)))
     return path
 
 

@@ -128,7 +128,8 @@ class FakeRunner:
                                                  device=self.device, block_tokens=block_tokens)
         return self.pools[block_tokens]
 
-    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = ()) -> None:
+    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = (), verify_tokens: int = 0,
+                         verify_buckets: tuple[int, ...] = ()) -> None:
         pass  # the fake decodes row by row whatever the setting
 
     def capture_decode_graphs(self, block_tokens: int, max_tokens: int) -> int:

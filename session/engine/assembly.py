@@ -92,7 +92,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     blocks = None
     if not config.static_kv:
         paged = [runner] + ([speculator.draft] if speculator and speculator.draft else [])
-        _configure_paged_kv(config, paged, budget, max_context)
+        _configure_paged_kv(config, paged, budget, max_context, speculating=speculator is not None)
         for each in paged:  # CUDA graphs: all at start-up, after the pools are reserved (none mid-serving)
             each.capture_decode_graphs(config.kv_block_tokens, max_context)
         blocks = PoolAccounts([each.kv_pool(config.kv_block_tokens) for each in paged])
@@ -192,14 +192,20 @@ def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):
     return stepper
 
 
-def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget: int, max_context: int) -> None:
+def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget: int, max_context: int,
+                        speculating: bool = False) -> None:
     """Decode attention per RESIDENT_ATTENTION, and the KV block pools reserved from the device budget
     (target and draft in proportion to their bytes per token; no more than max_sessions full contexts),
-    so that a pool does not grow, and never copies itself, while sessions stay within the budget."""
+    so that a pool does not grow, and never copies itself, while sessions stay within the budget.
+    Speculating, CUDA graphs also hold the target's verify (the most proposals and the last token a
+    row) and the draft's catch-up (two tokens a row after a step that accepted every proposal), for
+    the batches a speculative step can have (RESIDENT_SPECULATIVE_MAX_BATCH)."""
     from session.model.buckets import power_buckets
 
-    for runner in runners:
-        runner.configure_decode(config.attention, power_buckets(config.max_batch_size))
+    verify_buckets = power_buckets(min(config.max_batch_size, config.speculative_max_batch))
+    for index, runner in enumerate(runners):
+        verify_tokens = 0 if not speculating else (config.num_speculative_tokens + 1 if index == 0 else 2)
+        runner.configure_decode(config.attention, power_buckets(config.max_batch_size), verify_tokens, verify_buckets)
     pools = [runner.kv_pool(config.kv_block_tokens) for runner in runners]
     for pool in pools:  # idle shared blocks: at most prefix_cache_bytes (the budget may evict them sooner)
         pool.prefix.max_idle_blocks = config.prefix_cache_bytes // pool.block_nbytes

@@ -67,7 +67,8 @@ class ModelBackend(Stepper, Protocol):
     def kv_pool(self, block_tokens: int) -> BlockPool:
         ...
 
-    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = ()) -> None:
+    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = (), verify_tokens: int = 0,
+                         verify_buckets: tuple[int, ...] = ()) -> None:
         ...
 
     def capture_decode_graphs(self, block_tokens: int, max_tokens: int) -> int:

@@ -11,6 +11,13 @@ buffer per graph: a step copies one pinned host tensor into it without blocking,
 memory pool shared by all graphs, so nothing is allocated on the device per step but the [B, V]
 logits handed back (a copy: the graph's output buffer is overwritten by the next replay).
 
+A speculative verify (``ModelRunner.extend``: each row's last token and its proposals, scored in one
+pass) has graphs too, with ``verify_tokens`` new tokens per row (the most proposals plus one), for
+the batch buckets a speculative step can have: a row with fewer is padded with its last token,
+whose keys land past its new length and come after its every real query (stale there, overwritten
+later), as the eager extend pads. A verify as wide as a decode (one token a row) replays the decode
+graph.
+
 Graphs hold the base model: a step with LoRA rows runs eagerly (the adapter mix is host state). An
 M-RoPE model's graphs (Qwen2-VL, Qwen2.5-VL) carry each row's rope delta as the plan's last column:
 a generated token is text, at the same position in all three rotary rows, so the delta is all a
@@ -43,15 +50,16 @@ from session.model.kv_cache import BlockPool, PagedKVCache
 logger = logging.getLogger(__name__)
 
 
-def graph_key(kvs: list[PagedKVCache], batch_buckets: tuple[int, ...]) -> tuple[int, int] | None:
-    """(rows, blocks) of the graph a decode step of ``kvs`` replays, or None when it has none (more
-    rows than the largest bucket, or a padded gather larger than the pool: ``worth_a_graph``)."""
+def graph_key(kvs: list[PagedKVCache], batch_buckets: tuple[int, ...], num_new: int = 1) -> tuple[int, int] | None:
+    """(rows, blocks) of the graph a step of ``kvs`` feeding ``num_new`` tokens a row replays, or None
+    when it has none (more rows than the largest bucket, a row whose window cannot hold the new
+    tokens, or a padded gather larger than the pool: ``worth_a_graph``)."""
     rows = bucket_for(len(kvs), batch_buckets)
-    if rows is None:
+    if rows is None or any(kv.length + num_new > kv.max_tokens for kv in kvs):
         return None
     block_tokens = kvs[0].block_tokens
     most = max(-(-kv.max_tokens // block_tokens) for kv in kvs)  # widest table a session can have
-    needed = max(-(-(kv.length + 1) // block_tokens) for kv in kvs)
+    needed = max(-(-(kv.length + num_new) // block_tokens) for kv in kvs)
     blocks = bucket_for(needed, power_buckets(most))
     return (rows, blocks) if worth_a_graph(rows, blocks, kvs[0].pool) else None
 
@@ -67,16 +75,21 @@ def worth_a_graph(num_rows: int, num_blocks: int, pool: BlockPool) -> bool:
 @dataclass
 class Captured:
     graph: torch.cuda.CUDAGraph
-    plan: torch.Tensor  # [rows, 3 + blocks] int64: token id, then plan_rows' row (T = 1)
-    logits: torch.Tensor  # [rows, V]: written by each replay
+    plan: torch.Tensor  # [rows, 2T + 1 + blocks] int64: T token ids, then plan_rows' row
+    logits: torch.Tensor  # [rows, V] (a decode), [rows, T, V] (a verify): written by each replay
 
 
 class DecodeGraphs:
-    def __init__(self, runner, batch_buckets: tuple[int, ...]):
+    def __init__(self, runner, batch_buckets: tuple[int, ...], verify_tokens: int = 0,
+                 verify_buckets: tuple[int, ...] = ()):
         self.runner = runner
         self.batch_buckets = tuple(batch_buckets)
         self.offsets = bool(getattr(runner, "mrope", False))  # M-RoPE: each row's rope delta, in the plan
         self.graphs: dict[tuple[int, int], Captured] = {}
+        # a speculative verify's graphs (none for an M-RoPE model, which does not speculate)
+        self.verify_tokens = verify_tokens if verify_tokens > 1 and not self.offsets else 0
+        self.verify_buckets = tuple(verify_buckets) if self.verify_tokens else ()
+        self.verify_graphs: dict[tuple[int, int], Captured] = {}
         self.memory = torch.cuda.graph_pool_handle()
         # one capture stream for every graph: graphs sharing a memory pool are to be captured on the same
         # stream (torch.cuda.graph), and their warm-up runs there too, so that the state it builds per
@@ -92,44 +105,71 @@ class DecodeGraphs:
         Returns the number captured. Who calls this: ``ModelRunner.capture_decode_graphs``, from
         ``assemble``, after the pool is reserved (a pool that moves later is captured again)."""
         self.graphs.clear()
+        self.verify_graphs.clear()
         self.pool_address = pool.k.data_ptr()
         block_buckets = power_buckets(-(-max_tokens // pool.block_tokens))
-        for num_rows in sorted(self.batch_buckets, reverse=True):
+        shapes = [(rows, 1) for rows in self.batch_buckets] + [(rows, self.verify_tokens) for rows in self.verify_buckets]
+        for num_rows, num_new in sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True):
             for num_blocks in sorted(block_buckets, reverse=True):
                 if worth_a_graph(num_rows, num_blocks, pool):
-                    self.graphs[(num_rows, num_blocks)] = self._capture(pool, num_rows, num_blocks)
-        return len(self.graphs)
+                    self._graphs(num_new)[(num_rows, num_blocks)] = self._capture(pool, num_rows, num_blocks, num_new)
+        return len(self.graphs) + len(self.verify_graphs)
+
+    def _graphs(self, num_new: int) -> dict[tuple[int, int], Captured]:
+        return self.graphs if num_new == 1 else self.verify_graphs
 
     def fits(self, kvs: list[PagedKVCache]) -> bool:
         return graph_key(kvs, self.batch_buckets) is not None
 
+    def fits_verify(self, kvs: list[PagedKVCache], width: int) -> bool:
+        """Can a verify of rows up to ``width`` tokens replay a graph (``run_verify``)?"""
+        if width == 1:
+            return self.fits(kvs)
+        return 1 < width <= self.verify_tokens and graph_key(kvs, self.verify_buckets, self.verify_tokens) is not None
+
+    def run_verify(self, kvs: list[PagedKVCache], token_rows: list[list[int]]) -> torch.Tensor:
+        """``ModelRunner.extend`` by replaying a graph (caches sized for ``verify_tokens`` more; one
+        token a row: the decode graph); logits [B, T, V], T the longest row (``fits_verify``)."""
+        width = max(len(row) for row in token_rows)
+        if width == 1:
+            return self.run(kvs, [row[0] for row in token_rows])[:, None]
+        padded = [row + row[-1:] * (self.verify_tokens - len(row)) for row in token_rows]
+        return self._replay(kvs, padded, None, self.verify_tokens)[:, :width]
+
     def run(self, kvs: list[PagedKVCache], token_ids: list[int], offsets: list[int] | None = None) -> torch.Tensor:
         """Decode one token for each row (caches already sized) by replaying the step's graph; logits [B, V].
         ``offsets``: each row's M-RoPE rope delta (graphs of an M-RoPE model take them; None: 0)."""
+        return self._replay(kvs, [[token] for token in token_ids], offsets if self.offsets else None, 1)
+
+    def _replay(self, kvs: list[PagedKVCache], token_rows: list[list[int]], offsets: list[int] | None,
+                num_new: int) -> torch.Tensor:
         pool = kvs[0].pool
         if pool.k.data_ptr() != self.pool_address:
             self.graphs.clear()
+            self.verify_graphs.clear()
             self.pool_address = pool.k.data_ptr()
-        key = graph_key(kvs, self.batch_buckets)
-        captured = self.graphs.get(key)
+        graphs = self._graphs(num_new)
+        key = graph_key(kvs, self.batch_buckets if num_new == 1 else self.verify_buckets, num_new)
+        captured = graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = self._capture(pool, *key)
-        rows = graph_rows(kvs, token_ids, offsets if self.offsets else None, *key, self.offsets)
+            captured = graphs[key] = self._capture(pool, *key, num_new)
+        rows = graph_rows(kvs, token_rows, offsets, *key, self.offsets, num_new=num_new)
         # from pinned memory without blocking, on the device's current stream, then the replay on it too (a
         # pageable source would make the host wait for the copy; the pinned block is reused only after it)
         captured.plan.copy_(torch.tensor(rows).pin_memory(), non_blocking=True)
         captured.graph.replay()
         return captured.logits[: len(kvs)].clone()
 
-    def _capture(self, pool: BlockPool, num_rows: int, num_blocks: int) -> Captured:
-        logger.info("capturing the decode step as a CUDA graph: %d rows, %d blocks of %d tokens", num_rows,
-                    num_blocks, pool.block_tokens)
+    def _capture(self, pool: BlockPool, num_rows: int, num_blocks: int, num_new: int = 1) -> Captured:
+        logger.info("capturing the %s as a CUDA graph: %d rows, %d blocks of %d tokens",
+                    "decode step" if num_new == 1 else f"{num_new}-token verify", num_rows, num_blocks,
+                    pool.block_tokens)
         runner = self.runner
-        plan = torch.tensor(graph_rows([], [], None, num_rows, num_blocks, self.offsets, pool.block_tokens),
+        plan = torch.tensor(graph_rows([], [], None, num_rows, num_blocks, self.offsets, pool.block_tokens, num_new),
                             device=runner.device)
 
         def step() -> torch.Tensor:
-            return graph_step(runner, pool, plan, self.offsets)
+            return graph_step(runner, pool, plan, self.offsets, num_new)
 
         device, stream = runner.device, self.stream
         # the device guard: torch.cuda.graph synchronizes and empties the cache of the current device, and
@@ -145,21 +185,24 @@ class DecodeGraphs:
         return Captured(graph, plan, logits)
 
 
-def graph_rows(kvs: list[PagedKVCache], token_ids: list[int], offsets: list[int] | None, num_rows: int,
-               num_blocks: int, with_offsets: bool, block_tokens: int | None = None) -> list[list[int]]:
-    """A graph's plan on the host: per row [token id, *plan_rows' row (T = 1, ``num_blocks`` wide)], then
-    (``with_offsets``, an M-RoPE model's graphs) its rope delta; padding rows up to ``num_rows``."""
+def graph_rows(kvs: list[PagedKVCache], token_rows: list[list[int]], offsets: list[int] | None, num_rows: int,
+               num_blocks: int, with_offsets: bool, block_tokens: int | None = None,
+               num_new: int = 1) -> list[list[int]]:
+    """A graph's plan on the host: per row [*its ``num_new`` token ids, *plan_rows' row (``num_blocks``
+    wide)], then (``with_offsets``, an M-RoPE model's graphs) its rope delta; padding rows up to ``num_rows``."""
     block_tokens = block_tokens or kvs[0].block_tokens
-    rows = [[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1, num_blocks))] if kvs else []
-    rows += [[0, *pad_row(1, num_blocks, block_tokens)]] * (num_rows - len(kvs))
+    rows = [[*ids, *row] for ids, row in zip(token_rows, plan_rows(kvs, num_new, num_blocks))] if kvs else []
+    rows += [[0] * num_new + pad_row(num_new, num_blocks, block_tokens)] * (num_rows - len(kvs))
     if not with_offsets:
         return rows
     deltas = list(offsets or [0] * len(kvs)) + [0] * (num_rows - len(kvs))
     return [[*row, delta] for row, delta in zip(rows, deltas)]
 
 
-def graph_step(runner, pool: BlockPool, plan: torch.Tensor, with_offsets: bool) -> torch.Tensor:
-    """The decode step a graph captures, over its ``plan`` (``graph_rows``) -> logits [rows, V]."""
+def graph_step(runner, pool: BlockPool, plan: torch.Tensor, with_offsets: bool, num_new: int = 1) -> torch.Tensor:
+    """The step a graph captures, over its ``plan`` (``graph_rows``) -> logits [rows, V] (a decode,
+    ``num_new`` 1) or [rows, T, V] (a verify)."""
     width = plan.shape[1] - with_offsets
     deltas = columns(plan, width, width + 1)[:, 0] if with_offsets else None
-    return runner.forward_paged(pool, columns(plan, 0, 1), to_batch(plan[:, 1:width], 1), deltas)[:, 0]
+    logits = runner.forward_paged(pool, columns(plan, 0, num_new), to_batch(plan[:, num_new:width], num_new), deltas)
+    return logits[:, 0] if num_new == 1 else logits

@@ -292,6 +292,13 @@ class BatchedPath(PerRowPath):
         if not (one_pool(kvs) and all(kv.length + width <= kv.max_tokens for kv in kvs)
                 and padding_fits(kvs, lengths, width)):
             return super().extend(kvs, token_rows, lengths, adapter_slots)
+        graphs = self.graphs
+        if graphs is not None and not any(adapter_slots or ()) and graphs.fits_verify(kvs, width):
+            padded_to = width if width == 1 else graphs.verify_tokens  # a graph's rows are all that wide
+            if padding_fits(kvs, lengths, padded_to):
+                for kv, length in zip(kvs, lengths):
+                    kv.ensure_capacity(length + padded_to)
+                return graphs.run_verify(kvs, token_rows)
         for kv, length in zip(kvs, lengths):
             kv.ensure_capacity(length + width)
         padded = [row + row[-1:] * (width - len(row)) for row in token_rows]

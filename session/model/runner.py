@@ -419,10 +419,12 @@ class ModelRunner:
         copy: on CPU, in layers without a sliding window (whose masks can hide a whole run from a query)."""
         return self.device.type == "cpu" and window is None and isinstance(kv, PagedKVCache)
 
-    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = ()) -> None:
+    def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = (), verify_tokens: int = 0,
+                         verify_buckets: tuple[int, ...] = ()) -> None:
         """Choose the decode path once (session/engine/assembly.py, at start-up, with RESIDENT_ATTENTION):
-        auto, batched, per_row or cuda_graphs (batched, replayed as CUDA graphs per batch bucket; auto
-        picks it on CUDA). Per row on a CPU our kernels serve take ``CpuKernelPath``."""
+        auto, batched, per_row or cuda_graphs (batched, replayed as CUDA graphs per batch bucket, and a
+        speculative verify of ``verify_tokens`` a row per ``verify_buckets``; auto picks it on CUDA).
+        Per row on a CPU our kernels serve take ``CpuKernelPath``."""
         if attention == "auto":
             attention = "cuda_graphs" if self.device.type == "cuda" else default_attention(self.device)
         if attention == "cuda_graphs":
@@ -430,7 +432,7 @@ class ModelRunner:
                 raise ConfigError("RESIDENT_ATTENTION=cuda_graphs needs a CUDA device")
             from session.model.cuda_graphs import DecodeGraphs
 
-            self.path = BatchedPath(self, DecodeGraphs(self, batch_buckets))
+            self.path = BatchedPath(self, DecodeGraphs(self, batch_buckets, verify_tokens, verify_buckets))
         elif attention == "batched":
             self.path = BatchedPath(self)
         elif attention == "per_row":

@@ -182,7 +182,7 @@ class FakeRunner:
 
     def forward_paged(self, pool, ids, batch, position_offsets=None):
         self.forwards.append((self.cuda.active, self.cuda.capturing is not None))
-        return torch.arange(ids.shape[0] * VOCAB, dtype=torch.float32).view(-1, 1, VOCAB)  # [B, 1, V]
+        return torch.arange(ids.numel() * VOCAB, dtype=torch.float32).view(*ids.shape, VOCAB)  # [B, T, V]
 
 
 @pytest.fixture
@@ -295,7 +295,7 @@ def test_an_m_rope_models_graph_plan_carries_each_rows_rope_delta():
         runner.prefill(kv, runner.embed(ids, []))
     for kv in kvs:
         kv.ensure_capacity(kv.length + 1)
-    rows = graph_rows(kvs, [11, 12], [-40, 7], 4, 2, True)
+    rows = graph_rows(kvs, [[11], [12]], [-40, 7], 4, 2, True)
     assert [row[-1] for row in rows] == [-40, 7, 0, 0] and len(rows[0]) == 1 + 1 + 1 + 2 + 1
     lengths = [kv.length for kv in kvs]
     graphed = graph_step(runner, kvs[0].pool, torch.tensor(rows), True)[:2]
@@ -303,5 +303,91 @@ def test_an_m_rope_models_graph_plan_carries_each_rows_rope_delta():
         kv.length = length  # the graph step wrote the same keys where the eager step writes them
     eager = runner.decode(kvs, [11, 12], position_offsets=[-40, 7])
     assert torch.allclose(graphed, eager, atol=1e-5, rtol=1e-5)
-    plain = graph_step(runner, kvs[0].pool, torch.tensor(graph_rows(kvs, [11, 12], None, 2, 2, False)), False)
+    plain = graph_step(runner, kvs[0].pool, torch.tensor(graph_rows(kvs, [[11], [12]], None, 2, 2, False)), False)
     assert not torch.allclose(plain, eager, atol=1e-3)  # without the deltas: other positions, other logits
+
+
+def test_verify_graphs_are_captured_at_start_up_and_replayed_for_a_speculative_step(cuda, cpu_tensors):
+    runner = FakeRunner(cuda)
+    graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4), verify_tokens=3, verify_buckets=(1, 2))
+    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                     block_tokens=4, num_blocks=16)
+    # 3 decode buckets and 2 verify buckets, each with block tables of 1, 2, 4 blocks; larger steps first
+    assert graphs.capture_all(pool, max_tokens=16) == 9 + 6
+    assert list(graphs.verify_graphs) == [(2, 4), (2, 2), (2, 1), (1, 4), (1, 2), (1, 1)]
+    captures = len([call for call in cuda.calls if call[0] == "graph"])
+    kvs = [pool.new_cache(16) for _ in range(2)]
+    for kv, length in zip(kvs, (5, 2)):
+        kv.ensure_capacity(length + 3)
+        kv.length = length
+    assert graphs.fits_verify(kvs, 3) and not graphs.fits_verify(kvs, 4)  # wider than the graphs: eager
+    logits = graphs.run_verify(kvs, [[7, 8, 9], [4, 5]])
+    assert logits.shape == (2, 3, VOCAB)
+    assert graphs.run_verify(kvs, [[7], [4]]).shape == (2, 1, VOCAB)  # one token a row: the decode graph
+    assert len([call for call in cuda.calls if call[0] == "graph"]) == captures  # none captured mid-serving
+    assert [call for call in cuda.calls if call[0] == "replay"] == [("replay", "current")] * 2
+    kvs[0].length = 14  # 14 + 3 passes its 16-token window: this step has no graph
+    assert not graphs.fits_verify(kvs, 2) and graphs.fits_verify(kvs, 1)
+
+
+def test_a_verify_graphs_plan_gives_the_eager_extends_logits():
+    """The verify graph's step over its plan (run eagerly here, on the CPU): rows of 3, 1 and 2 tokens
+    padded to 3 with their last token, plus a padding row, give each row's logits of the eager extend."""
+    from model_store.build_text_models import ensure
+    from session.model.cuda_graphs import graph_rows, graph_step
+    from session.model.runner import ModelRunner
+
+    runner = ModelRunner(str(ensure(["llama"])["llama"]), device="cpu", cpu_kernels=False)
+    runner.configure_decode("batched")
+    kvs = [runner.new_kv_cache(block_tokens=8, max_tokens=64) for _ in range(3)]
+    kvs[0].pool.reserve(32)
+    for kv, ids in zip(kvs, ([3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21])):
+        runner.prefill(kv, runner.embed(ids, []))
+    token_rows = [[30, 31, 32], [33], [34, 35]]
+    lengths = [kv.length for kv in kvs]
+    for kv in kvs:
+        kv.ensure_capacity(kv.length + 3)
+    padded = [row + row[-1:] * (3 - len(row)) for row in token_rows]
+    rows = graph_rows(kvs, padded, None, 4, 2, False, num_new=3)
+    assert rows[1][:3] == [33, 33, 33] and rows[3][:3] == [0, 0, 0] and len(rows[0]) == 3 + 1 + 3 + 2
+    graphed = graph_step(runner, kvs[0].pool, torch.tensor(rows), False, num_new=3)[:3]
+    for kv, length in zip(kvs, lengths):
+        kv.length = length  # the eager extend writes the same keys again
+    eager = runner.extend(kvs, token_rows)
+    for b, row in enumerate(token_rows):
+        assert torch.allclose(graphed[b, : len(row)], eager[b, : len(row)], atol=1e-5, rtol=1e-5)
+
+
+def test_the_batched_path_verifies_through_the_graphs_unless_a_row_has_an_adapter():
+    """BatchedPath.extend hands a verify the graphs can take to them, its caches sized for the graph's
+    width; rows with an adapter, or wider than the graphs, run the eager pass."""
+    from model_store.build_text_models import ensure
+    from session.model.decode_paths import BatchedPath
+    from session.model.runner import ModelRunner
+
+    class Recorder:
+        verify_tokens = 4
+
+        def __init__(self):
+            self.calls = []
+
+        def fits_verify(self, kvs, width):
+            return width <= self.verify_tokens
+
+        def run_verify(self, kvs, token_rows):
+            self.calls.append(([kv.block_ids[:] for kv in kvs], token_rows))
+            return torch.zeros(len(kvs), max(map(len, token_rows)), 7)
+
+    runner = ModelRunner(str(ensure(["llama"])["llama"]), device="cpu", cpu_kernels=False)
+    recorder = Recorder()
+    runner.path = BatchedPath(runner, recorder)
+    kvs = [runner.new_kv_cache(block_tokens=4, max_tokens=64) for _ in range(2)]
+    for kv in kvs:
+        runner.prefill(kv, runner.embed([3, 4, 5, 6, 7, 8], []))
+    assert runner.extend(kvs, [[9, 10], [11]]).shape == (2, 2, 7)
+    assert [kv.length for kv in kvs] == [8, 7]
+    (tables, rows), = recorder.calls
+    assert rows == [[9, 10], [11]] and [len(t) for t in tables] == [3, 3]  # room for 6 + 4 padded tokens each
+    assert runner.extend(kvs, [[12], [13]], adapter_slots=[0, 1]).shape[2] == runner.info.vocab_size  # eager
+    assert runner.extend(kvs, [[1, 2, 3, 4, 5], [6]]).shape[2] == runner.info.vocab_size  # 5 > 4: eager
+    assert len(recorder.calls) == 1
