@@ -327,12 +327,16 @@ class BlockPool:
         return out
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``host_copy``'s K, V [num_layers, KVH, T, hd] into ``slots`` [T] of every layer."""
+        """``host_copy``'s K, V [num_layers, KVH, T, hd] into ``slots`` [T] of every layer. From pinned
+        memory (a GPU's host tier) the copy to the device does not block the host: it and the store
+        after it are queued on the current stream, in that order; torch's pinned-memory allocator keeps
+        the host copy until the device has read it, whatever the session does with it next."""
         for pool, saved in ((self.k, k), (self.v, v)):
+            on_device = saved.to(self.device, non_blocking=self.device.type == "cuda" and saved.is_pinned())
             if self.head_major:
-                self._flat(pool)[:, :, slots] = saved.to(self.device)
+                self._flat(pool)[:, :, slots] = on_device
             else:
-                self._flat(pool)[:, slots] = saved.transpose(1, 2).to(self.device)
+                self._flat(pool)[:, slots] = on_device.transpose(1, 2)
 
 
 class PoolAccounts:

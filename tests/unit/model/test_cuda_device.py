@@ -391,3 +391,29 @@ def test_the_batched_path_verifies_through_the_graphs_unless_a_row_has_an_adapte
     assert runner.extend(kvs, [[12], [13]], adapter_slots=[0, 1]).shape[2] == runner.info.vocab_size  # eager
     assert runner.extend(kvs, [[1, 2, 3, 4, 5], [6]]).shape[2] == runner.info.vocab_size  # 5 > 4: eager
     assert len(recorder.calls) == 1
+
+
+def test_a_restore_from_pinned_host_memory_does_not_block_the_host(monkeypatch):
+    """PagedKVCache.load -> BlockPool.store: each pinned host copy goes to the device with
+    non_blocking=True (a pageable one would block), and lands in the session's slots."""
+    pool = BlockPool(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                     block_tokens=4, num_blocks=8, head_major=False)
+    saved = torch.arange(2 * 2 * 6 * 4, dtype=torch.float32).view(2, 2, 6, 4)
+    pool.device = torch.device("cuda", 1)  # its tensors stay on the CPU; the copies are recorded
+    copies = []
+    move = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and args[0] == pool.device:
+            copies.append(kwargs.get("non_blocking", False))
+            return move(self, "cpu")
+        return move(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    kv = pool.new_cache(16)
+    monkeypatch.setattr("session.model.kv_cache.to_device", lambda values, device: torch.tensor(values))
+    kv.load(saved, saved + 1)
+    assert copies == [True, True]  # K and V, each without blocking the host
+    pool.device = torch.device("cpu")
+    assert torch.equal(kv.keys(1, 6), saved[1]) and torch.equal(kv.values(0, 6), saved[0] + 1)
