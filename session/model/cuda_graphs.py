@@ -18,7 +18,11 @@ whose keys land past its new length and come after its every real query (stale t
 later), as the eager extend pads. A verify as wide as a decode (one token a row) replays the decode
 graph.
 
-Graphs hold the base model: a step with LoRA rows runs eagerly (the adapter mix is host state). An
+Steps with adapter rows have their own graphs, where each row's LoRA slot is a plan column and every
+adapted linear adds, per row, the product with that slot's factors gathered from the bank
+(``LoraBank.slot_rows``: no host state, so a replay serves any mix; slot 0, the base model, holds
+zeros). The bank is allocated at start-up on a GPU and loads adapters into its slots in place, so
+the graphs read new adapters without being captured again. A verify with adapter rows runs eagerly. An
 M-RoPE model's graphs (Qwen2-VL, Qwen2.5-VL) carry each row's rope delta as the plan's last column:
 a generated token is text, at the same position in all three rotary rows, so the delta is all a
 decode step adds to its plain position.
@@ -90,6 +94,8 @@ class DecodeGraphs:
         self.verify_tokens = verify_tokens if verify_tokens > 1 and not self.offsets else 0
         self.verify_buckets = tuple(verify_buckets) if self.verify_tokens else ()
         self.verify_graphs: dict[tuple[int, int], Captured] = {}
+        # decode steps with adapter rows: each row's slot in the plan (``LoraBank.slot_rows``)
+        self.lora_graphs: dict[tuple[int, int], Captured] = {}
         self.memory = torch.cuda.graph_pool_handle()
         # one capture stream for every graph: graphs sharing a memory pool are to be captured on the same
         # stream (torch.cuda.graph), and their warm-up runs there too, so that the state it builds per
@@ -97,29 +103,44 @@ class DecodeGraphs:
         self.stream = torch.cuda.Stream(runner.device)
         self.pool_address = None  # the pool tensors the graphs were captured over
 
+    @property
+    def adapters(self) -> bool:
+        """Adapter rows have graphs: the runner has a LoRA bank whose factors are allocated (at start-up
+        on an accelerator: session/engine/assembly.py), so their addresses never change."""
+        bank = getattr(self.runner, "lora", None)
+        return bank is not None and bool(bank.at)
+
     def capture_all(self, pool: BlockPool, max_tokens: int) -> int:
         """Capture every graph a step can need, at start-up: each batch bucket with each block-table bucket
-        up to ``max_tokens`` (a session's context window), largest first, so the shared memory pool is
-        sized once by the largest graph and the smaller ones fit in it; no step captures mid-serving (a
-        capture synchronizes the device and empties its cache: a stall for every request in flight).
-        Returns the number captured. Who calls this: ``ModelRunner.capture_decode_graphs``, from
-        ``assemble``, after the pool is reserved (a pool that moves later is captured again)."""
-        self.graphs.clear()
-        self.verify_graphs.clear()
-        self.pool_address = pool.k.data_ptr()
+        up to ``max_tokens`` (a session's context window), for plain decode steps, verifies and steps with
+        adapter rows, largest first, so the shared memory pool is sized once by the largest graph and the
+        smaller ones fit in it; no step captures mid-serving (a capture synchronizes the device and empties
+        its cache: a stall for every request in flight). Returns the number captured. Who calls this:
+        ``ModelRunner.capture_decode_graphs``, from ``assemble``, after the pool is reserved (a pool that
+        moves later is captured again)."""
+        self._forget(pool)
         block_buckets = power_buckets(-(-max_tokens // pool.block_tokens))
-        shapes = [(rows, 1) for rows in self.batch_buckets] + [(rows, self.verify_tokens) for rows in self.verify_buckets]
-        for num_rows, num_new in sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True):
+        kinds = [(rows, 1, False) for rows in self.batch_buckets]
+        kinds += [(rows, self.verify_tokens, False) for rows in self.verify_buckets]
+        kinds += [(rows, 1, True) for rows in self.batch_buckets if self.adapters]
+        for num_rows, num_new, lora in sorted(kinds, key=lambda kind: kind[0] * kind[1] * (1 + kind[2]), reverse=True):
             for num_blocks in sorted(block_buckets, reverse=True):
                 if worth_a_graph(num_rows, num_blocks, pool):
-                    self._graphs(num_new)[(num_rows, num_blocks)] = self._capture(pool, num_rows, num_blocks, num_new)
-        return len(self.graphs) + len(self.verify_graphs)
+                    self._set(num_new, lora)[(num_rows, num_blocks)] = self._capture(pool, num_rows, num_blocks,
+                                                                                     num_new, lora)
+        return len(self.graphs) + len(self.verify_graphs) + len(self.lora_graphs)
 
-    def _graphs(self, num_new: int) -> dict[tuple[int, int], Captured]:
-        return self.graphs if num_new == 1 else self.verify_graphs
+    def _set(self, num_new: int, lora: bool) -> dict[tuple[int, int], Captured]:
+        return self.lora_graphs if lora else self.graphs if num_new == 1 else self.verify_graphs
 
-    def fits(self, kvs: list[PagedKVCache]) -> bool:
-        return graph_key(kvs, self.batch_buckets) is not None
+    def _forget(self, pool: BlockPool) -> None:
+        for graphs in (self.graphs, self.verify_graphs, self.lora_graphs):
+            graphs.clear()
+        self.pool_address = pool.k.data_ptr()
+
+    def fits(self, kvs: list[PagedKVCache], adapter_slots: list[int] | None = None) -> bool:
+        """Can a decode step of ``kvs`` replay a graph (with ``adapter_slots``: one with adapter rows)?"""
+        return (not any(adapter_slots or ()) or self.adapters) and graph_key(kvs, self.batch_buckets) is not None
 
     def fits_verify(self, kvs: list[PagedKVCache], width: int) -> bool:
         """Can a verify of rows up to ``width`` tokens replay a graph (``run_verify``)?"""
@@ -134,42 +155,46 @@ class DecodeGraphs:
         if width == 1:
             return self.run(kvs, [row[0] for row in token_rows])[:, None]
         padded = [row + row[-1:] * (self.verify_tokens - len(row)) for row in token_rows]
-        return self._replay(kvs, padded, None, self.verify_tokens)[:, :width]
+        return self._replay(kvs, padded, None, None, self.verify_tokens)[:, :width]
 
-    def run(self, kvs: list[PagedKVCache], token_ids: list[int], offsets: list[int] | None = None) -> torch.Tensor:
+    def run(self, kvs: list[PagedKVCache], token_ids: list[int], offsets: list[int] | None = None,
+            adapter_slots: list[int] | None = None) -> torch.Tensor:
         """Decode one token for each row (caches already sized) by replaying the step's graph; logits [B, V].
-        ``offsets``: each row's M-RoPE rope delta (graphs of an M-RoPE model take them; None: 0)."""
-        return self._replay(kvs, [[token] for token in token_ids], offsets if self.offsets else None, 1)
+        ``offsets``: each row's M-RoPE rope delta (graphs of an M-RoPE model take them; None: 0);
+        ``adapter_slots``: each row's LoRA slot (any non-zero: the graphs with adapter rows)."""
+        slots = list(adapter_slots) if any(adapter_slots or ()) else None
+        return self._replay(kvs, [[token] for token in token_ids], offsets if self.offsets else None, slots, 1)
 
     def _replay(self, kvs: list[PagedKVCache], token_rows: list[list[int]], offsets: list[int] | None,
-                num_new: int) -> torch.Tensor:
+                adapter_slots: list[int] | None, num_new: int) -> torch.Tensor:
         pool = kvs[0].pool
         if pool.k.data_ptr() != self.pool_address:
-            self.graphs.clear()
-            self.verify_graphs.clear()
-            self.pool_address = pool.k.data_ptr()
-        graphs = self._graphs(num_new)
+            self._forget(pool)
+        lora = adapter_slots is not None
+        graphs = self._set(num_new, lora)
         key = graph_key(kvs, self.batch_buckets if num_new == 1 else self.verify_buckets, num_new)
         captured = graphs.get(key)
         if captured is None:
-            captured = graphs[key] = self._capture(pool, *key, num_new)
-        rows = graph_rows(kvs, token_rows, offsets, *key, self.offsets, num_new=num_new)
+            captured = graphs[key] = self._capture(pool, *key, num_new, lora)
+        rows = graph_rows(kvs, token_rows, offsets, *key, self.offsets, num_new=num_new, adapter_slots=adapter_slots,
+                          with_adapters=lora)
         # from pinned memory without blocking, on the device's current stream, then the replay on it too (a
         # pageable source would make the host wait for the copy; the pinned block is reused only after it)
         captured.plan.copy_(torch.tensor(rows).pin_memory(), non_blocking=True)
         captured.graph.replay()
         return captured.logits[: len(kvs)].clone()
 
-    def _capture(self, pool: BlockPool, num_rows: int, num_blocks: int, num_new: int = 1) -> Captured:
-        logger.info("capturing the %s as a CUDA graph: %d rows, %d blocks of %d tokens",
-                    "decode step" if num_new == 1 else f"{num_new}-token verify", num_rows, num_blocks,
-                    pool.block_tokens)
+    def _capture(self, pool: BlockPool, num_rows: int, num_blocks: int, num_new: int = 1,
+                 lora: bool = False) -> Captured:
+        what = "decode step" if num_new == 1 else f"{num_new}-token verify"
+        logger.info("capturing the %s%s as a CUDA graph: %d rows, %d blocks of %d tokens", what,
+                    " with adapter rows" if lora else "", num_rows, num_blocks, pool.block_tokens)
         runner = self.runner
-        plan = torch.tensor(graph_rows([], [], None, num_rows, num_blocks, self.offsets, pool.block_tokens, num_new),
-                            device=runner.device)
+        plan = torch.tensor(graph_rows([], [], None, num_rows, num_blocks, self.offsets, pool.block_tokens, num_new,
+                                       with_adapters=lora), device=runner.device)
 
         def step() -> torch.Tensor:
-            return graph_step(runner, pool, plan, self.offsets, num_new)
+            return graph_step(runner, pool, plan, self.offsets, num_new, lora)
 
         device, stream = runner.device, self.stream
         # the device guard: torch.cuda.graph synchronizes and empties the cache of the current device, and
@@ -186,23 +211,34 @@ class DecodeGraphs:
 
 
 def graph_rows(kvs: list[PagedKVCache], token_rows: list[list[int]], offsets: list[int] | None, num_rows: int,
-               num_blocks: int, with_offsets: bool, block_tokens: int | None = None,
-               num_new: int = 1) -> list[list[int]]:
+               num_blocks: int, with_offsets: bool, block_tokens: int | None = None, num_new: int = 1,
+               adapter_slots: list[int] | None = None, with_adapters: bool = False) -> list[list[int]]:
     """A graph's plan on the host: per row [*its ``num_new`` token ids, *plan_rows' row (``num_blocks``
-    wide)], then (``with_offsets``, an M-RoPE model's graphs) its rope delta; padding rows up to ``num_rows``."""
+    wide)], then (``with_offsets``, an M-RoPE model's graphs) its rope delta, then (``with_adapters``)
+    its adapter slot; padding rows (slot 0, the base model) up to ``num_rows``."""
     block_tokens = block_tokens or kvs[0].block_tokens
     rows = [[*ids, *row] for ids, row in zip(token_rows, plan_rows(kvs, num_new, num_blocks))] if kvs else []
     rows += [[0] * num_new + pad_row(num_new, num_blocks, block_tokens)] * (num_rows - len(kvs))
-    if not with_offsets:
-        return rows
-    deltas = list(offsets or [0] * len(kvs)) + [0] * (num_rows - len(kvs))
-    return [[*row, delta] for row, delta in zip(rows, deltas)]
+    padding = [0] * (num_rows - len(kvs))
+    if with_offsets:
+        rows = [[*row, delta] for row, delta in zip(rows, list(offsets or [0] * len(kvs)) + padding)]
+    if with_adapters:
+        rows = [[*row, slot] for row, slot in zip(rows, list(adapter_slots or [0] * len(kvs)) + padding)]
+    return rows
 
 
-def graph_step(runner, pool: BlockPool, plan: torch.Tensor, with_offsets: bool, num_new: int = 1) -> torch.Tensor:
+def graph_step(runner, pool: BlockPool, plan: torch.Tensor, with_offsets: bool, num_new: int = 1,
+               with_adapters: bool = False) -> torch.Tensor:
     """The step a graph captures, over its ``plan`` (``graph_rows``) -> logits [rows, V] (a decode,
-    ``num_new`` 1) or [rows, T, V] (a verify)."""
-    width = plan.shape[1] - with_offsets
+    ``num_new`` 1) or [rows, T, V] (a verify). With adapters, the LoRA bank takes each row's slot from
+    the plan for the step (``LoraBank.slot_rows``)."""
+    width = plan.shape[1] - with_offsets - with_adapters
     deltas = columns(plan, width, width + 1)[:, 0] if with_offsets else None
-    logits = runner.forward_paged(pool, columns(plan, 0, num_new), to_batch(plan[:, num_new:width], num_new), deltas)
+    batch = to_batch(plan[:, num_new:width], num_new)
+    if not with_adapters:
+        logits = runner.forward_paged(pool, columns(plan, 0, num_new), batch, deltas)
+    else:
+        end = plan.shape[1]
+        with runner.lora.slot_rows(columns(plan, end - 1, end)[:, 0]):
+            logits = runner.forward_paged(pool, columns(plan, 0, num_new), batch, deltas)
     return logits[:, 0] if num_new == 1 else logits

@@ -276,9 +276,8 @@ class BatchedPath(PerRowPath):
         if not one_pool(kvs):
             return super().decode(kvs, token_ids, lengths, offsets, adapter_slots)
         graphs = self.graphs
-        if (graphs is not None and not any(adapter_slots or ()) and (offsets is None or graphs.offsets)
-                and graphs.fits(kvs)):
-            return graphs.run(kvs, token_ids, offsets)  # graphs hold the base model (M-RoPE offsets in the plan)
+        if graphs is not None and (offsets is None or graphs.offsets) and graphs.fits(kvs, adapter_slots):
+            return graphs.run(kvs, token_ids, offsets, adapter_slots)  # offsets and adapter slots in the plan
         runner = self.runner
         plan = torch.tensor([[t, *row] for t, row in zip(token_ids, plan_rows(kvs, 1))], device=runner.device)
         deltas = None if offsets is None else torch.tensor(offsets, device=runner.device)

@@ -23,6 +23,7 @@ import logging
 import math
 import re
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,6 +187,7 @@ class LoraBank:
         # CPU: our kernel for decode rows' deltas (csrc/lora.h; the runner sets it where the library
         # builds), (y [N, out], x [N, in], A^T, B^T, mask [N, R] or None) -> None, y updated in place
         self.kernel = None
+        self.rows: torch.Tensor | None = None  # a CUDA graph's forward: each row's slot [B] (``slot_rows``)
 
     @property
     def nbytes(self) -> int:
@@ -241,6 +243,20 @@ class LoraBank:
                 mask[row, :, offsets[slot][0]: offsets[slot][1]] = 1
         self.mixed = (present, mask, mask == 0)
 
+    @contextmanager
+    def slot_rows(self, slots: torch.Tensor):
+        """Within: each row's adapter slot is the device tensor ``slots`` [B], and every adapted linear
+        adds row b's product with slot slots[b]'s factors, gathered from the bank (``LoRALinear``):
+        nothing about the mix is host state, so a CUDA graph captured this way serves any mix
+        (session/model/cuda_graphs.py). Slot 0 holds zeros: a base row adds 0. Needs the bank allocated."""
+        if not self.at:
+            raise RuntimeError("the LoRA bank is not allocated: allocate() it before capturing graphs with adapters")
+        self.rows, self.single, self.mixed = slots, None, None
+        try:
+            yield
+        finally:
+            self.rows = None
+
     def factors(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's A^T [in, R] and B^T [R, out] for one linear: its one adapter's (``single``),
         or the mix's side by side (``concatenated``). Only while the forward has adapter rows."""
@@ -284,6 +300,9 @@ class LoRALinear(nn.Module):
         # x: [B, T, in] -> y: [B, T, out]; y is fresh from the base linear, so it is updated in place.
         y = self.base(x)
         bank = self.bank
+        if bank.rows is not None:  # per row, its slot's factors [B, in, R] and [B, R, out] (``slot_rows``)
+            a, b = bank.at[self.key].index_select(0, bank.rows), bank.bt[self.key].index_select(0, bank.rows)
+            return y.add_(torch.bmm(torch.bmm(x, a), b))
         if bank.single is None and bank.mixed is None:
             return y
         a, b = bank.factors(self.key)  # [in, R], [R, out]

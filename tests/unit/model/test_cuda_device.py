@@ -5,6 +5,7 @@ stream of cuda:1. Runs on CPU: ``torch.cuda`` is replaced by a fake that records
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -417,3 +418,72 @@ def test_a_restore_from_pinned_host_memory_does_not_block_the_host(monkeypatch):
     assert copies == [True, True]  # K and V, each without blocking the host
     pool.device = torch.device("cpu")
     assert torch.equal(kv.keys(1, 6), saved[1]) and torch.equal(kv.values(0, 6), saved[0] + 1)
+
+
+def test_a_lora_graphs_plan_gives_the_eager_mixed_adapter_step():
+    """The step a graph with adapter rows captures (run eagerly here, on the CPU): each row's slot a
+    plan column, its factors gathered from the bank (LoraBank.slot_rows), gives the eager step's
+    logits for a mix of two adapters of different ranks and a base row, a padding row included."""
+    from model_store.build_text_models import ensure
+    from session.model.cuda_graphs import graph_rows, graph_step
+    from session.model.lora import TARGETS, AdapterWeights
+    from session.model.runner import ModelRunner
+
+    runner = ModelRunner(str(ensure(["llama"])["llama"]), device="cpu", cpu_kernels=False)
+    runner.configure_decode("batched")
+    bank, shapes = runner.enable_lora(num_slots=2, max_rank=8)
+
+    def adapter(seed: int, rank: int, targets) -> AdapterWeights:
+        generator = torch.Generator().manual_seed(seed)
+        return AdapterWeights(f"a{seed}", rank, {
+            key: (torch.randn(rank, fan_in, generator=generator) * 0.05,
+                  torch.randn(fan_out, rank, generator=generator) * 0.05)
+            for key, (fan_in, fan_out) in shapes.items() if key[1] in targets})
+
+    bank.load(1, adapter(1, 8, TARGETS))
+    bank.load(2, adapter(2, 4, ("q_proj", "v_proj", "down_proj")))
+    kvs = [runner.new_kv_cache(block_tokens=8, max_tokens=64) for _ in range(3)]
+    kvs[0].pool.reserve(32)
+    for kv, start in zip(kvs, (3, 9, 20)):
+        runner.prefill(kv, runner.embed(list(range(start, start + 10)), []))
+    for kv in kvs:
+        kv.ensure_capacity(kv.length + 1)
+    for slots in ([1, 0, 2], [2, 2, 2]):
+        rows = graph_rows(kvs, [[5], [6], [7]], None, 4, 2, False, adapter_slots=slots, with_adapters=True)
+        assert [row[-1] for row in rows] == [*slots, 0]
+        lengths = [kv.length for kv in kvs]
+        graphed = graph_step(runner, kvs[0].pool, torch.tensor(rows), False, with_adapters=True)[:3]
+        assert bank.rows is None  # the slots hold for the step only
+        for kv, length in zip(kvs, lengths):
+            kv.length = length
+        eager = runner.decode(kvs, [5, 6, 7], adapter_slots=slots)
+        for kv, length in zip(kvs, lengths):
+            kv.length = length
+        assert torch.allclose(graphed, eager, atol=1e-5, rtol=1e-5)
+        base = runner.decode(kvs, [5, 6, 7])
+        for kv, length in zip(kvs, lengths):
+            kv.length = length
+        assert not torch.allclose(graphed[0], base[0], atol=1e-3)  # the adapter changed row 0
+
+
+def test_adapter_rows_replay_their_own_graphs_once_the_bank_is_allocated(cuda, cpu_tensors):
+    runner = FakeRunner(cuda)
+    runner.lora = SimpleNamespace(at={}, slot_rows=lambda slots: contextlib.nullcontext())
+    graphs = DecodeGraphs(runner, batch_buckets=(1, 2))
+    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                     block_tokens=4, num_blocks=8)
+    assert graphs.capture_all(pool, max_tokens=8) == 4  # no bank yet: base graphs only
+    kvs = [pool.new_cache(8), pool.new_cache(8)]
+    for kv in kvs:
+        kv.ensure_capacity(1)
+    assert not graphs.fits(kvs, [1, 0]) and graphs.fits(kvs, [0, 0]) and graphs.fits(kvs)
+    runner.lora.at = {"allocated": True}
+    assert graphs.capture_all(pool, max_tokens=8) == 8  # the same buckets again, with adapter rows
+    assert list(graphs.lora_graphs) == [(2, 2), (2, 1), (1, 2), (1, 1)]
+    assert graphs.fits(kvs, [1, 0])
+    captures = len([call for call in cuda.calls if call[0] == "graph"])
+    graphs.run(kvs, [5, 6], adapter_slots=[1, 0])
+    graphs.run(kvs, [5, 6], adapter_slots=[0, 0])  # no adapter row: the base graph
+    assert len([call for call in cuda.calls if call[0] == "graph"]) == captures
+    plans = [g.plan for g in (graphs.lora_graphs[(2, 1)], graphs.graphs[(2, 1)])]
+    assert plans[0][:, -1].tolist() == [1, 0] and plans[0].shape[1] == plans[1].shape[1] + 1
