@@ -826,7 +826,7 @@ class MemoryCheck:
     def start(self, report: Report) -> None:
         from session.config import EngineConfig
         from session.engine.admin import build_adapter_registry
-        from session.engine.assembly import _configure_paged_kv, device_budget
+        from session.engine.assembly import _configure_paged_kv, device_budget, plan_memory
         from session.model.lora import target_shapes
 
         ctx = self.ctx
@@ -839,9 +839,12 @@ class MemoryCheck:
             device_budget_bytes=0 if ctx.cuda else ctx.shapes.device_budget_bytes)
         config.validate()
         self.reading(report, "loaded")
-        budget = self.budget = device_budget(config, runner)  # assemble's order: the budget, adapters, the pools
+        # assemble's order: adapters (the bank allocated on a GPU), the budget, the memory plan, the pools
         self.registry = build_adapter_registry(config, runner, None)
+        if ctx.cuda:
+            self.registry.bank.allocate()
         self.max_context = min(config.max_context_tokens or runner.info.max_positions, runner.info.max_positions)
+        budget = self.budget = plan_memory(config, [runner], device_budget(config, runner), self.max_context)
         _configure_paged_kv(config, [runner], budget, self.max_context)
         self.reading(report, "after the KV reserve", f"budget {size(budget)}; ")
 

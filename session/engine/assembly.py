@@ -92,6 +92,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     blocks = None
     if not config.static_kv:
         paged = [runner] + ([speculator.draft] if speculator and speculator.draft else [])
+        budget = plan_memory(config, paged, budget, max_context)  # less what the steps themselves take
         _configure_paged_kv(config, paged, budget, max_context, speculating=speculator is not None)
         for each in paged:  # CUDA graphs: all at start-up, after the pools are reserved (none mid-serving)
             each.capture_decode_graphs(config.kv_block_tokens, max_context)
@@ -244,6 +245,62 @@ def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):
 
 
 DEFAULT_CUDA_BUDGET_FRACTION = 0.9  # of the memory free after loading, when no budget is configured
+
+
+def plan_memory(config: EngineConfig, runners: list[ModelRunner], budget: int, max_context: int) -> int:
+    """The KV budget once the steps' own memory is set aside: on CUDA, where the budget is a fraction of
+    the free memory (not RESIDENT_DEVICE_BUDGET_BYTES), less each runner's measured peak of a worst-case
+    step (``step_peak``: eager, and again for the CUDA graphs' pool, which holds as much), and, where
+    attention gathers a step's blocks (SDPA, not FlashAttention), the one layer's copy of K and V a
+    step can gather: up to the pool's own size over the layers. Elsewhere the budget as it is."""
+    if (budget <= 0 or config.device_budget_bytes or runners[0].device.type != "cuda"):
+        return budget
+    from session.model.attention import choose_backend
+
+    peaks = [step_peak(config, runner, max_context) for runner in runners]
+    left = max(0, budget - 2 * sum(peaks))
+    gathers = [choose_backend(r.kv_pool(config.kv_block_tokens)) == "sdpa" for r in runners]
+    layers = min(r.info.num_layers for r in runners)
+    planned = int(left / (1 + 1 / layers)) if any(gathers) else left
+    logger.info("memory plan: %s of %s free for KV (steps measured at %s each, eager and in graphs%s)",
+                _mib(planned), _mib(budget), " + ".join(_mib(peak) for peak in peaks),
+                "; SDPA gathers up to 1/%d of the pool a step" % layers if any(gathers) else "")
+    return planned
+
+
+def step_peak(config: EngineConfig, runner: ModelRunner, max_context: int) -> int:
+    """Device bytes one runner's worst step allocates beyond what is held before it, measured on CUDA
+    with scratch caches (released after): a prefill of RESIDENT_STEP_TOKEN_BUDGET tokens (the most one
+    step feeds) and a decode of RESIDENT_MAX_BATCH_SIZE rows, each from its own peak; the larger."""
+    device = runner.device
+    path = runner.decode_attention
+    runner.configure_decode("batched")  # the eager step, with no graph captured
+    tokens = max(1, min(config.step_token_budget or max_context, max_context - 1))
+    prefill = runner.new_kv_cache(block_tokens=config.kv_block_tokens, max_tokens=max_context)
+    decode = runner.new_kv_cache(block_tokens=config.kv_block_tokens, max_tokens=max_context)
+    try:
+        prefill.ensure_capacity(tokens)  # the scratch blocks before the measurement: KV, not the step's
+        decode.ensure_capacity(1)
+        peaks = []
+        for step in (lambda: runner.prefill(prefill, runner.embed([0] * tokens, [])),
+                     lambda: runner.decode([decode] * config.max_batch_size, [0] * config.max_batch_size)):
+            torch.cuda.synchronize(device)
+            held = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.max_memory_allocated(device) - held)
+            decode.length = 0  # every row wrote the same slot: the scratch session is empty again
+    finally:
+        prefill.release()
+        decode.release()
+        runner.configure_decode(path)
+    torch.cuda.empty_cache()
+    return max(peaks)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.0f} MiB"
 
 
 def device_budget(config: EngineConfig, runner) -> int:

@@ -123,3 +123,82 @@ def test_auto_picks_a_neuroncore_where_torchneuron_has_one(monkeypatch):
     monkeypatch.setattr(torch, "neuron", SimpleNamespace(is_available=lambda: True), raising=False)
     monkeypatch.setattr(runner.torch, "device", lambda name: SimpleNamespace(type=name, index=None))
     assert runner.resolve_device("auto").type == "neuron"
+
+
+MIB = 1 << 20
+
+
+class ProfiledRunner:
+    """What plan_memory needs of a runner on a mocked GPU: steps that 'allocate' by raising the fake
+    device's peak, scratch caches in a real (CPU) pool, and the decode path it had."""
+
+    def __init__(self, memory, prefill_bytes: int, decode_bytes: int):
+        from session.model.kv_cache import BlockPool
+
+        self.memory, self.prefill_bytes, self.decode_bytes = memory, prefill_bytes, decode_bytes
+        self.device = torch.device("cuda", 0)
+        self.dtype = torch.float32
+        self.info = SimpleNamespace(hidden_size=8, num_layers=4)
+        self.pool = BlockPool(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+                              device=torch.device("cpu"), block_tokens=16)
+        self.paths, self.steps = ["batched+graphs"], []
+
+    @property
+    def decode_attention(self) -> str:
+        return self.paths[-1]
+
+    def configure_decode(self, attention: str) -> None:
+        self.paths.append(attention)
+
+    def kv_pool(self, block_tokens: int):
+        return self.pool
+
+    def new_kv_cache(self, *, block_tokens: int, max_tokens: int):
+        return self.pool.new_cache(max_tokens)
+
+    def embed(self, token_ids, images):
+        return torch.zeros(len(token_ids), self.info.hidden_size)
+
+    def prefill(self, kv, embeds):
+        self.steps.append(("prefill", embeds.shape[0], self.decode_attention, self.pool.num_held))
+        self.memory.peak = max(self.memory.peak, self.memory.allocated + self.prefill_bytes)
+
+    def decode(self, kvs, token_ids):
+        self.steps.append(("decode", len(kvs), self.decode_attention, self.pool.num_held))
+        self.memory.peak = max(self.memory.peak, self.memory.allocated + self.decode_bytes)
+
+
+@pytest.fixture
+def gpu_memory(monkeypatch):
+    memory = SimpleNamespace(allocated=3 << 30, peak=0, calls=[])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: memory.calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory.allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: memory.peak)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: setattr(memory, "peak", memory.allocated))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: memory.calls.append("empty_cache"))
+    return memory
+
+
+def test_the_kv_budget_leaves_room_for_the_measured_steps_eager_and_in_graphs(gpu_memory):
+    from session.engine.assembly import plan_memory
+
+    config = EngineConfig(step_token_budget=64, max_batch_size=8, kv_block_tokens=16)
+    target, draft = ProfiledRunner(gpu_memory, 300 * MIB, 500 * MIB), ProfiledRunner(gpu_memory, 40 * MIB, 20 * MIB)
+    budget = plan_memory(config, [target, draft], 10 << 30, max_context=256)
+    # the larger step of each (500 and 40 MiB), set aside twice (the eager step's and the graphs' pool); the
+    # pools are read by SDPA over gathered blocks (not on a GPU here), which copies up to 1/4 of a pool a step
+    assert budget == int(((10 << 30) - 2 * (500 + 40) * MIB) / (1 + 1 / 4))
+    assert target.steps == [("prefill", 64, "batched", 4 + 1), ("decode", 8, "batched", 4 + 1)]  # scratch blocks
+    assert target.paths[-1] == "batched+graphs" and target.pool.num_held == 0  # path back, scratch released
+    assert gpu_memory.calls.count("empty_cache") == 2
+
+
+def test_a_budget_in_bytes_or_off_cuda_is_left_as_it_is(gpu_memory):
+    from session.engine.assembly import plan_memory
+
+    runner = ProfiledRunner(gpu_memory, 300 * MIB, 500 * MIB)
+    assert plan_memory(EngineConfig(device_budget_bytes=5 << 30), [runner], 5 << 30, 256) == 5 << 30
+    runner.device = torch.device("cpu")
+    assert plan_memory(EngineConfig(), [runner], 5 << 30, 256) == 5 << 30
+    assert runner.steps == []
