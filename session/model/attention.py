@@ -2,10 +2,11 @@
 
 A step feeds T new tokens to each of B rows (decode: T = 1; a multi-token verify: T > 1). Each
 row's keys live in blocks of the model's ``BlockPool`` (session/model/kv_cache.py), listed in its block
-table. Per layer, the step writes the new keys and values into their pool slots (one
-``index_copy_`` for the batch) and runs one attention call for the batch:
-- ``flash_attn``: FlashAttention's ``flash_attn_with_kvcache`` reads the pool through the block
-  table with per-row lengths (``cache_seqlens``) and a sliding window where the layer has one;
+table. Per layer, the step writes the new keys and values into their pool slots (one indexed store
+for the batch; FlashAttention's kernel does it itself) and runs one attention call for the batch:
+- ``flash_attn``: FlashAttention's ``flash_attn_with_kvcache`` writes the new keys and values into
+  the pool and reads it, through the block table, in one kernel (``k=``, ``v=`` appended at each
+  row's ``cache_seqlens``), with a sliding window where the layer has one;
 - ``varlen``: the same FlashAttention-2 paged kernel as torch ships it (``torch.nn.attention.varlen.
   varlen_attn`` with ``block_table`` and ``seqused_k``), so no extra package: the new tokens of
   all rows as one packed batch of queries (``cu_seq_q``), each row's keys read in place through
@@ -150,6 +151,7 @@ class PagedAttention:
             from flash_attn import flash_attn_with_kvcache
 
             self.flash = flash_attn_with_kvcache
+            self.cached = batch.seq_lens - batch.slots.shape[1]  # [B] int32: keys before the new ones
         elif backend == "varlen":
             # every row feeds T queries; keys: each row's seq_len of them, through its block table
             rows, num_new = batch.slots.shape
@@ -177,12 +179,15 @@ class PagedAttention:
                  scale: float) -> torch.Tensor:
         """q: [B, H, T, hd]; k, v: [B, KVH, T, hd] (the new tokens) -> attention output [B, H, T, hd]."""
         pool, batch = self.pool, self.batch
-        pool.write_rows(layer, batch.slots, k, v)
         if self.backend == "flash_attn":  # token-major pools only (CUDA: see choose_backend)
-            out = self.flash(q.transpose(1, 2), pool.k[layer], pool.v[layer], cache_seqlens=batch.seq_lens,
-                             block_table=batch.block_table, softmax_scale=scale, causal=True,
+            # the kernel writes the new keys and values at cache_seqlens.. through the block table itself
+            # (one kernel for the write and the attention), then attends over cache_seqlens + T keys
+            out = self.flash(q.transpose(1, 2), pool.k[layer], pool.v[layer], k=k.transpose(1, 2),
+                             v=v.transpose(1, 2), cache_seqlens=self.cached, block_table=batch.block_table,
+                             softmax_scale=scale, causal=True,
                              window_size=(-1, -1) if window is None else (window - 1, 0))  # [B, T, H, hd]
             return out.transpose(1, 2)
+        pool.write_rows(layer, batch.slots, k, v)
         if self.backend == "varlen":
             rows, heads, num_new, head_dim = q.shape
             out = self.varlen(q.transpose(1, 2).reshape(rows * num_new, heads, head_dim), pool.k[layer], pool.v[layer],

@@ -1,6 +1,7 @@
-"""torch's paged FlashAttention-2 (``varlen_attn`` with a block table) as the runner calls it.
+"""Paged FlashAttention-2 as the runner calls it: torch's (``varlen_attn`` with a block table) and
+the flash-attn package's ``flash_attn_with_kvcache``, which also writes the new keys and values.
 
-The kernel runs on CUDA only. Here it is replaced by a float64 reference of its documented contract
+The kernels run on CUDA only. Here they are replaced by float64 references of their documented contracts
 (torch/nn/attention/varlen.py: packed queries by ``cu_seq_q``, each row's ``seqused_k`` keys read
 through its ``block_table`` from a ``[pages, page_size, KVH, hd]`` pool, causal from the bottom
 right, windows ``(left, 0)``, grouped-query heads): a prefill and a batched decode and verify over a
@@ -69,17 +70,56 @@ def model_path():
     return built("llama")
 
 
-@pytest.fixture
-def varlen(monkeypatch):
-    """Token-major pools take the varlen kernel (the reference); the rest keep choosing as shipped."""
+def reference_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table,
+                                      softmax_scale, causal, window_size):
+    """flash_attn_with_kvcache's paged contract in float64: k, v [B, T, KVH, hd] appended at each row's
+    cache_seqlens through its block table, then q [B, T, H, hd] attends over cache_seqlens + T keys,
+    causal from the bottom right, windows (left, right) with -1 for none."""
+    assert k is not None and v is not None and causal and cache_seqlens.dtype == torch.int32
+    assert block_table.dtype == torch.int32 and k_cache.dim() == 4
+    rows, num_new = q.shape[:2]
+    page = k_cache.shape[1]
+    for b in range(rows):
+        for t in range(num_new):
+            position = int(cache_seqlens[b]) + t
+            block = int(block_table[b, position // page])
+            k_cache[block, position % page] = k[b, t]
+            v_cache[block, position % page] = v[b, t]
+    lengths = cache_seqlens + num_new
+    cu_q = torch.arange(0, (rows + 1) * num_new, num_new, dtype=torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths, 0, dtype=torch.int32)])
+    left = window_size[0]
+    out = reference_varlen_attn(q.reshape(rows * num_new, *q.shape[2:]), k_cache, v_cache, cu_q, cu_k, num_new,
+                                block_table.shape[1] * page, scale=softmax_scale, window_size=(left, 0),
+                                enable_gqa=q.shape[2] != k_cache.shape[2], seqused_k=lengths.to(torch.int32),
+                                block_table=block_table)
+    return out.view(q.shape)
+
+
+@pytest.fixture(params=["varlen", "flash_attn"])
+def varlen(monkeypatch, request):
+    """Token-major pools take a FlashAttention kernel (its reference: torch's varlen_attn, or the
+    flash-attn package's flash_attn_with_kvcache, which writes the new keys itself); the rest keep
+    choosing as shipped."""
     chosen = attention.choose_backend
+    backend = request.param
 
     def choose(pool):
-        return "varlen" if not pool.head_major else chosen(pool)
+        return backend if not pool.head_major else chosen(pool)
 
     monkeypatch.setattr(attention, "torch_paged_varlen", lambda: reference_varlen_attn)
+    monkeypatch.setitem(sys.modules, "flash_attn",
+                        SimpleNamespace(flash_attn_with_kvcache=reference_flash_attn_with_kvcache))
     monkeypatch.setattr(attention, "choose_backend", choose)
     monkeypatch.setattr(runner_module, "choose_backend", choose)
+    if backend == "flash_attn":  # a token-major pool is written by the kernel alone
+        write_rows = BlockPool.write_rows
+
+        def only_head_major(pool, *args):
+            assert pool.head_major, "a separate key/value write"
+            return write_rows(pool, *args)
+
+        monkeypatch.setattr(BlockPool, "write_rows", only_head_major)
     CALLS.clear()
     return CALLS
 
