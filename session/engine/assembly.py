@@ -270,17 +270,25 @@ def plan_memory(config: EngineConfig, runners: list[ModelRunner], budget: int, m
 
 def step_peak(config: EngineConfig, runner: ModelRunner, max_context: int) -> int:
     """Device bytes one runner's worst step allocates beyond what is held before it, measured on CUDA
-    with scratch caches (released after): a prefill of RESIDENT_STEP_TOKEN_BUDGET tokens (the most one
-    step feeds) and a decode of RESIDENT_MAX_BATCH_SIZE rows, each from its own peak; the larger."""
-    device = runner.device
-    path = runner.decode_attention
-    runner.configure_decode("batched")  # the eager step, with no graph captured
+    with scratch caches in a throwaway pool (dropped after, the runner's own pool and decode path put
+    back): a prefill of RESIDENT_STEP_TOKEN_BUDGET tokens (the most one step feeds) at the end of the
+    window where attention gathers the session's keys (SDPA: its copies and masks grow with the
+    context; FlashAttention's do not), and a decode of RESIDENT_MAX_BATCH_SIZE rows, each from its own
+    peak; the larger. Called before ``_configure_paged_kv`` (no pool reserved, no graph captured)."""
+    from session.model.attention import choose_backend
+
+    device, block = runner.device, config.kv_block_tokens
+    path, pool = runner.path, runner.kv_pools.pop(block, None)
     tokens = max(1, min(config.step_token_budget or max_context, max_context - 1))
-    prefill = runner.new_kv_cache(block_tokens=config.kv_block_tokens, max_tokens=max_context)
-    decode = runner.new_kv_cache(block_tokens=config.kv_block_tokens, max_tokens=max_context)
     try:
-        prefill.ensure_capacity(tokens)  # the scratch blocks before the measurement: KV, not the step's
+        runner.configure_decode("batched")  # the eager batched step
+        prefill = runner.new_kv_cache(block_tokens=block, max_tokens=max_context)
+        decode = runner.new_kv_cache(block_tokens=block, max_tokens=max_context)
+        start = max(0, max_context - 1 - tokens) if choose_backend(prefill.pool) == "sdpa" else 0
+        prefill.ensure_capacity(start + tokens)  # the scratch blocks before the measurement: KV, not the step's
         decode.ensure_capacity(1)
+        for done in range(0, start, tokens):  # unmeasured: up to the window's end
+            runner.prefill(prefill, runner.embed([0] * min(tokens, start - done), []))
         peaks = []
         for step in (lambda: runner.prefill(prefill, runner.embed([0] * tokens, [])),
                      lambda: runner.decode([decode] * config.max_batch_size, [0] * config.max_batch_size)):
@@ -290,11 +298,11 @@ def step_peak(config: EngineConfig, runner: ModelRunner, max_context: int) -> in
             step()
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.max_memory_allocated(device) - held)
-            decode.length = 0  # every row wrote the same slot: the scratch session is empty again
     finally:
-        prefill.release()
-        decode.release()
-        runner.configure_decode(path)
+        runner.kv_pools.pop(block, None)  # the throwaway pool and every scratch block in it
+        if pool is not None:
+            runner.kv_pools[block] = pool
+        runner.path = path
     torch.cuda.empty_cache()
     return max(peaks)
 

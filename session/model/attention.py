@@ -27,6 +27,7 @@ which replay ``forward_paged`` with fixed-shape ``PagedBatch`` buffers.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -106,8 +107,9 @@ def paged_flash_refusal(pool: BlockPool) -> str | None:
     return None
 
 
+@functools.cache
 def torch_paged_varlen():
-    """torch's ``varlen_attn`` where it takes a block table (torch 2.10 and later), else None."""
+    """torch's ``varlen_attn`` where it takes a block table (torch 2.10 and later), else None (once)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -116,15 +118,23 @@ def torch_paged_varlen():
     return varlen_attn if "block_table" in parameters and "seqused_k" in parameters else None
 
 
+@functools.cache
+def flash_attn_installed() -> bool:
+    """Does the flash-attn package import (asked once: a failed import searches sys.path each time)?"""
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def choose_backend(pool: BlockPool) -> str:
     """flash_attn, else varlen, where FlashAttention reads the pool; else sdpa (module docstring)."""
     if paged_flash_refusal(pool) is not None:
         return "sdpa"
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return "varlen" if torch_paged_varlen() is not None else "sdpa"
-    return "flash_attn"
+    if flash_attn_installed():
+        return "flash_attn"
+    return "varlen" if torch_paged_varlen() is not None else "sdpa"
 
 
 def describe_backend(pool: BlockPool, decode_path: str) -> str:
@@ -175,6 +185,15 @@ class PagedAttention:
             mask = mask & (keys > queries - window)
         return mask[:, None]  # [B, 1, T, S]
 
+    @staticmethod
+    def _varlen_window(window: int | None, num_new: int) -> tuple[int, int]:
+        """varlen_attn's window_size: causal (-1, 0), or (W - 1, 0) in a sliding window; one query a row
+        sees every key it is given, so (-1, -1), which keeps ATen's grouped-query decode layout (it
+        swaps a row's query heads into the sequence dimension only without a window or causality)."""
+        if window is not None:
+            return (window - 1, 0)
+        return (-1, -1) if num_new == 1 else (-1, 0)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None,
                  scale: float) -> torch.Tensor:
         """q: [B, H, T, hd]; k, v: [B, KVH, T, hd] (the new tokens) -> attention output [B, H, T, hd]."""
@@ -192,7 +211,7 @@ class PagedAttention:
             rows, heads, num_new, head_dim = q.shape
             out = self.varlen(q.transpose(1, 2).reshape(rows * num_new, heads, head_dim), pool.k[layer], pool.v[layer],
                               self.cu_q, self.cu_k, num_new, self.max_k, scale=scale,
-                              window_size=(-1, 0) if window is None else (window - 1, 0),
+                              window_size=self._varlen_window(window, num_new),
                               enable_gqa=heads != pool.num_kv_heads, seqused_k=batch.seq_lens,
                               block_table=batch.block_table)  # [B*T, H, hd]
             return out.view(rows, num_new, heads, head_dim).transpose(1, 2)

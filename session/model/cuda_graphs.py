@@ -8,8 +8,9 @@ one launch. Capture needs fixed shapes and addresses, so a step is padded to buc
   contexts do not pay for the longest one.
 The inputs of a step (token ids, positions, slots, lengths, block tables) are one int64 ``plan``
 buffer per graph: a step copies one pinned host tensor into it without blocking, and replays. Activations live in one
-memory pool shared by all graphs, so nothing is allocated on the device per step but the [B, V]
-logits handed back (a copy: the graph's output buffer is overwritten by the next replay).
+memory pool shared by all graphs, and every graph of a width writes its logits into one buffer
+(``outputs``: no graph holds its own), so nothing is allocated on the device per step but the [B, V]
+logits handed back (a copy: the buffer is overwritten by the next replay).
 
 A speculative verify (``ModelRunner.extend``: each row's last token and its proposals, scored in one
 pass) has graphs too, with ``verify_tokens`` new tokens per row (the most proposals plus one), for
@@ -80,7 +81,7 @@ def worth_a_graph(num_rows: int, num_blocks: int, pool: BlockPool) -> bool:
 class Captured:
     graph: torch.cuda.CUDAGraph
     plan: torch.Tensor  # [rows, 2T + 1 + blocks] int64: T token ids, then plan_rows' row
-    logits: torch.Tensor  # [rows, V] (a decode), [rows, T, V] (a verify): written by each replay
+    logits: torch.Tensor  # [rows, V] (a decode), [rows, T, V] (a verify): rows of the shared ``outputs``
 
 
 class DecodeGraphs:
@@ -96,6 +97,9 @@ class DecodeGraphs:
         self.verify_graphs: dict[tuple[int, int], Captured] = {}
         # decode steps with adapter rows: each row's slot in the plan (``LoraBank.slot_rows``)
         self.lora_graphs: dict[tuple[int, int], Captured] = {}
+        # logits of every graph of a width (tokens a row), written by its replays: one buffer for the
+        # largest batch, so that no graph keeps an output of its own in the graphs' memory pool
+        self.outputs: dict[int, torch.Tensor] = {}
         self.memory = torch.cuda.graph_pool_handle()
         # one capture stream for every graph: graphs sharing a memory pool are to be captured on the same
         # stream (torch.cuda.graph), and their warm-up runs there too, so that the state it builds per
@@ -202,12 +206,21 @@ class DecodeGraphs:
         with torch.cuda.device(device):
             stream.wait_stream(torch.cuda.current_stream(device))  # the plan, written on the current stream
             with torch.cuda.stream(stream):
-                step()  # warm-up outside the capture: lazy initialisation (cuBLAS workspaces, kernel choice)
+                warm = step()  # warm-up outside the capture: lazy initialisation (cuBLAS workspaces, kernel choice)
             torch.cuda.current_stream(device).wait_stream(stream)
+            output = self._output(num_new, warm)[:num_rows]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.memory, stream=stream):
-                logits = step()
-        return Captured(graph, plan, logits)
+                output.copy_(step())  # the step's own logits are freed back to the pool at the end
+        return Captured(graph, plan, output)
+
+    def _output(self, num_new: int, like: torch.Tensor) -> torch.Tensor:
+        """The logits buffer of the graphs ``num_new`` tokens a row wide: [largest batch, (T,) V]."""
+        buffer = self.outputs.get(num_new)
+        if buffer is None:
+            rows = max(self.batch_buckets if num_new == 1 else self.verify_buckets)
+            buffer = self.outputs[num_new] = torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        return buffer
 
 
 def graph_rows(kvs: list[PagedKVCache], token_rows: list[list[int]], offsets: list[int] | None, num_rows: int,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from session.model.attention import attend_runs, causal_masks, columns, plan_rows, to_batch
+from session.model.attention import attend_runs, causal_masks, choose_backend, columns, plan_rows, to_batch
 from session.model.backend import ModelInfo
 from session.model.cpu import attention as cpu_attention, fused_layer
 from session.model.kv_cache import PAD_BLOCK, KVCache, PagedKVCache
@@ -273,7 +273,7 @@ class BatchedPath(PerRowPath):
         self.graphs = graphs
 
     def decode(self, kvs, token_ids, lengths, offsets, adapter_slots):
-        if not one_pool(kvs):
+        if not one_pool(kvs) or gathers_past_the_pool(kvs, 1):
             return super().decode(kvs, token_ids, lengths, offsets, adapter_slots)
         graphs = self.graphs
         if graphs is not None and (offsets is None or graphs.offsets) and graphs.fits(kvs, adapter_slots):
@@ -289,7 +289,7 @@ class BatchedPath(PerRowPath):
         real query of the row, so none attends to them."""
         width = max(len(row) for row in token_rows)
         if not (one_pool(kvs) and all(kv.length + width <= kv.max_tokens for kv in kvs)
-                and padding_fits(kvs, lengths, width)):
+                and padding_fits(kvs, lengths, width)) or gathers_past_the_pool(kvs, width):
             return super().extend(kvs, token_rows, lengths, adapter_slots)
         graphs = self.graphs
         if graphs is not None and not any(adapter_slots or ()) and graphs.fits_verify(kvs, width):
@@ -304,6 +304,18 @@ class BatchedPath(PerRowPath):
         runner = self.runner
         plan = torch.tensor([[*ids, *row] for ids, row in zip(padded, plan_rows(kvs, width))], device=runner.device)
         return runner.forward_paged(kvs[0].pool, columns(plan, 0, width), to_batch(plan[:, width:], width))
+
+
+def gathers_past_the_pool(kvs: list[PagedKVCache], num_new: int) -> bool:
+    """Would the batched step's attention gather more blocks than the pool holds (SDPA over gathered
+    blocks pads every row to the widest: rows x widest table)? Such a step attends per row, whose
+    copies are each row's own blocks, so a step never copies more than 1/layers of the pool at a
+    time (what the memory plan sets aside: session/engine/assembly.py)."""
+    pool = kvs[0].pool
+    if not pool.fixed or choose_backend(pool) != "sdpa":
+        return False  # a pool without a budget (CPU default), or FlashAttention reading the pool in place
+    widest = max(-(-(kv.length + num_new) // pool.block_tokens) for kv in kvs)
+    return len(kvs) * widest > pool.num_blocks
 
 
 def padding_fits(kvs: list[PagedKVCache], lengths: list[int], width: int) -> bool:

@@ -330,9 +330,14 @@ class BlockPool:
         """``host_copy``'s K, V [num_layers, KVH, T, hd] into ``slots`` [T] of every layer. From pinned
         memory (a GPU's host tier) the copy to the device does not block the host: it and the store
         after it are queued on the current stream, in that order; torch's pinned-memory allocator keeps
-        the host copy until the device has read it, whatever the session does with it next."""
+        the host copy until the device has read it, whatever the session does with it next. A slice
+        past a shared prefix is not contiguous: it is first copied into pinned memory on the host (a
+        pageable staging copy would make the transfer wait)."""
+        pinned = self.device.type == "cuda" and k.is_pinned()
         for pool, saved in ((self.k, k), (self.v, v)):
-            on_device = saved.to(self.device, non_blocking=self.device.type == "cuda" and saved.is_pinned())
+            if pinned and not saved.is_contiguous():  # a slice past a shared prefix: staged in pinned memory
+                saved = torch.empty(saved.shape, dtype=saved.dtype, pin_memory=True).copy_(saved)
+            on_device = saved.to(self.device, non_blocking=pinned)
             if self.head_major:
                 self._flat(pool)[:, :, slots] = on_device
             else:

@@ -251,11 +251,27 @@ class LoraBank:
         (session/model/cuda_graphs.py). Slot 0 holds zeros: a base row adds 0. Needs the bank allocated."""
         if not self.at:
             raise RuntimeError("the LoRA bank is not allocated: allocate() it before capturing graphs with adapters")
+        mix = self.single, self.mixed
         self.rows, self.single, self.mixed = slots, None, None
         try:
             yield
         finally:
             self.rows = None
+            self.single, self.mixed = mix  # the eager step's mix, as set_rows left it
+
+    def slot_delta(self, key: tuple[int, str], x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, in] -> each row's LoRA delta [B, T, out] from its slot in ``rows`` (``slot_rows``).
+        Few rows gather their own slots' factors (a copy of one slot's per row); more read every slot's
+        once, the cheaper past half as many rows as slots: each row keeps its own slot's product (a
+        select, as in ``set_rows``) and the slots' deltas are summed (the others add exact zeros)."""
+        at, bt, rows = self.at[key], self.bt[key], self.rows
+        if 2 * rows.shape[0] < at.shape[0]:
+            return torch.bmm(torch.bmm(x, at.index_select(0, rows)), bt.index_select(0, rows))
+        batch, num_new, fan_in = x.shape
+        h = torch.matmul(x.reshape(1, batch * num_new, fan_in), at)  # [S, B*T, R]
+        own = torch.arange(at.shape[0], device=rows.device)[:, None] == rows.repeat_interleave(num_new)[None, :]
+        h = h.masked_fill_(~own[..., None], 0)
+        return torch.matmul(h, bt).sum(0).view(batch, num_new, -1)
 
     def factors(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's A^T [in, R] and B^T [R, out] for one linear: its one adapter's (``single``),
@@ -300,9 +316,8 @@ class LoRALinear(nn.Module):
         # x: [B, T, in] -> y: [B, T, out]; y is fresh from the base linear, so it is updated in place.
         y = self.base(x)
         bank = self.bank
-        if bank.rows is not None:  # per row, its slot's factors [B, in, R] and [B, R, out] (``slot_rows``)
-            a, b = bank.at[self.key].index_select(0, bank.rows), bank.bt[self.key].index_select(0, bank.rows)
-            return y.add_(torch.bmm(torch.bmm(x, a), b))
+        if bank.rows is not None:  # each row's own slot, a device tensor (``slot_rows``)
+            return y.add_(bank.slot_delta(self.key, x))
         if bank.single is None and bank.mixed is None:
             return y
         a, b = bank.factors(self.key)  # [in, R], [R, out]

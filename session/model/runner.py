@@ -381,9 +381,9 @@ class ModelRunner:
         cos, sin = self.lm.rotary_emb(h, positions.to(self.device)[..., None, :])  # [1, T] or [3, 1, T]
         # query i (absolute position start+i) sees keys 0 .. start+i; in a sliding-window layer of W,
         # only the last W of them (keys j > start+i-W)
-        masks = causal_masks(start, num_new, self.windows, self.device)
-        gqa = self.info.num_heads != self.info.num_kv_heads
         paged = self.paged_prefill(kv, num_new)
+        masks = causal_masks(start, num_new, self.windows, self.device) if paged is None else {}
+        gqa = self.info.num_heads != self.info.num_kv_heads
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             window = self.windows[index]

@@ -316,6 +316,10 @@ def test_verify_graphs_are_captured_at_start_up_and_replayed_for_a_speculative_s
     # 3 decode buckets and 2 verify buckets, each with block tables of 1, 2, 4 blocks; larger steps first
     assert graphs.capture_all(pool, max_tokens=16) == 9 + 6
     assert list(graphs.verify_graphs) == [(2, 4), (2, 2), (2, 1), (1, 4), (1, 2), (1, 1)]
+    # every graph of a width writes into one logits buffer sized for its largest batch
+    assert graphs.outputs[1].shape == (4, VOCAB) and graphs.outputs[3].shape == (2, 3, VOCAB)
+    assert {g.logits.data_ptr() for g in graphs.graphs.values()} == {graphs.outputs[1].data_ptr()}
+    assert {g.logits.data_ptr() for g in graphs.verify_graphs.values()} == {graphs.outputs[3].data_ptr()}
     captures = len([call for call in cuda.calls if call[0] == "graph"])
     kvs = [pool.new_cache(16) for _ in range(2)]
     for kv, length in zip(kvs, (5, 2)):
@@ -416,8 +420,22 @@ def test_a_restore_from_pinned_host_memory_does_not_block_the_host(monkeypatch):
     monkeypatch.setattr("session.model.kv_cache.to_device", lambda values, device: torch.tensor(values))
     kv.load(saved, saved + 1)
     assert copies == [True, True]  # K and V, each without blocking the host
+    staged = []
+    empty = torch.empty
+
+    def pinned_empty(*args, pin_memory=False, **kwargs):
+        staged.append(pin_memory)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", pinned_empty)
+    other = pool.new_cache(16)
+    other.ensure_capacity(6)
+    slots = torch.tensor(other.slots(2, 6))
+    pool.store(slots, saved[:, :, 2:], (saved + 1)[:, :, 2:])  # past a 2-token prefix: not contiguous
+    assert staged == [True, True] and copies == [True] * 4  # staged in pinned memory, then not blocking
     pool.device = torch.device("cpu")
     assert torch.equal(kv.keys(1, 6), saved[1]) and torch.equal(kv.values(0, 6), saved[0] + 1)
+    assert torch.equal(other.keys(1, 6)[:, 2:], saved[1, :, 2:])
 
 
 def test_a_lora_graphs_plan_gives_the_eager_mixed_adapter_step():
@@ -464,6 +482,12 @@ def test_a_lora_graphs_plan_gives_the_eager_mixed_adapter_step():
         for kv, length in zip(kvs, lengths):
             kv.length = length
         assert not torch.allclose(graphed[0], base[0], atol=1e-3)  # the adapter changed row 0
+    # one row (fewer than half the slots): its slot's factors gathered, not every slot's read
+    rows = graph_rows(kvs[:1], [[5]], None, 1, 2, False, adapter_slots=[2], with_adapters=True)
+    length = kvs[0].length
+    graphed = graph_step(runner, kvs[0].pool, torch.tensor(rows), False, with_adapters=True)
+    kvs[0].length = length
+    assert torch.allclose(graphed, runner.decode(kvs[:1], [5], adapter_slots=[2]), atol=1e-5, rtol=1e-5)
 
 
 def test_adapter_rows_replay_their_own_graphs_once_the_bank_is_allocated(cuda, cpu_tensors):

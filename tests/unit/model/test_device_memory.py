@@ -130,41 +130,44 @@ MIB = 1 << 20
 
 class ProfiledRunner:
     """What plan_memory needs of a runner on a mocked GPU: steps that 'allocate' by raising the fake
-    device's peak, scratch caches in a real (CPU) pool, and the decode path it had."""
+    device's peak, pools made on demand (real ones, on the CPU), and its decode path."""
 
     def __init__(self, memory, prefill_bytes: int, decode_bytes: int):
-        from session.model.kv_cache import BlockPool
-
         self.memory, self.prefill_bytes, self.decode_bytes = memory, prefill_bytes, decode_bytes
         self.device = torch.device("cuda", 0)
         self.dtype = torch.float32
         self.info = SimpleNamespace(hidden_size=8, num_layers=4)
-        self.pool = BlockPool(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
-                              device=torch.device("cpu"), block_tokens=16)
-        self.paths, self.steps = ["batched+graphs"], []
+        self.kv_pools = {}
+        self.path, self.steps = "graphs path object", []
 
     @property
     def decode_attention(self) -> str:
-        return self.paths[-1]
+        return self.path
 
     def configure_decode(self, attention: str) -> None:
-        self.paths.append(attention)
+        self.path = attention
 
     def kv_pool(self, block_tokens: int):
-        return self.pool
+        from session.model.kv_cache import BlockPool
+
+        if block_tokens not in self.kv_pools:
+            self.kv_pools[block_tokens] = BlockPool(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+                                                    device=torch.device("cpu"), block_tokens=block_tokens)
+        return self.kv_pools[block_tokens]
 
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int):
-        return self.pool.new_cache(max_tokens)
+        return self.kv_pool(block_tokens).new_cache(max_tokens)
 
     def embed(self, token_ids, images):
         return torch.zeros(len(token_ids), self.info.hidden_size)
 
     def prefill(self, kv, embeds):
-        self.steps.append(("prefill", embeds.shape[0], self.decode_attention, self.pool.num_held))
+        self.steps.append(("prefill", kv.length, embeds.shape[0], self.path))
+        kv.length += embeds.shape[0]
         self.memory.peak = max(self.memory.peak, self.memory.allocated + self.prefill_bytes)
 
     def decode(self, kvs, token_ids):
-        self.steps.append(("decode", len(kvs), self.decode_attention, self.pool.num_held))
+        self.steps.append(("decode", len(kvs), self.path))
         self.memory.peak = max(self.memory.peak, self.memory.allocated + self.decode_bytes)
 
 
@@ -185,12 +188,17 @@ def test_the_kv_budget_leaves_room_for_the_measured_steps_eager_and_in_graphs(gp
 
     config = EngineConfig(step_token_budget=64, max_batch_size=8, kv_block_tokens=16)
     target, draft = ProfiledRunner(gpu_memory, 300 * MIB, 500 * MIB), ProfiledRunner(gpu_memory, 40 * MIB, 20 * MIB)
+    own_pool = target.kv_pool(16)
     budget = plan_memory(config, [target, draft], 10 << 30, max_context=256)
     # the larger step of each (500 and 40 MiB), set aside twice (the eager step's and the graphs' pool); the
     # pools are read by SDPA over gathered blocks (not on a GPU here), which copies up to 1/4 of a pool a step
     assert budget == int(((10 << 30) - 2 * (500 + 40) * MIB) / (1 + 1 / 4))
-    assert target.steps == [("prefill", 64, "batched", 4 + 1), ("decode", 8, "batched", 4 + 1)]  # scratch blocks
-    assert target.paths[-1] == "batched+graphs" and target.pool.num_held == 0  # path back, scratch released
+    # SDPA's prefill is measured at the window's end (255 - 64 = 191 tokens fed first, unmeasured)
+    assert target.steps == [("prefill", 0, 64, "batched"), ("prefill", 64, 64, "batched"),
+                            ("prefill", 128, 63, "batched"), ("prefill", 191, 64, "batched"), ("decode", 8, "batched")]
+    assert target.path == "graphs path object" and target.kv_pools == {16: own_pool}  # put back as they were
+    assert own_pool.num_blocks == 1  # the scratch blocks were in a throwaway pool, gone
+    assert [pool.num_blocks for pool in draft.kv_pools.values()] == [1]  # its own, empty, as the plan asked it
     assert gpu_memory.calls.count("empty_cache") == 2
 
 
