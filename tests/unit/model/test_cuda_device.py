@@ -511,3 +511,38 @@ def test_adapter_rows_replay_their_own_graphs_once_the_bank_is_allocated(cuda, c
     assert len([call for call in cuda.calls if call[0] == "graph"]) == captures
     plans = [g.plan for g in (graphs.lora_graphs[(2, 1)], graphs.graphs[(2, 1)])]
     assert plans[0][:, -1].tolist() == [1, 0] and plans[0].shape[1] == plans[1].shape[1] + 1
+
+
+def test_a_batched_sdpa_step_that_would_gather_past_a_fixed_pool_attends_per_row(monkeypatch):
+    """Rows x the widest block table past the pool's blocks: the step runs per row (each row's own
+    blocks copied), with the same logits; within the pool, or on a pool without a budget, batched."""
+    from model_store.build_text_models import ensure
+    from session.model.runner import ModelRunner
+
+    runner = ModelRunner(str(ensure(["llama"])["llama"]), device="cpu", cpu_kernels=False)
+    runner.configure_decode("batched")
+    kvs = [runner.new_kv_cache(block_tokens=4, max_tokens=64) for _ in range(3)]
+    pool = kvs[0].pool
+    pool.reserve(12)
+    for kv, count in zip(kvs, (17, 2, 2)):  # with the step's token: 5 blocks, 1 and 1; padded to 5 each
+        runner.prefill(kv, runner.embed(list(range(3, 3 + count)), []))
+    batched = []
+    forward = runner.forward_paged
+    monkeypatch.setattr(runner, "forward_paged", lambda *args: batched.append(1) or forward(*args))
+    lengths = [kv.length for kv in kvs]
+
+    def step():
+        logits = runner.decode(kvs, [7, 8, 9])
+        for kv, length in zip(kvs, lengths):
+            kv.length = length
+        return logits
+
+    free = step()
+    assert len(batched) == 1  # a pool without a budget: batched
+    pool.fixed = True
+    per_row = step()
+    assert len(batched) == 1 and pool.num_blocks == 12  # 3 rows x 5 blocks > 12: per row
+    assert torch.allclose(per_row, free, atol=1e-5, rtol=1e-5)
+    pool.reserve(16)
+    step()
+    assert len(batched) == 2  # 15 blocks fit 16
