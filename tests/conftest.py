@@ -99,3 +99,17 @@ def free_port(count: int = 1) -> int:
             for sock in socks:
                 sock.close()
     raise RuntimeError("no free port range found")
+
+
+def random_adapter(shapes: dict, seed: int, rank: int, targets):
+    """An AdapterWeights of small random factors for the ``targets`` linears of ``shapes`` ((layer,
+    target) -> (fan_in, fan_out), as ``LoraBank`` takes them), named a<seed>."""
+    import torch
+
+    from session.model.lora import AdapterWeights
+
+    generator = torch.Generator().manual_seed(seed)
+    return AdapterWeights(f"a{seed}", rank, {
+        key: (torch.randn(rank, fan_in, generator=generator) * 0.05,
+              torch.randn(fan_out, rank, generator=generator) * 0.05)
+        for key, (fan_in, fan_out) in shapes.items() if key[1] in targets})

@@ -415,14 +415,11 @@ def lora_rows_in_the_cpp_step(model_dir: str, dtype: str) -> None:
     """Steps with LoRA rows run the one-call step with the deltas added in C++ by LoRALinear's own ATen
     calls: one adapter for every row, a mix of two adapters and the base, and the base alone give the
     Python layer's logits bit for bit, as does the per-layer C++ call (and the adapters change them)."""
-    from session.model.lora import TARGETS, AdapterWeights
+    from session.model.lora import TARGETS
+    from tests.conftest import random_adapter
 
-    def adapter(seed: int, rank: int, targets) -> AdapterWeights:
-        generator = torch.Generator().manual_seed(seed)
-        return AdapterWeights(f"a{seed}", rank, {
-            key: (torch.randn(rank, fan_in, generator=generator) * 0.05,
-                  torch.randn(fan_out, rank, generator=generator) * 0.05)
-            for key, (fan_in, fan_out) in shapes.items() if key[1] in targets})
+    def adapter(seed: int, rank: int, targets):
+        return random_adapter(shapes, seed, rank, targets)
 
     runs = {}
     for name in ("cpp", "layered", "python"):

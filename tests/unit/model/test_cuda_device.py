@@ -444,22 +444,15 @@ def test_a_lora_graphs_plan_gives_the_eager_mixed_adapter_step():
     logits for a mix of two adapters of different ranks and a base row, a padding row included."""
     from model_store.build_text_models import ensure
     from session.model.cuda_graphs import graph_rows, graph_step
-    from session.model.lora import TARGETS, AdapterWeights
+    from session.model.lora import TARGETS
     from session.model.runner import ModelRunner
+    from tests.conftest import random_adapter
 
     runner = ModelRunner(str(ensure(["llama"])["llama"]), device="cpu", cpu_kernels=False)
     runner.configure_decode("batched")
     bank, shapes = runner.enable_lora(num_slots=2, max_rank=8)
-
-    def adapter(seed: int, rank: int, targets) -> AdapterWeights:
-        generator = torch.Generator().manual_seed(seed)
-        return AdapterWeights(f"a{seed}", rank, {
-            key: (torch.randn(rank, fan_in, generator=generator) * 0.05,
-                  torch.randn(fan_out, rank, generator=generator) * 0.05)
-            for key, (fan_in, fan_out) in shapes.items() if key[1] in targets})
-
-    bank.load(1, adapter(1, 8, TARGETS))
-    bank.load(2, adapter(2, 4, ("q_proj", "v_proj", "down_proj")))
+    bank.load(1, random_adapter(shapes, 1, 8, TARGETS))
+    bank.load(2, random_adapter(shapes, 2, 4, ("q_proj", "v_proj", "down_proj")))
     kvs = [runner.new_kv_cache(block_tokens=8, max_tokens=64) for _ in range(3)]
     kvs[0].pool.reserve(32)
     for kv, start in zip(kvs, (3, 9, 20)):
