@@ -34,6 +34,7 @@ evicts it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -79,6 +80,11 @@ class BlockPool:
         self.prefix = PrefixTable()  # published blocks by content key (session/model/prefix_cache.py)
         self.fixed = False  # sized from a device budget: full means evict idle blocks, never grow
         self.num_grows = 0  # pool copies so far (CUDA graphs captured over the old pool are stale after one)
+        # CUDA: host copies run on a side stream (``host_copy``); blocks freed while the latest may still
+        # read them wait in ``settling`` until its event is seen complete (``_give_back``)
+        self.copy_stream = None
+        self.copying = None  # the event after the latest host copy, until seen complete
+        self.settling: list[int] = []
 
     def _empty(self, num_blocks: int) -> torch.Tensor:
         # Zeroed: attention over a padded block table multiplies masked positions by 0, and 0 * NaN
@@ -107,19 +113,22 @@ class BlockPool:
 
     @property
     def available(self) -> int:
-        """Blocks ``allocate`` can hand out without growing: the free ones and the idle published ones
-        it would evict (a fixed pool's)."""
-        return len(self.free_ids) + (len(self.prefix.idle) if self.fixed else 0)
+        """Blocks ``allocate`` can hand out without growing: the free ones (settling ones included) and
+        the idle published ones it would evict (a fixed pool's)."""
+        return len(self.free_ids) + len(self.settling) + (len(self.prefix.idle) if self.fixed else 0)
 
     def allocate(self, num_blocks: int) -> list[int]:
         """``num_blocks`` free block ids, each now held once. Short of free blocks, a ``fixed`` pool
         evicts idle published blocks (least recently used first), and past them refuses
         (CapacityExceeded: the memory manager had not made room); any other grows."""
-        if num_blocks > len(self.free_ids) and self.fixed:
+        self._copy_pending()  # blocks a finished host copy held back are free again
+        if num_blocks > len(self.free_ids) + len(self.settling) and self.fixed:
             if num_blocks > self.available:
                 raise CapacityExceeded(f"the KV block pool is full ({self.num_blocks - 1} blocks of {self.block_tokens} "
                                        f"tokens, {num_blocks} more asked for); retry shortly", retry_after_s=1)
-            self._free_evicted(num_blocks - len(self.free_ids))
+            self._free_evicted(num_blocks - len(self.free_ids) - len(self.settling))
+        if num_blocks > len(self.free_ids) and self.settling:
+            self._settle()  # the host waits for the copy still reading them
         if num_blocks > len(self.free_ids):
             self.reserve(max(2 * self.num_blocks, self.num_blocks + num_blocks - len(self.free_ids)))
         taken = self.free_ids[len(self.free_ids) - num_blocks:][::-1]
@@ -146,7 +155,7 @@ class BlockPool:
                 self.prefix.idle.move_to_end(block)
             else:
                 freed.append(block)
-        self.free_ids.extend(sorted(freed, reverse=True))
+        self._give_back(freed)
         cap = self.prefix.max_idle_blocks
         if cap is not None and len(self.prefix.idle) > cap:
             self._free_evicted(len(self.prefix.idle) - cap)
@@ -189,8 +198,32 @@ class BlockPool:
 
     def _free_evicted(self, num_blocks: int) -> list[int]:
         evicted = self.prefix.evict(num_blocks)
-        self.free_ids.extend(sorted(evicted, reverse=True))
+        self._give_back(evicted)
         return evicted
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """Blocks no cache holds: free, or, while a host copy on the side stream may still read them,
+        settling (a block written before the copy read it would reach the host with the new keys)."""
+        if self._copy_pending():
+            self.settling.extend(blocks)
+        else:
+            self.free_ids.extend(sorted(blocks, reverse=True))
+
+    def _copy_pending(self) -> bool:
+        """Is the latest host copy still running? When it is seen done, the settling blocks are free."""
+        if self.copying is not None and self.copying.query():
+            self.copying = None
+            self.free_ids.extend(sorted(self.settling, reverse=True))
+            self.settling = []
+        return self.copying is not None
+
+    def _settle(self) -> None:
+        """Wait (on the host) for the latest host copy, then free what it held back."""
+        if self.copying is not None:
+            self.copying.synchronize()
+        self.copying = None
+        self.free_ids.extend(sorted(self.settling, reverse=True))
+        self.settling = []
 
     def check(self, tables: list[list[int]]) -> list[str]:
         """Violations of the pool's invariant, given every block table that holds its blocks: each
@@ -202,8 +235,8 @@ class BlockPool:
                 holders[block] += 1
         problems = [f"block {b}: {self.refs[b]} refs, {holders[b]} holders" for b in range(self.num_blocks)
                     if self.refs[b] != holders[b]]
-        free = set(self.free_ids)
-        if len(free) != len(self.free_ids) or PAD_BLOCK in free:
+        free = set(self.free_ids) | set(self.settling)
+        if len(free) != len(self.free_ids) + len(self.settling) or PAD_BLOCK in free:
             problems.append("the free list repeats a block or holds the padding block")
         problems += [f"block {b}: free but held or published" for b in free
                      if holders[b] or b in self.prefix.key_of]
@@ -225,6 +258,7 @@ class BlockPool:
         old = self.num_blocks
         if num_blocks <= old:
             return
+        self._settle()  # the old tensors are freed below: no host copy may still be reading them
         if self.num_grows or old > 1:
             logger.info("KV block pool grows from %d to %d blocks of %d tokens (copies the pool)", old,
                         num_blocks, self.block_tokens)
@@ -304,13 +338,29 @@ class BlockPool:
     def host_copy(self, block_ids: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Compact host copies of positions 0 .. length-1: K, V [num_layers, KVH, length, hd]. Each run of
         consecutive blocks is copied straight from the pool into its place (no staging copy of the whole
-        session on the device); from a GPU into pinned memory without blocking, on the current stream,
-        so whatever next writes those blocks (a freed block's next owner) runs after the copy, and so
-        does a restore's copy back (the only reader of these tensors)."""
+        session on the device); from a GPU into pinned memory without blocking, on the pool's side
+        stream (after what the current stream has queued: the keys are written), so the copy overlaps
+        the next steps. Blocks freed before its event is seen complete settle first (``_give_back``),
+        and a restore's copy back waits for it on the device (``store``)."""
         cuda = self.device.type == "cuda"
+        side = contextlib.nullcontext()
+        if cuda:
+            if self.copy_stream is None:
+                self.copy_stream = torch.cuda.Stream(self.device)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            side = torch.cuda.stream(self.copy_stream)
         shape = (self.num_layers, self.num_kv_heads, length, self.head_dim)
         out = tuple(torch.empty(shape, dtype=self.dtype, pin_memory=cuda) for _ in range(2))
         size, used = self.block_tokens, block_ids[: -(-length // self.block_tokens)]
+        with side:
+            self._copy_runs(out, used, size, length, cuda)
+        if cuda:
+            self.copying = torch.cuda.Event()
+            self.copying.record(self.copy_stream)
+        return out
+
+    def _copy_runs(self, out: tuple[torch.Tensor, torch.Tensor], used: list[int], size: int, length: int,
+                   cuda: bool) -> None:
         start = 0
         while start < len(used):
             end = start + 1
@@ -324,7 +374,6 @@ class BlockPool:
                     flat[:, slot:slot + last - first].transpose(1, 2)
                 host[:, :, first:last].copy_(run, non_blocking=cuda)
             start = end
-        return out
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``host_copy``'s K, V [num_layers, KVH, T, hd] into ``slots`` [T] of every layer. From pinned
@@ -334,6 +383,8 @@ class BlockPool:
         past a shared prefix is not contiguous: it is first copied into pinned memory on the host (a
         pageable staging copy would make the transfer wait)."""
         pinned = self.device.type == "cuda" and k.is_pinned()
+        if self.copying is not None:  # the host copy these may come from is written on the side stream
+            torch.cuda.current_stream(self.device).wait_event(self.copying)
         for pool, saved in ((self.k, k), (self.v, v)):
             if pinned and not saved.is_contiguous():  # a slice past a shared prefix: staged in pinned memory
                 saved = torch.empty(saved.shape, dtype=saved.dtype, pin_memory=True).copy_(saved)

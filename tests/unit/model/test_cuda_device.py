@@ -34,6 +34,27 @@ class FakeStream:
     def wait_stream(self, other: FakeStream) -> None:
         self.cuda.calls.append(("wait_stream", (self.name, self.device), (other.name, other.device)))
 
+    def wait_event(self, event: FakeEvent) -> None:
+        self.cuda.calls.append(("wait_event", (self.name, self.device), event.stream.name))
+
+
+class FakeEvent:
+    """A CUDA event: recorded on a stream; complete when the test says (``cuda.copies_done``)."""
+
+    def __init__(self, cuda: FakeCuda):
+        self.cuda, self.stream = cuda, None
+
+    def record(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.cuda.calls.append(("record", stream.name, stream.device))
+
+    def query(self) -> bool:
+        return self.cuda.copies_done
+
+    def synchronize(self) -> None:
+        self.cuda.calls.append(("synchronize_event", self.stream.name))
+        self.cuda.copies_done = True
+
 
 class FakeGraph:
     def __init__(self, cuda: FakeCuda):
@@ -55,6 +76,7 @@ class FakeCuda:
         self.defaults = {}  # GPU index -> its current (default) stream
         self.active: FakeStream | None = None  # the stream set by ``stream``
         self.capturing: FakeStream | None = None
+        self.copies_done = False  # what FakeEvent.query answers
 
     def is_available(self) -> bool:
         self.calls.append(("is_available",))
@@ -94,6 +116,9 @@ class FakeCuda:
         before, self.active = self.active, stream
         yield
         self.active = before
+
+    def Event(self) -> FakeEvent:  # noqa: N802 (torch's name)
+        return FakeEvent(self)
 
     def CUDAGraph(self) -> FakeGraph:  # noqa: N802 (torch's name)
         self.calls.append(("CUDAGraph",))
@@ -539,3 +564,51 @@ def test_a_batched_sdpa_step_that_would_gather_past_a_fixed_pool_attends_per_row
     pool.reserve(16)
     step()
     assert len(batched) == 2  # 15 blocks fit 16
+
+
+def test_a_demotion_copies_on_the_side_stream_and_its_blocks_settle_until_the_copy_is_done(cuda, monkeypatch):
+    """host_copy: on the pool's side stream, after the current stream's work, an event recorded after it.
+    The demoted session's blocks are not handed out while the copy may read them (a new owner's keys
+    would reach the host): settling until the event is seen done, or waited for when they are needed.
+    A restore's copy back waits for the event on the device."""
+    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                     block_tokens=4, num_blocks=8, head_major=False)
+    pool.fixed = True
+    kv = pool.new_cache(16)
+    kv.ensure_capacity(12)  # 3 of the 7 blocks
+    kv.length = 12
+    pool.k.normal_()
+    want = kv.to_host()[0].clone()
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    monkeypatch.setattr(torch, "empty", lambda *args, pin_memory=False, **kwargs: torch.zeros(*args, **kwargs))
+    pool.device = torch.device("cuda", 1)
+    assert torch.equal(kv.to_host()[0], want)
+    side = pool.copy_stream
+    assert side.name == "side" and side.device == 1
+    assert [c for c in cuda.calls if c[0] in ("wait_stream", "stream", "record")] == [
+        ("wait_stream", ("side", 1), ("current", 1)), ("stream", 1), ("record", "side", 1)]
+    kv.release()
+    assert len(pool.settling) == 3 and len(pool.free_ids) == 4 and pool.available == 7  # counted, not handed out
+    taken = pool.allocate(4)  # the never-copied blocks, no waiting
+    assert len(pool.settling) == 3 and ("synchronize_event", "side") not in cuda.calls
+    cuda.copies_done = True  # the copy finished: the next look frees them without waiting
+    taken += pool.allocate(1)
+    assert pool.settling == [] and len(pool.free_ids) == 2 and ("synchronize_event", "side") not in cuda.calls
+    cuda.copies_done = False
+    pool.host_copy(taken[:1], 1)  # another copy in flight, of a block then given back
+    pool.free(taken[:1])
+    assert pool.settling == taken[:1]
+    taken = taken[1:] + pool.allocate(3)  # more than the 2 free: the host waits for the copy
+    assert ("synchronize_event", "side") in cuda.calls and pool.settling == [] and not pool.free_ids
+    pool.free(taken[:1])
+    assert pool.free_ids == taken[:1]  # no copy in flight: free at once
+    holder = pool.new_cache(16)
+    holder.ensure_capacity(4)
+    cuda.copies_done = False
+    pool.host_copy(taken[1:2], 4)  # a restore while a copy is in flight
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: self)
+    before = len(cuda.calls)
+    pool.store(torch.tensor(holder.slots(0, 4)), want[:, :, :4].contiguous(), want[:, :, :4].contiguous())
+    # the current stream (of cuda:1) waits for the copy on the device before reading; the host does not
+    assert cuda.calls[before:before + 2] == [("current_stream", 1), ("wait_event", ("current", 1), "side")]
+    assert ("synchronize_event", "side") not in cuda.calls[before:]
