@@ -78,6 +78,7 @@ class FakeRunner:
     is_multimodal = True
     mrope = False
     merge_size = 1
+    decode_attention = "per_row"  # how it decodes, whatever configure_decode is told
 
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], image_token_id: int,
                  num_image_tokens: int = 3, max_positions: int = 4096):
