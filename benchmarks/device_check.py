@@ -841,7 +841,7 @@ class MemoryCheck:
         self.reading(report, "loaded")
         # assemble's order: adapters (the bank allocated on a GPU), the budget, the memory plan, the pools
         self.registry = build_adapter_registry(config, runner, None)
-        if ctx.cuda:
+        if ctx.cuda and self.registry is not None:
             self.registry.bank.allocate()
         self.max_context = min(config.max_context_tokens or runner.info.max_positions, runner.info.max_positions)
         budget = self.budget = plan_memory(config, [runner], device_budget(config, runner), self.max_context)
