@@ -61,6 +61,7 @@ def build_archive(store: Path, config_file: Path = REPO / "model_store" / "model
 
 
 STOP_TIMEOUT_S = 20.0  # SIGTERM, then SIGKILL
+LOG_RELAY_S = 10.0  # the frontend writes the worker's traceback to model_log.log a moment after the worker
 INIT_ERROR_FILE = "init-error.txt"  # in the run dir: the worker's exception line, then its traceback
 
 
@@ -195,10 +196,13 @@ class TorchServe:
         """The worker's start-up failure since this instance (re)started, else None. Polled by
         ``wait_ready`` and, for failures after a watchdog restart, by the launchers' wait loops."""
         try:
-            summary = self.init_error_file.read_text().split("\n", 1)[0]
+            text = self.init_error_file.read_text()
         except FileNotFoundError:
             return None
-        return WorkerInitError(summary, self.run_dir / "logs" / "model_log.log")
+        log = self.run_dir / "logs" / "model_log.log"
+        lines = [line for line in text.splitlines() if line.strip()]
+        _await_line(log, lines[-1] if lines else "", LOG_RELAY_S)  # before anyone stops the frontend
+        return WorkerInitError(text.split("\n", 1)[0], log)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM the instance's process group, then SIGKILL what is left; remove its journal. Idempotent."""
@@ -228,6 +232,21 @@ class TorchServe:
             guard.wait(10)
         except subprocess.TimeoutExpired:
             guard.kill()
+
+
+def _await_line(log: Path, line: str, timeout_s: float) -> bool:
+    """Wait until ``log`` holds ``line`` (the worker's traceback, relayed by the frontend: stopping
+    TorchServe before then leaves the log the launcher points at without it); whether it did."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if line in log.read_text(errors="replace"):
+                return True
+        except FileNotFoundError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAULT_MODEL, host: str = "127.0.0.1",

@@ -99,19 +99,41 @@ class LoadingServer(TorchServe):
         return ["UNLOADING"]
 
 
-def test_wait_ready_raises_the_workers_init_error_as_soon_as_it_is_written(tmp_path):
+def test_wait_ready_raises_the_workers_init_error_as_soon_as_its_log_has_it(tmp_path):
+    """Raised once the file is written and the frontend has relayed the traceback's last line to the
+    log the error points at (stopping TorchServe before that leaves the log without it)."""
     server = LoadingServer(process=FakeProcess(), port=1, run_dir=tmp_path)
     summary = "ConfigError: the model's chat template renders neither (list content: TemplateError: broken)"
-    writer = threading.Timer(0.3, lambda: server.init_error_file.write_text(summary + "\n\nTraceback ...\n"))
+    last = "session.errors.ConfigError: the model's chat template renders neither"
+    (tmp_path / "logs").mkdir()
+
+    def relay():
+        (tmp_path / "logs" / "model_log.log").write_text(f"2026-12-05 [INFO ] W-9000 MODEL_LOG - {last}\n")
+
+    writer = threading.Timer(0.3, lambda: server.init_error_file.write_text(f"{summary}\n\nTraceback ...\n{last}\n"))
+    relayer = threading.Timer(1.5, relay)
     writer.start()
+    relayer.start()
     started = time.monotonic()
     with pytest.raises(WorkerInitError) as raised:
         server.wait_ready(timeout_s=60)
-    assert time.monotonic() - started < 5  # half a second's poll after the file, not the timeout
+    assert 1.5 <= time.monotonic() - started < 5  # after the log has it, not at the timeout
     assert raised.value.summary == summary
     assert raised.value.log == tmp_path / "logs" / "model_log.log"
     assert str(raised.value) == f"the model worker failed to start: {summary} (see {tmp_path}/logs/model_log.log)"
     writer.join()
+    relayer.join()
+
+
+def test_a_log_that_never_gets_the_traceback_delays_the_error_a_bounded_time(tmp_path, monkeypatch):
+    import launch.torchserve as torchserve
+
+    monkeypatch.setattr(torchserve, "LOG_RELAY_S", 0.5)
+    server = LoadingServer(process=FakeProcess(), port=1, run_dir=tmp_path)
+    server.init_error_file.write_text("TypeError: boom\n\nTraceback ...\nTypeError: boom\n")
+    started = time.monotonic()
+    failure = server.init_failure()
+    assert failure.summary == "TypeError: boom" and 0.5 <= time.monotonic() - started < 3
 
 
 def test_without_the_file_wait_ready_still_times_out(tmp_path):
