@@ -387,6 +387,7 @@ class BlockPool:
             torch.cuda.current_stream(self.device).wait_event(self.copying)
         for pool, saved in ((self.k, k), (self.v, v)):
             if pinned and not saved.is_contiguous():  # a slice past a shared prefix: staged in pinned memory
+                self._settle()  # read on the host: the side stream's copy into it must be done, not queued
                 saved = torch.empty(saved.shape, dtype=saved.dtype, pin_memory=True).copy_(saved)
             on_device = saved.to(self.device, non_blocking=pinned)
             if self.head_major:

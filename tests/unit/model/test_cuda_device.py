@@ -612,3 +612,7 @@ def test_a_demotion_copies_on_the_side_stream_and_its_blocks_settle_until_the_co
     # the current stream (of cuda:1) waits for the copy on the device before reading; the host does not
     assert cuda.calls[before:before + 2] == [("current_stream", 1), ("wait_event", ("current", 1), "side")]
     assert ("synchronize_event", "side") not in cuda.calls[before:]
+    strided = want[:, :, 1:4].transpose(2, 3).contiguous().transpose(2, 3)  # as a slice past a prefix is
+    assert not strided.is_contiguous()
+    pool.store(torch.tensor(holder.slots(1, 4)), strided, strided)  # staged on the host:
+    assert ("synchronize_event", "side") in cuda.calls[before:]  # the host first waits for the copy
