@@ -13,20 +13,26 @@ fails the start at once, naming the port and, where it can be seen, the process 
 worker whose ``initialize`` raises writes the exception to RESIDENT_INIT_ERROR_FILE (see
 handlers/resident_handler.py); ``wait_ready`` raises it as WorkerInitError at once rather than
 wait out its timeout while TorchServe starts the worker again and again.
+
+What listens (docs/DEPLOY.md, "what is exposed where"): inference on ``host:port``, metrics on
+``port+2``; the management API on a Unix socket in the instance's private temp dir, read by us
+alone, with ``GET /models/llava`` relayed on ``port+1`` (launch/management.py); both gRPC ports on
+an address no TCP connection can reach (TorchServe 0.12 cannot turn them off).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from launch.management import MAX_SOCKET_PATH, DescribeRelay, describe
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "llava"
@@ -65,6 +71,13 @@ LOG_RELAY_S = 10.0  # the frontend writes the worker's traceback to model_log.lo
 INIT_ERROR_FILE = "init-error.txt"  # in the run dir: the worker's exception line, then its traceback
 
 
+# TorchServe 0.12 always starts its gRPC servers (no setting turns them off). Bound to the limited
+# broadcast address they listen where no TCP connection arrives: Linux refuses to connect a TCP
+# socket to a broadcast or multicast address (ENETUNREACH), for every user, root included.
+UNREACHABLE_ADDRESS = "255.255.255.255"
+MANAGEMENT_SOCKET = "management.sock"  # in the run dir's tmp/, which is 0700
+
+
 class PortInUse(RuntimeError):
     pass
 
@@ -87,20 +100,24 @@ def _shown(path: Path) -> Path:
         return path
 
 
-def check_ports_free(host: str, port: int, count: int = 5) -> None:
-    """Raise PortInUse naming the first of ``port .. port+count-1`` that cannot be bound."""
+PORT_ROLES = ("inference", "management (describe relay)", "metrics", "gRPC inference", "gRPC management")
+
+
+def check_ports_free(host: str, port: int) -> None:
+    """Raise PortInUse naming the first of ``port .. port+4`` that cannot be bound (the gRPC ones on
+    UNREACHABLE_ADDRESS, where TorchServe binds them)."""
     import socket
 
-    for candidate in range(port, port + count):
+    for offset, role in enumerate(PORT_ROLES):
+        address = UNREACHABLE_ADDRESS if role.startswith("gRPC") else host
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                sock.bind((host, candidate))
+                sock.bind((address, port + offset))
             except OSError as exc:
-                role = ("inference", "management", "metrics", "gRPC inference", "gRPC management")[candidate - port]
-                raise PortInUse(f"port {candidate} on {host} ({role}, PORT={port} uses {port}..{port + count - 1}) "
-                                f"is already in use{_holder(candidate)}: {exc.strerror}; stop that process or set "
-                                "PORT to a free range") from None
+                raise PortInUse(f"port {port + offset} on {address} ({role}, PORT={port} uses {port}..{port + 4}) "
+                                f"is already in use{_holder(port + offset)}: {exc.strerror}; stop that process or "
+                                "set PORT to a free range") from None
 
 
 def _holder(port: int) -> str:
@@ -117,7 +134,8 @@ def _holder(port: int) -> str:
 
 @dataclass
 class TorchServe:
-    """A running instance. ``port`` serves inference; management, metrics and gRPC use port+1 .. port+4."""
+    """A running instance. ``port`` serves inference; the describe relay, metrics and gRPC use port+1 .. port+4;
+    the management API is the Unix socket ``management_socket``."""
 
     process: subprocess.Popen
     port: int
@@ -130,6 +148,7 @@ class TorchServe:
     guard: subprocess.Popen | None = None  # launch/guard.py: stops this instance if the launcher dies
     journal_dir: str = ""  # removed on a clean stop (the launcher chose it)
     ever_ready: bool = False  # its worker was READY once (set by wait_ready): it started, whatever comes later
+    relay: DescribeRelay | None = None  # GET /models/llava on management_url; stopped with the instance
 
     @property
     def url(self) -> str:
@@ -137,7 +156,12 @@ class TorchServe:
 
     @property
     def management_url(self) -> str:
+        """The describe relay (the front reads worker statuses there); not TorchServe's management API."""
         return f"http://{self.host}:{self.port + 1}"
+
+    @property
+    def management_socket(self) -> Path:
+        return self.run_dir / "tmp" / MANAGEMENT_SOCKET
 
     @property
     def metrics_url(self) -> str:
@@ -161,11 +185,11 @@ class TorchServe:
     def worker_statuses(self) -> list[str]:
         """Status of each worker of the model, from the management API ([] while unreachable)."""
         try:
-            with urllib.request.urlopen(f"{self.management_url}/models/{MODEL_NAME}", timeout=2) as response:
-                described = json.loads(response.read())
-        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+            status, body = describe(str(self.management_socket), MODEL_NAME)
+            described = json.loads(body) if status == 200 else []
+        except (OSError, http.client.HTTPException, ValueError):
             return []
-        return [w.get("status", "") for w in described[0].get("workers", [])]
+        return [w.get("status", "") for w in described[0].get("workers", [])] if described else []
 
     def worker_pids(self) -> list[int]:
         """PIDs of the Python workers (children of the Java frontend)."""
@@ -208,6 +232,8 @@ class TorchServe:
         """SIGTERM the instance's process group, then SIGKILL what is left; remove its journal. Idempotent."""
         _stop_group(self.process, timeout_s)
         self._release_guard(keep_journal=False)
+        if self.relay is not None:
+            self.relay.stop()
 
     def restart(self) -> None:
         """Stop everything and start the same instance again (same ports, run dir and journal)."""
@@ -254,11 +280,15 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
                      stdout=None) -> TorchServe:
     check_ports_free(host, port)
     run_dir = Path(run_dir).resolve()
-    (run_dir / "tmp").mkdir(parents=True, exist_ok=True)
+    tmp_dir, workflow_store = _private_dir(run_dir / "tmp"), _private_dir(run_dir / "workflows")
+    socket_path = tmp_dir / MANAGEMENT_SOCKET
+    if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+        raise ValueError(f"the management socket {socket_path} is longer than {MAX_SOCKET_PATH} bytes, the most a "
+                         "Unix socket path may have; use a shorter run directory")
     store = run_dir / "model_store"
     build_archive(store, **({"config_file": config_file} if config_file else {}))
     props = run_dir / "config.properties"
-    props.write_text(_properties(host, port, store, run_dir / "tmp"))
+    props.write_text(_properties(host, port, store, tmp_dir, workflow_store))
     env = {**os.environ, **(extra_env or {})}
     # Journal per instance, kept across restarts of that instance (crash recovery); /dev/shm is RAM.
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else run_dir
@@ -277,10 +307,19 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
            "--ts-config", str(props), "--model-store", str(store), "--models", f"{MODEL_NAME}={MODEL_NAME}"]
     for stale in ("heartbeat", INIT_ERROR_FILE):  # a previous run's, in the same run dir
         (run_dir / stale).unlink(missing_ok=True)
+    relay = DescribeRelay(host, port + 1, str(socket_path), MODEL_NAME).start()
     process = _launch(cmd, run_dir, env, stdout)
     journal_dir = env["RESIDENT_JOURNAL_DIR"] if own_journal else ""
     return TorchServe(process=process, port=port, run_dir=run_dir, host=host, env=env, cmd=cmd, stdout=stdout,
-                      guard=_guard(process, journal_dir), journal_dir=journal_dir)
+                      guard=_guard(process, journal_dir), journal_dir=journal_dir, relay=relay)
+
+
+def _private_dir(path: Path) -> Path:
+    """``path``, made if missing, readable by us alone: it holds the management socket and the worker
+    sockets (tmp/) or stays empty (the workflow store, so no workflow can be found in it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
 
 
 def _guard(process: subprocess.Popen, journal_dir: str) -> subprocess.Popen:
@@ -296,17 +335,18 @@ def _launch(cmd: list[str], run_dir: Path, env: dict, stdout) -> subprocess.Pope
                             stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
 
 
-def _properties(host: str, port: int, store: Path, tmp_dir: Path) -> str:
+def _properties(host: str, port: int, store: Path, tmp_dir: Path, workflow_store: Path) -> str:
     base = (REPO / "config.properties").read_text().splitlines()
     overrides = {
         "inference_address": f"http://{host}:{port}",
-        "management_address": f"http://{host}:{port + 1}",
+        "management_address": f"unix:{tmp_dir / MANAGEMENT_SOCKET}",  # our uid alone: launch/management.py
         "metrics_address": f"http://{host}:{port + 2}",
-        "grpc_inference_address": host,
+        "grpc_inference_address": UNREACHABLE_ADDRESS,
         "grpc_inference_port": str(port + 3),
-        "grpc_management_address": host,
+        "grpc_management_address": UNREACHABLE_ADDRESS,
         "grpc_management_port": str(port + 4),
         "model_store": str(store),
+        "workflow_store": str(workflow_store),
         "metrics_config": str(REPO / "model_store" / "metrics.yaml"),
         # Java's temp dir holds the worker sockets (/.ts.sock.<n>): one per instance, or two clash.
         "vmargs": f"-Djava.io.tmpdir={tmp_dir}",

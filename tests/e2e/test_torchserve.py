@@ -81,16 +81,17 @@ def test_ping(server):
     assert response.json()["status"] == "Healthy"
 
 
-def test_the_management_api_registers_and_unregisters_nothing(server):
-    """Issue #28: a local process could POST /models?url=... and load a handler of its own."""
+def test_the_management_url_relays_describe_and_nothing_else(server):
+    """Issues #28 and #39: a local process could POST /models?url=... and load a handler of its own.
+    The management API is a private Unix socket now (tests/e2e/test_closed_surfaces.py); its URL
+    relays only the describe that the front reads."""
     registered = requests.post(f"{server.management_url}/models", timeout=TIMEOUT,
                                params={"url": "evil.mar", "model_name": "evil", "initial_workers": "1"})
-    assert registered.status_code == 405
+    assert registered.status_code == 404
     assert requests.delete(f"{server.management_url}/models/llava", timeout=TIMEOUT).status_code == 405
-    described = requests.get(f"{server.management_url}/models/llava", timeout=TIMEOUT)  # what the watchdog reads
+    described = requests.get(f"{server.management_url}/models/llava", timeout=TIMEOUT)  # what the front reads
     assert described.status_code == 200 and described.json()[0]["workers"][0]["status"] == "READY"
-    assert [m["modelName"] for m in requests.get(f"{server.management_url}/models", timeout=TIMEOUT).json()["models"]] \
-        == ["llava"]
+    assert requests.get(f"{server.management_url}/models", timeout=TIMEOUT).status_code == 404
     assert server.worker_statuses() == ["READY"]
 
 
