@@ -139,6 +139,14 @@ def image_layout(height: int, width: int, geometry: AnyresGeometry) -> ImageLayo
     return ImageLayout(resolution=resolution, grid=grid, unpadded=unpadded, base_features=base_features(geometry))
 
 
+def resized_pixels(height: int, width: int, geometry: AnyresGeometry) -> int:
+    """Pixels of the largest image the processor makes from one of (height, width): the chosen pinpoint
+    (the image scaled to fit it, then letterboxed to it) or the base tile. Whatever the aspect ratio,
+    no more than the largest pinpoint: anyres bounds its own work."""
+    pin_height, pin_width = select_best_resolution(height, width, geometry.grid_pinpoints)
+    return max(pin_height * pin_width, geometry.tile_size ** 2)
+
+
 def num_image_tokens(height: int, width: int, geometry: AnyresGeometry) -> int:
     """How many ``<image>`` tokens LlavaNextProcessor expands one image of (height, width) pixels into."""
     return image_layout(height, width, geometry).num_image_tokens

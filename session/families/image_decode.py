@@ -7,6 +7,7 @@ import binascii
 import hashlib
 import io
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from PIL import Image
@@ -14,6 +15,9 @@ from PIL import Image
 from session.errors import InvalidImage, PayloadTooLarge
 
 _DATA_URL_PREFIX = "data:"
+
+# Raises PayloadTooLarge for an image of (height, width) its model must not take (vision.ImagePreprocessor.check_size).
+SizeCheck = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -27,8 +31,9 @@ class DecodedImage:
         return len(self.raw)
 
 
-def decode_data_url(url: str, *, max_bytes: int, max_pixels: int) -> DecodedImage:
-    """Decode ``data:image/<fmt>;base64,<payload>``; raise a 4xx error for anything we refuse."""
+def decode_data_url(url: str, *, max_bytes: int, max_pixels: int, check_size: SizeCheck | None = None) -> DecodedImage:
+    """Decode ``data:image/<fmt>;base64,<payload>``; raise a 4xx error for anything we refuse.
+    ``check_size``, given, judges the size from the header before any pixel is decoded."""
     if not url.startswith(_DATA_URL_PREFIX):
         raise InvalidImage("image_url must be a data URL (data:image/png;base64,...); remote URLs are not fetched")
     header, sep, payload = url.partition(",")
@@ -42,11 +47,13 @@ def decode_data_url(url: str, *, max_bytes: int, max_pixels: int) -> DecodedImag
         raise InvalidImage("image data is not valid base64") from None
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"image is {len(raw)} bytes; the limit is {max_bytes}")
-    return DecodedImage(image=decode_bytes(raw, max_pixels), digest=hashlib.sha256(raw).hexdigest(), raw=raw)
+    return DecodedImage(image=decode_bytes(raw, max_pixels, check_size), digest=hashlib.sha256(raw).hexdigest(),
+                        raw=raw)
 
 
-def decode_bytes(raw: bytes, max_pixels: int) -> Image.Image:
-    """Encoded image bytes -> RGB image; refuses more than ``max_pixels`` before decoding any pixel."""
+def decode_bytes(raw: bytes, max_pixels: int, check_size: SizeCheck | None = None) -> Image.Image:
+    """Encoded image bytes -> RGB image; refuses more than ``max_pixels``, and what ``check_size`` refuses,
+    before decoding any pixel."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -55,6 +62,8 @@ def decode_bytes(raw: bytes, max_pixels: int) -> Image.Image:
             width, height = image.size
             if width * height > max_pixels:
                 raise PayloadTooLarge(f"image is {width}x{height} pixels; the limit is {max_pixels} pixels")
+            if check_size is not None:
+                check_size(height, width)
             image.load()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise PayloadTooLarge(f"image exceeds the pixel limit of {max_pixels}") from None

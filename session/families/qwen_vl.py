@@ -38,12 +38,22 @@ class QwenVLGeometry:
                    size["longest_edge"])
 
 
-def image_grid(height: int, width: int, geometry: QwenVLGeometry) -> tuple[int, int, int]:
-    """(t, h, w) in patches of an image of ``height`` x ``width`` pixels, as the processor's image_grid_thw."""
+# smart_resize refuses an image whose longer side is over 200 times its shorter one (a ValueError).
+MAX_ASPECT_RATIO = 200
+
+
+def resized_size(height: int, width: int, geometry: QwenVLGeometry) -> tuple[int, int]:
+    """(height, width) the processor resizes an image to (transformers' ``smart_resize``): multiples of
+    patch * merge, between min_pixels and max_pixels. Raises ValueError past MAX_ASPECT_RATIO."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    resized_h, resized_w = smart_resize(height, width, factor=geometry.patch_size * geometry.merge_size,
-                                        min_pixels=geometry.min_pixels, max_pixels=geometry.max_pixels)
+    return smart_resize(height, width, factor=geometry.patch_size * geometry.merge_size,
+                        min_pixels=geometry.min_pixels, max_pixels=geometry.max_pixels)
+
+
+def image_grid(height: int, width: int, geometry: QwenVLGeometry) -> tuple[int, int, int]:
+    """(t, h, w) in patches of an image of ``height`` x ``width`` pixels, as the processor's image_grid_thw."""
+    resized_h, resized_w = resized_size(height, width, geometry)
     return 1, resized_h // geometry.patch_size, resized_w // geometry.patch_size
 
 

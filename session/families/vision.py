@@ -9,6 +9,11 @@
   merge**2 (``session/families/qwen_vl.py``); the grid travels with the pixels because the tower and the
   M-RoPE positions (``session/families/mrope.py``) are laid out by it.
 
+Bounded work: before the processor runs, ``ImagePreprocessor.check_size`` refuses (413) an image whose
+preprocessing would make a larger image than ``max_pixels`` (a CLIP-style shortest-edge resize turns a
+30000x1 image into 336 x 10,080,000 pixels) or that Qwen-VL's resize refuses (aspect ratio over 200).
+It needs only the size, so a decoder can call it from the image header (image_decode.decode_bytes).
+
 ``Images`` carries, per image, its pixels, its original size and its token count; everything
 downstream (the chat formatter's expansion, the KV reservation, the embedding cache, the journal
 recompute) reads the per-image count from here instead of assuming one number per model.
@@ -24,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from session.errors import InvalidImage
-from session.families.anyres import AnyresGeometry, image_layout, max_num_image_tokens
-from session.families.qwen_vl import QwenVLGeometry, image_token_count
+from session.config import EngineConfig
+from session.errors import InvalidImage, PayloadTooLarge
+from session.families.anyres import AnyresGeometry, image_layout, max_num_image_tokens, resized_pixels
+from session.families.qwen_vl import MAX_ASPECT_RATIO, QwenVLGeometry, image_token_count, resized_size
 
 
 @dataclass(frozen=True)
@@ -71,33 +77,81 @@ class Images:
 NO_IMAGES = Images((), (), ())
 
 
+def resize_output_size(height: int, width: int, size) -> tuple[int, int]:
+    """(height, width) an image of (height, width) pixels is resized to by a processor whose ``size`` is
+    given, before any centre crop: as transformers' PilBackend.resize (transformers 5.25).
+
+    ``shortest_edge`` alone is torchvision's Resize(int): the shorter side becomes it and the longer one
+    grows in proportion, unbounded (LLaVA-1.5's CLIP processor: 30000x1 at 336 is 336 x 10,080,000).
+    ``height`` and ``width``: that size. A ``longest_edge`` or ``max_height``/``max_width`` caps the
+    result: that cap is returned (an upper bound, all a budget needs)."""
+    shortest, longest = size.get("shortest_edge"), size.get("longest_edge")
+    if shortest and longest:
+        return longest, longest
+    if shortest:
+        new_long = int(shortest * max(height, width) / min(height, width))
+        return (new_long, shortest) if width <= height else (shortest, new_long)
+    if size.get("max_height") and size.get("max_width"):
+        return size["max_height"], size["max_width"]
+    return size["height"], size["width"]
+
+
 class ImagePreprocessor:
     """PIL images -> ``Images`` for one checkpoint, with its own image processor (CPU work).
     The count per image: ``fixed_tokens`` (LLaVA-1.5), the anyres ``geometry`` (LLaVA-NeXT), or the
-    Qwen-VL patch grid (``qwen_geometry``)."""
+    Qwen-VL patch grid (``qwen_geometry``). ``max_pixels`` bounds every image the processor makes on
+    the way (its resize): an image that would exceed it is refused before the processor runs."""
 
     def __init__(self, image_processor, *, fixed_tokens: int = 0, geometry: AnyresGeometry | None = None,
-                 qwen_geometry: QwenVLGeometry | None = None):
+                 qwen_geometry: QwenVLGeometry | None = None, max_pixels: int = EngineConfig.max_image_pixels):
         if [fixed_tokens > 0, geometry is not None, qwen_geometry is not None].count(True) != 1:
             raise ValueError("ImagePreprocessor: give one of fixed_tokens, an anyres geometry, a Qwen-VL geometry")
         self.image_processor = image_processor
         self.fixed_tokens = fixed_tokens
         self.geometry = geometry
         self.qwen_geometry = qwen_geometry
+        self.max_pixels = max_pixels
         if qwen_geometry is not None:
             self.max_tokens_per_image = qwen_geometry.max_pixels // (qwen_geometry.patch_size * qwen_geometry.merge_size) ** 2
         else:
             self.max_tokens_per_image = fixed_tokens or max_num_image_tokens(geometry)
 
     @classmethod
-    def for_runner(cls, runner, image_processor) -> ImagePreprocessor:
+    def for_runner(cls, runner, image_processor, max_pixels: int = EngineConfig.max_image_pixels) -> ImagePreprocessor:
         """The preprocessor of the runner's family (``family.image_tokens``: fixed, anyres or grid)."""
         scheme = runner.family.image_tokens
         if scheme == "grid":
-            return cls(image_processor, qwen_geometry=QwenVLGeometry.from_image_processor(image_processor))
+            return cls(image_processor, qwen_geometry=QwenVLGeometry.from_image_processor(image_processor),
+                       max_pixels=max_pixels)
         if scheme == "fixed":
-            return cls(image_processor, fixed_tokens=runner.info.num_image_tokens)
-        return cls(image_processor, geometry=AnyresGeometry.from_hf_config(runner.hf_config))
+            return cls(image_processor, fixed_tokens=runner.info.num_image_tokens, max_pixels=max_pixels)
+        return cls(image_processor, geometry=AnyresGeometry.from_hf_config(runner.hf_config), max_pixels=max_pixels)
+
+    def check_size(self, height: int, width: int) -> None:
+        """Raise PayloadTooLarge (413, naming the bound) for an image of (height, width) pixels that this
+        family's preprocessing would blow up past ``max_pixels``, or that Qwen-VL's resize refuses.
+        Who calls this: ``preprocess``, for every image before the processor runs; a decoder, from the
+        image header before any pixel is decoded (image_decode.decode_bytes's ``check_size``)."""
+        if self.qwen_geometry is not None and max(height, width) > MAX_ASPECT_RATIO * min(height, width):
+            raise PayloadTooLarge(f"image is {width}x{height} pixels, an aspect ratio over {MAX_ASPECT_RATIO}:1, "
+                                  f"the most this model's image processor takes")
+        made = self._resized_pixels(height, width)
+        if made > self.max_pixels:
+            raise PayloadTooLarge(f"image is {width}x{height} pixels; this model's image processor would resize it "
+                                  f"to {made} pixels, over the limit of {self.max_pixels} pixels (its aspect "
+                                  "ratio is too extreme)")
+
+    def _resized_pixels(self, height: int, width: int) -> int:
+        """The pixels of the largest image the processor makes from one of (height, width)."""
+        if self.qwen_geometry is not None:
+            resized_height, resized_width = resized_size(height, width, self.qwen_geometry)
+            return resized_height * resized_width
+        if self.geometry is not None:
+            return resized_pixels(height, width, self.geometry)
+        if not getattr(self.image_processor, "do_resize", True):
+            return height * width
+        resized_height, resized_width = resize_output_size(height, width, self.image_processor.size)
+        return resized_height * resized_width
 
     def num_tokens(self, height: int, width: int) -> int:
         """The placeholder tokens an image of (height, width) pixels expands to."""
@@ -108,6 +162,8 @@ class ImagePreprocessor:
     def preprocess(self, images: list) -> Images:
         if not images:
             return NO_IMAGES
+        for image in images:
+            self.check_size(image.height, image.width)
         try:
             out = self.image_processor(images=images, return_tensors="pt")
         except ValueError as exc:  # the processor's own limits (Qwen-VL: aspect ratio under 200)
