@@ -1,5 +1,6 @@
 """The journal on its own: what it reads back is checked before it names a file, it opens only a
-directory of its own, it caps each session's share, and it fsyncs where that buys durability."""
+directory of its own under trusted parents and trusts no path twice, images are verified by their
+hash, it caps each session's share, and it fsyncs where that buys durability."""
 
 from __future__ import annotations
 
@@ -11,7 +12,18 @@ from pathlib import Path
 import pytest
 
 from session.errors import BadRequest, ConfigError, InvalidSessionId
-from session.state.journal import Journal, JournalEntry, JournalFull, JournalSessionFull, filesystem_type, mount_type
+from session.state.journal import (
+    Journal,
+    JournalEntry,
+    JournalFull,
+    JournalImageCorrupt,
+    JournalSessionFull,
+    filesystem_type,
+    mount_type,
+)
+
+OTHER_UID = 12345
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 
 RAW = b"an encoded image"
 DIGEST = hashlib.sha256(RAW).hexdigest()
@@ -155,12 +167,132 @@ def test_a_dangling_symlink_is_refused_not_followed(tmp_path):
     assert not (tmp_path / "nowhere").exists()
 
 
-def test_a_directory_another_user_created_first_is_refused(tmp_path, monkeypatch):
+@as_root
+def test_a_directory_another_user_created_first_is_refused(tmp_path):
     (tmp_path / "journal").mkdir(mode=0o777)
-    owner = os.lstat(tmp_path / "journal").st_uid
-    monkeypatch.setattr(os, "getuid", lambda: owner + 1)  # we are someone else than its owner
-    with pytest.raises(ConfigError, match=f"{tmp_path / 'journal'} belongs to uid {owner}"):
+    os.chown(tmp_path / "journal", OTHER_UID, OTHER_UID)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'journal'} belongs to uid {OTHER_UID}"):
         Journal(tmp_path / "journal")
+    assert list((tmp_path / "journal").iterdir()) == []
+
+
+@as_root
+@pytest.mark.parametrize("folder", ["sessions", "images"])
+def test_a_sessions_or_images_folder_of_another_user_is_refused(tmp_path, folder):
+    (tmp_path / "journal" / folder).mkdir(parents=True)
+    os.chown(tmp_path / "journal" / folder, OTHER_UID, OTHER_UID)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'journal' / folder} belongs to uid {OTHER_UID}"):
+        Journal(tmp_path / "journal")
+
+
+@as_root
+def test_a_parent_another_user_owns_is_refused_naming_it_and_what_to_set(tmp_path):
+    """Its owner could swap the journal under it after start-up (issue #39)."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chown(shared, OTHER_UID, OTHER_UID)
+    with pytest.raises(ConfigError, match=f"{shared / 'backend-0'} is under {shared}, which belongs to uid "
+                                          f"{OTHER_UID}.*set RESIDENT_JOURNAL_DIR"):
+        Journal(shared / "backend-0")
+    assert not (shared / "backend-0").exists()
+
+
+def test_a_parent_others_may_write_is_refused_unless_sticky(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match=f"is under {shared}, which is writable by other users"):
+        Journal(shared / "journal")
+    shared.chmod(0o1777)  # as /tmp and /dev/shm: others cannot rename what is ours in it
+    Journal(shared / "journal").write(entry("s1"))
+
+
+def test_links_in_the_parents_resolve_once_at_open(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    journal = Journal(tmp_path / "link" / "journal")
+    journal.write(entry("s1"))
+    assert os.listdir(tmp_path / "real" / "journal" / "sessions") == ["s1.json"]
+
+
+def test_missing_parents_are_made_private(tmp_path):
+    journal = Journal(tmp_path / "a" / "b" / "journal")
+    journal.write(entry("s1"))
+    assert (tmp_path / "a").stat().st_mode & 0o777 == 0o700
+
+
+# ------------------------------------------------------------ no path trusted twice
+
+
+def test_swapping_the_directory_for_a_link_after_start_up_redirects_nothing(tmp_path):
+    """Issue #39: whoever could rename backend-0 after start-up read every new session id."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    journal = Journal(parent / "backend-0")
+    journal.write_session(entry("s1", (DIGEST,)), {DIGEST: RAW})
+    evil = tmp_path / "evil"
+    for folder in ("sessions", "images"):
+        (evil / folder).mkdir(parents=True)
+    (parent / "backend-0").rename(parent / "moved")
+    (parent / "backend-0").symlink_to(evil)
+
+    journal.write_session(entry("s2", (DIGEST,)), {})
+    journal.write_adapters({"a": {"src": "/adapters/a", "pinned": False}})
+    journal.remove("s1")
+    assert sorted(p.name for p in evil.rglob("*")) == ["images", "sessions"]  # nothing reached the link
+    assert sorted(os.listdir(parent / "moved" / "sessions")) == ["s2.json"]
+    assert os.path.exists(parent / "moved" / "adapters.json")
+    assert [e.session_id for e in journal.entries()] == ["s2"] and journal.read_image(DIGEST) == RAW
+
+
+@pytest.mark.parametrize("folder", ["sessions", "images"])
+def test_swapping_a_folder_for_a_link_after_start_up_redirects_nothing(tmp_path, folder):
+    journal = Journal(tmp_path / "journal")
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "journal" / folder).rename(tmp_path / "journal" / "moved")
+    (tmp_path / "journal" / folder).symlink_to(tmp_path / "evil")
+    journal.write_session(entry("s1", (DIGEST,)), {DIGEST: RAW})
+    assert list((tmp_path / "evil").iterdir()) == []
+    assert os.listdir(tmp_path / "journal" / "moved") == ["s1.json" if folder == "sessions" else DIGEST]
+
+
+# ------------------------------------------------------------ images verified by their hash
+
+
+def test_a_tampered_image_is_rejected_by_its_hash_and_its_session_not_restored(tmp_path):
+    journal = Journal(tmp_path / "journal")
+    journal.write_session(entry("s1", (DIGEST,)), {DIGEST: RAW})
+    journal.write_session(entry("s2"), {})
+    (tmp_path / "journal" / "images" / DIGEST).write_bytes(b"planted")  # behind the journal's back
+    journal.close()
+
+    reopened = Journal(tmp_path / "journal")
+    assert [e.session_id for e in reopened.entries()] == ["s2"]
+    assert reopened.num_corrupt == 1 and reopened.num_images_rejected == 1
+    assert (tmp_path / "journal" / "sessions" / "s1.corrupt").exists()
+    assert not reopened.has_image(DIGEST)  # removed: the next turn that sends it journals it afresh
+    assert reopened.nbytes == entry_bytes(entry("s2"))
+
+
+def test_an_image_read_back_that_does_not_match_raises_and_is_removed(tmp_path):
+    journal = Journal(tmp_path / "journal")
+    journal.write_session(entry("s1", (DIGEST,)), {DIGEST: RAW})
+    assert journal.read_image(DIGEST) == RAW
+    (tmp_path / "journal" / "images" / DIGEST).write_bytes(b"planted")
+    with pytest.raises(JournalImageCorrupt, match=f"image {DIGEST[:12]} in the journal does not match") as refused:
+        journal.read_image(DIGEST)
+    assert isinstance(refused.value, OSError)  # Sessions logs it; that session cannot be recomputed, no crash
+    assert not journal.has_image(DIGEST)
+    journal.write_image(DIGEST, RAW)  # the same image sent again is journaled again
+    assert journal.read_image(DIGEST) == RAW
+
+
+def test_an_image_that_is_a_link_is_refused(tmp_path, victim):
+    journal = Journal(tmp_path / "journal")
+    (tmp_path / "journal" / "images" / DIGEST).symlink_to(victim)
+    with pytest.raises(OSError):
+        journal.read_image(DIGEST)
+    assert victim.read_bytes() == b"precious"
 
 
 def test_a_file_where_the_directory_should_be_is_refused(tmp_path):
