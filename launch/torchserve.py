@@ -24,15 +24,20 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.management import MAX_SOCKET_PATH, DescribeRelay, describe
+
+logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "llava"
@@ -293,7 +298,8 @@ def start_torchserve(port: int, *, run_dir: Path, model_path: Path | str = DEFAU
     # Journal per instance, kept across restarts of that instance (crash recovery); /dev/shm is RAM.
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else run_dir
     own_journal = "RESIDENT_JOURNAL_DIR" not in env
-    env.setdefault("RESIDENT_JOURNAL_DIR", str(shm / f"resident-journal-{port}"))
+    if own_journal:
+        env["RESIDENT_JOURNAL_DIR"] = str(default_journal_dir(shm, port))
     env.update({
         "RESIDENT_HEARTBEAT_FILE": str(run_dir / "heartbeat"),  # the watchdog's liveness signal
         "RESIDENT_INIT_ERROR_FILE": str(run_dir / INIT_ERROR_FILE),  # wait_ready's start-up failure signal
@@ -320,6 +326,25 @@ def _private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, 0o700)
     return path
+
+
+def default_journal_dir(root: Path, port: int) -> Path:
+    """The instance's journal when RESIDENT_JOURNAL_DIR is not set: ``<root>/resident-journal-<port>``, made
+    here (0700) so that no one can make it first before the worker opens it. Anyone may create names in
+    /dev/shm: what another user (or anything but our own directory) holds at that name is left alone and
+    a fresh private directory beside it is used, with a warning, rather than fail the start."""
+    path = root / f"resident-journal-{port}"
+    try:
+        path.mkdir(mode=0o700)
+        return path
+    except FileExistsError:
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            return path  # ours: kept by a restart, or left by an earlier run
+    fresh = Path(tempfile.mkdtemp(prefix=f"resident-journal-{port}-", dir=root))
+    logger.warning("%s is not a directory of ours (uid %d owns it); journaling to %s instead", path, info.st_uid,
+                   fresh)
+    return fresh
 
 
 def _guard(process: subprocess.Popen, journal_dir: str) -> subprocess.Popen:

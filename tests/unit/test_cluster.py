@@ -203,3 +203,27 @@ def test_a_backend_that_served_and_fails_after_a_restart_stops_alone(tmp_path):
     backends[0].init_error_file.write_text("TypeError: broken\n")  # one that never started: fatal
     with pytest.raises(WorkerInitError, match="TypeError: broken"):
         cluster.raise_init_failure(backends)
+
+
+def test_the_default_journal_is_made_ours_and_reused(tmp_path):
+    path = torchserve.default_journal_dir(tmp_path, 8090)
+    assert path == tmp_path / "resident-journal-8090"
+    assert path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o777 == 0o700
+    assert torchserve.default_journal_dir(tmp_path, 8090) == path  # a restart, or the next run: the same
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_a_default_journal_another_user_made_first_does_not_stop_the_start(tmp_path):
+    """Issue #39: anyone may create /dev/shm/resident-journal-<port> before the server starts."""
+    from session.state.journal import Journal
+
+    taken = tmp_path / "resident-journal-8090"
+    taken.mkdir(mode=0o777)
+    os.chown(taken, 12345, 12345)
+    path = torchserve.default_journal_dir(tmp_path, 8090)
+    assert path != taken and path.parent == tmp_path and path.name.startswith("resident-journal-8090-")
+    assert path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o777 == 0o700
+    Journal(path).write_adapters({})  # the worker's journal opens there
+    assert list(taken.iterdir()) == []
+    (tmp_path / "resident-journal-8091").write_text("")  # not a directory: left alone too
+    assert torchserve.default_journal_dir(tmp_path, 8091).name.startswith("resident-journal-8091-")
