@@ -61,6 +61,9 @@ class EngineConfig:
     max_prompt_chars: int = 1_000_000  # characters of message text per request; more answers 400 in parsing
     max_messages: int = 1024  # messages per request; more answers 400 in parsing
     max_image_decodes: int = 2  # images decoded at once per worker (the rest wait): bounds their memory
+    max_cached_grammars: int = 256  # compiled response_format / tool grammars kept, least recently used dropped
+    max_choices: int = 8  # the largest ``n`` a request may ask for
+    served_model_name: str = ""  # the name clients send as "model"; "" = the checkpoint's folder name
     device_budget_bytes: int = 0  # device bytes for session KV caches; 0 = unlimited on CPU, 0.9 of free on CUDA
     device_budget_fraction: float = 0.0  # CUDA: this fraction of the memory free after loading (wins if > 0)
     host_budget_bytes: int = 2 << 30  # host-memory tier for demoted KV caches; 0 = none (demotion drops)
@@ -131,6 +134,7 @@ class EngineConfig:
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",
                     "max_batch_size", "step_token_budget", "max_passed_over", "max_queue", "kv_block_tokens", "max_image_bytes", "max_image_pixels",
                     "max_images_per_request", "max_prompt_chars", "max_messages", "max_image_decodes", "max_lora_rank",
+                    "max_cached_grammars", "max_choices",
                     "num_speculative_tokens", "speculative_max_batch"]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -6,6 +6,7 @@ into them; the engine, the model and the state layers read them.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from dataclasses import dataclass
@@ -58,17 +59,48 @@ class TextPart:
 
 @dataclass(frozen=True)
 class Message:
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     parts: tuple[TextPart | ImagePart, ...]
+    # An assistant message's tool calls, as Hugging Face chat templates take them:
+    # ({"type": "function", "id": ..., "function": {"name": ..., "arguments": {...}}}, ...)
+    tool_calls: tuple[dict, ...] = ()
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None  # a tool message: the function's name (templates that print it)
 
     def template_content(self) -> list[dict]:
         """The content list a Hugging Face chat template expects (images as placeholders)."""
         return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
                 for p in self.parts]
 
+    def template_extras(self) -> dict:
+        """The fields besides role and content that a chat template reads for tool use."""
+        extras: dict = {}
+        if self.tool_calls:
+            extras["tool_calls"] = [dict(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            extras["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            extras["name"] = self.name
+        return extras
+
 
 MIN_SAMPLING_TEMPERATURE = 1e-4
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a row's answer must match (``response_format``, a tool call, or our regex / grammar extensions).
+    ``kind`` is the grammar engine's format: json_schema | regex | lark; ``source`` its canonical text (a
+    schema as sorted JSON), so equal constraints share one compiled grammar."""
+
+    kind: str
+    source: str
+    what: str = ""  # how errors name it: "response_format.json_schema", "tools", ...
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -78,11 +110,40 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_k: int = 0  # 0: every token
+    min_tokens: int = 0  # EOS is banned until the answer has this many tokens
+    ignore_eos: bool = False  # EOS is banned: the answer runs to max_tokens (benchmark clients)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token the answer already holds
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the answer so far
+    repetition_penalty: float = 1.0  # transformers' / vLLM's: over the transcript and the answer
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k likeliest
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
         # Below this the sampled distribution is the argmax anyway, and logits / T would overflow.
         return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+    @property
+    def processed(self) -> bool:
+        """Whether anything changes the row's logits before sampling (beyond temperature, top-k, top-p)."""
+        return bool(self.min_tokens or self.ignore_eos or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.constraint is not None)
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but temperature / top-p and no log-probabilities: the rows speculation takes as they are."""
+        return not self.processed and self.logprobs is None and not self.top_k
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the ``top`` likeliest at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), likeliest first
 
 
 # ---------------------------------------------------------------- what an answer cost

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def text_of(tokenizer) -> Callable[[list[int]], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=True)``, straight to the Rust tokenizer where
+def text_of(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=...)``, straight to the Rust tokenizer where
     transformers' wrapper adds nothing to it (its fast tokenizer's own ``_decode``, no clean-up of
     spaces): the wrapper's argument handling cost more than the decode itself, twice per token."""
     try:
@@ -20,8 +20,8 @@ def text_of(tokenizer) -> Callable[[list[int]], str]:
     if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
             and type(tokenizer)._decode is TokenizersBackend._decode
             and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False and hasattr(backend, "decode")):
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class Detokenizer:

@@ -6,7 +6,7 @@ import asyncio
 import queue
 from dataclasses import dataclass
 
-from session.types import Usage
+from session.types import TokenLogprob, Usage
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Started:
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens this text came from, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Finished:
     token_ids: tuple[int, ...]  # every generated token, EOS included
     finish_reason: str  # "stop" | "length"
     usage: Usage
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per answer token (EOS excluded), when asked for
 
 
 @dataclass(frozen=True)

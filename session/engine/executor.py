@@ -16,7 +16,7 @@ import time
 from session.engine.admin import registry_or_404
 from session.engine.requests import PrefillProgress, Sequence
 from session.errors import BadRequest, ContextLengthExceeded, ResidentError
-from session.model.sampling import ban_token, make_generator, sample_rows
+from session.model.sampling import RowContext, ban_token, make_generator, process_logits, row_logprobs, sample_rows
 from session.speculative.controller import SpeculationController, StepCosts, batch_should_speculate
 from session.speculative.decoder import SpecRow
 from session.state.session import Tier
@@ -69,7 +69,7 @@ class Executor:
         self.sessions.publish(session)  # its prompt's full blocks, for the next request that shares them
         self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
         self.num_cached_tokens += seq.cached_tokens
-        if self.speculator is not None and seq.request.speculative:
+        if self.speculator is not None and seq.request.speculative and seq.request.sampling.plain:
             k = self.config.num_speculative_tokens
             seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
             self.speculator.sync_draft(session.token_ids, session.draft_kv)
@@ -86,6 +86,7 @@ class Executor:
         seq.prompt_tokens = len(session.token_ids) + len(new_ids)
         self._check_length(seq)
         seq.generator = make_generator(request.sampling, self.config.seed, self.runner.device)
+        seq.matcher = request.grammar.start() if request.grammar is not None else None
         digests = list(request.image_digests) or request.images.digests()
         if session.adapter is not None:  # resident for as long as the request runs
             seq.adapter_slot = registry_or_404(self.adapters, session.adapter).acquire(session.adapter)
@@ -194,10 +195,24 @@ class Executor:
         return tokens
 
     def _sample(self, rows: list[Sequence], logits) -> list[int | ResidentError]:
-        """logits [B, V] -> each row's next token, or the error its request fails with (logged here)."""
-        tokens = sample_rows(ban_token(logits, self.runner.info.image_token_id), [s.request.sampling for s in rows],
-                             [s.generator for s in rows])
-        for seq, token in zip(rows, tokens):
+        """logits [B, V] -> each row's next token, or the error its request fails with (logged here).
+        Each row's processors (penalties, bias, its grammar's mask) apply first; a row that asked for
+        log-probabilities gets the model's; a row's grammar matcher then takes its token."""
+        logits = ban_token(logits, self.runner.info.image_token_id)
+        params = [s.request.sampling for s in rows]
+        processed = process_logits(logits, [RowContext(p, s.generated, s.session.token_ids, s.matcher)
+                                             for p, s in zip(params, rows)],
+                                   self.runner.info.eos_token_ids, pin=logits.is_cuda)
+        tokens = sample_rows(processed, params, [s.generator for s in rows])
+        wanted = [p.logprobs for p in params]
+        if any(k is not None for k in wanted):
+            for seq, entry in zip(rows, row_logprobs(logits, tokens, wanted)):
+                if entry is not None:
+                    seq.logprobs.append(entry)
+        for b, (seq, token) in enumerate(zip(rows, tokens)):
+            if seq.matcher is not None and not isinstance(token, ResidentError) and not seq.matcher.consume_token(token):
+                tokens[b] = token = ResidentError(f"the grammar refused the sampled token {token}: "
+                                                  f"{seq.matcher.get_error()}")
             if isinstance(token, ResidentError):
                 logger.error("request %s (session %s) failed, %d other(s) in its step went on: %s", seq.request_id,
                              redact(seq.session.session_id), len(rows) - 1, token.message, exc_info=token.__cause__)

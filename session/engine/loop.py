@@ -47,9 +47,10 @@ from session.errors import (
     SessionNotFound,
 )
 from session.families.vision import NO_IMAGES, Images
+from session.model.grammar import Grammar, GrammarCompiler
 from session.model.runner import ModelRunner
 from session.model.threads import ComputeThread, one_thread_here
-from session.types import SamplingParams, new_session_id, redact
+from session.types import Constraint, SamplingParams, new_session_id, redact
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class Engine:
         self.num_failed = 0
         self.num_invariant_violations = 0
         self._stats: EngineStats | None = None
+        self._grammars: GrammarCompiler | None = None  # built on first use (compile_grammar)
+        self._grammar_lock = threading.Lock()
         self.admission = Admission(
             scheduler=parts.scheduler, sessions=parts.sessions, adapters=parts.adapters,
             session_ttl_s=config.session_ttl_s, clock=clock, end=self.end, on_barrier=self._publish_stats)
@@ -179,6 +182,20 @@ class Engine:
 
     def new_session_id(self) -> str:
         return new_session_id(self.config.session_id_tag)
+
+    def compile_grammar(self, constraint: Constraint) -> Grammar:
+        """A request's constraint compiled (or found cached) on the caller's thread, never the loop's:
+        ``GenerationRequest.grammar``. The compiler (a scan of the vocabulary) is built on first use."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                info = self.parts.runner.info
+                self._grammars = GrammarCompiler(self.parts.tokenizer, info.vocab_size, info.eos_token_ids,
+                                                 max_cached=self.config.max_cached_grammars)
+        return self._grammars.compile(constraint)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (log-probabilities name tokens by it). Any thread."""
+        return [self.parts.tokenizer.decode([token_id]) for token_id in token_ids]
 
     @property
     def max_batch_seen(self) -> int:

@@ -32,11 +32,13 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.transcript = transcript
         self.decode = text_of(tokenizer)
+        self.decode_special = text_of(tokenizer, skip_special_tokens=False)
         self.num_generated_tokens = 0
 
     def start(self, seq: Sequence) -> None:
         """Called when the sequence's prefill committed, before its first token."""
-        seq.detokenizer = Detokenizer(self.tokenizer, self.decode)
+        seq.detokenizer = Detokenizer(self.tokenizer,
+                                      self.decode_special if seq.request.keep_special else self.decode)
 
     def on_token(self, seq: Sequence, token: int) -> Finished | None:
         """Record a sampled token in the sequence and its session's transcript; stream what became
@@ -68,12 +70,18 @@ class OutputProcessor:
         self.transcript.end_answer(seq.session, is_eos)
         usage = Usage(prompt_tokens=seq.prompt_tokens, completion_tokens=len(seq.generated),
                       cached_tokens=seq.cached_tokens)
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = tuple(entry for entry in seq.logprobs if entry.token_id not in self.eos_token_ids)
         return Finished(session_id=None if seq.session.ephemeral else seq.session.session_id, text=text,
-                        token_ids=tuple(seq.generated), finish_reason=finish_reason, usage=usage)
+                        token_ids=tuple(seq.generated), finish_reason=finish_reason, usage=usage, logprobs=logprobs)
 
-    @staticmethod
-    def _send(seq: Sequence, text: str) -> None:
+    def _send(self, seq: Sequence, text: str) -> None:
+        """Stream the text not yet sent, with the log-probabilities of the tokens that made it (EOS never)."""
         if len(text) > seq.num_text_sent:
             if seq.request.stream.deltas:  # else the consumer reads the whole text from Finished
-                seq.request.stream.put(TextDelta(text[seq.num_text_sent:]))
+                entries = tuple(entry for entry in seq.logprobs[seq.num_logprobs_sent:]
+                                if entry.token_id not in self.eos_token_ids)
+                seq.num_logprobs_sent = len(seq.logprobs)
+                seq.request.stream.put(TextDelta(text[seq.num_text_sent:], entries))
             seq.num_text_sent = len(text)

@@ -15,8 +15,9 @@ import torch
 from session.engine.events import EventStream
 from session.engine.prompt import RenderedTurn
 from session.families.vision import NO_IMAGES, Images
+from session.model.grammar import Grammar
 from session.state.session import SessionState, Turn
-from session.types import Message, SamplingParams
+from session.types import Message, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from session.engine.detokenizer import Detokenizer
@@ -39,6 +40,8 @@ class GenerationRequest:
     adapter: str | None = None  # LoRA adapter name; None: the session's own (or the base model)
     speculative: bool = True  # False: never speculate for this request
     rendered: RenderedTurn | None = None  # the prompt, rendered by the caller (``Engine.render_turn``); None: here
+    grammar: Grammar | None = None  # sampling.constraint compiled by the caller (``Engine.compile_grammar``)
+    keep_special: bool = False  # the answer's text keeps special tokens (a tool-call parser reads their text)
 
 
 @dataclass
@@ -122,6 +125,9 @@ class Sequence:
     passed_over: int = 0  # steps in which later arrivals prefilled and this one waited (its starvation bound)
     prompt_ids: list[int] | None = None  # the turn's new ids, once the executor rendered them
     progress: PrefillProgress | None = None  # its prefill under way (begun, not yet committed)
+    matcher: object | None = None  # its grammar's matcher (request.grammar), advanced by each sampled token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when sampling.logprobs is set
+    num_logprobs_sent: int = 0  # how many of ``logprobs`` went out with a TextDelta
     turn: Turn = field(init=False)  # its hold on the session (written by Sessions)
 
     def __post_init__(self) -> None:

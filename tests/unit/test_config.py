@@ -39,6 +39,7 @@ def test_defaults(model_dir):
         "max_queue": 256, "kv_block_tokens": 256,
         "attention": "auto", "static_kv": False, "compile": False, "compile_backend": "inductor", "max_image_bytes": 6 * 1024 * 1024, "max_image_pixels": 4096 * 4096,
         "max_images_per_request": 4, "max_prompt_chars": 1_000_000, "max_messages": 1024, "max_image_decodes": 2,
+            "max_cached_grammars": 256, "max_choices": 8, "served_model_name": "",
             "device_budget_bytes": 0, "device_budget_fraction": 0.0,
         "host_budget_bytes": 2 << 30, "max_embedding_bytes": 1 << 30, "prefix_cache_bytes": 1 << 30,
         "max_session_tokens": 0, "journal_dir": "",

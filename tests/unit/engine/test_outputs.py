@@ -42,9 +42,9 @@ class FakeTranscript:
         session.ended_with_eos = ended_with_eos
 
 
-def make_seq(max_tokens=64, stop=()):
-    request = SimpleNamespace(sampling=SamplingParams(max_tokens=max_tokens, stop=tuple(stop)), stream=Stream(),
-                              request_id="r", images=NO_IMAGES)
+def make_seq(max_tokens=64, stop=(), logprobs=None, keep_special=False):
+    request = SimpleNamespace(sampling=SamplingParams(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs),
+                              stream=Stream(), request_id="r", images=NO_IMAGES, keep_special=keep_special)
     session = SimpleNamespace(token_ids=[], ephemeral=False, session_id="s", ended_with_eos=False)
     seq = Sequence(request=request, session=session, prompt_tokens=7)
     seq.turn.cached_tokens = 3
@@ -151,3 +151,36 @@ def test_detokenising_a_long_answer_decodes_short_windows(tokenizer):
         detok.add(token)
     assert detok.text == text
     assert max(decoded) <= 8  # windows stay short however long the answer grows
+
+
+def test_logprobs_travel_with_the_text_they_made_and_eos_is_left_out(tokenizer):
+    """Each TextDelta carries the log-probabilities of the tokens recorded since the last one; Finished
+    has every answer token's, the EOS that ended it excluded."""
+    from session.types import TokenLogprob
+
+    processor = OutputProcessor(tokenizer, eos_token_ids=(tokenizer.eos_token_id,), transcript=FakeTranscript())
+    seq = make_seq(max_tokens=20, logprobs=1)
+    processor.start(seq)
+    ids = tokenizer.encode("one two three four", add_special_tokens=False) + [tokenizer.eos_token_id]
+    finished = None
+    for i, token in enumerate(ids):
+        seq.logprobs.append(TokenLogprob(token_id=token, logprob=-float(i), top=((token, -float(i)),)))
+        finished = processor.on_token(seq, token)
+    streamed = [entry.token_id for e in seq.request.stream.events if isinstance(e, TextDelta) for entry in e.logprobs]
+    assert streamed == ids[:-1]
+    assert [entry.token_id for entry in finished.logprobs] == ids[:-1]
+    assert [entry.logprob for entry in finished.logprobs] == [-float(i) for i in range(len(ids) - 1)]
+
+
+def test_an_answer_asked_with_special_tokens_keeps_their_text(tokenizer):
+    """keep_special (tool-call parsing reads markers that are special tokens): the text holds them."""
+    special = tokenizer.convert_tokens_to_ids(tokenizer.all_special_tokens[0])
+    assert special != tokenizer.eos_token_id or len(tokenizer.all_special_tokens) == 1
+    ids = tokenizer.encode("hello", add_special_tokens=False) + [special]
+    texts = {}
+    for keep in (False, True):
+        processor = OutputProcessor(tokenizer, eos_token_ids=(-1,), transcript=FakeTranscript())
+        seq = make_seq(max_tokens=len(ids), keep_special=keep)
+        processor.start(seq)
+        texts[keep] = [processor.on_token(seq, t) for t in ids][-1].text
+    assert texts[True] == texts[False] + tokenizer.all_special_tokens[0]

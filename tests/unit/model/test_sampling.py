@@ -148,10 +148,10 @@ def test_a_sampled_row_that_is_not_finite_fails_alone(bad):
 def test_a_row_whose_draw_raises_fails_alone(monkeypatch):
     warp = session.model.sampling.warp_probs
 
-    def failing(logits, temperature, top_p):
+    def failing(logits, temperature, top_p, top_k=0):
         if temperature == 0.7:
             raise RuntimeError("injected sampling fault")
-        return warp(logits, temperature, top_p)
+        return warp(logits, temperature, top_p, top_k)
 
     monkeypatch.setattr(session.model.sampling, "warp_probs", failing)
     logits = torch.tensor([[0.0, 9.0, 1.0]] * 3)
