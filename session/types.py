@@ -7,6 +7,7 @@ into them; the engine, the model and the state layers read them.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import uuid
 from dataclasses import dataclass
@@ -88,6 +89,12 @@ MIN_SAMPLING_TEMPERATURE = 1e-4
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
+# How a JSON answer may be laid out: compact, a space after ":" and "," optional (what models were trained
+# to write). Flexible whitespace lets a weak or noisy model spin on newlines until max_tokens, and an
+# answer cut there is not JSON.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
+
+
 @dataclass(frozen=True)
 class Constraint:
     """What a row's answer must match (``response_format``, a tool call, or our regex / grammar extensions).
@@ -97,6 +104,15 @@ class Constraint:
     kind: str
     source: str
     what: str = ""  # how errors name it: "response_format.json_schema", "tools", ...
+
+    @classmethod
+    def json_schema(cls, schema: dict, what: str, strict: bool = True) -> Constraint:
+        """A JSON-schema constraint in canonical form (sorted keys: equal schemas share one grammar). The
+        compile options are ours, a client's own "x-guidance" replaced. ``strict``: a keyword the grammar
+        engine does not implement is a 400 naming it; not strict: it is ignored."""
+        options = dict(JSON_STYLE, lenient=not strict)
+        return cls(kind="json_schema", what=what,
+                   source=json.dumps({**schema, "x-guidance": options}, sort_keys=True, ensure_ascii=False))
 
     @property
     def key(self) -> str:

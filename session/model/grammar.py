@@ -15,7 +15,6 @@ docs/STRUCTURED_OUTPUT.md says why llguidance and what it costs. The pieces:
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Sequence
 
@@ -95,19 +94,8 @@ def _short(error: str) -> str:
     return error if len(error) <= 400 else error[:400] + "..."
 
 
-# How a JSON answer may be laid out: compact, a space after ":" and "," optional (what models were trained
-# to write). Flexible whitespace lets a weak or noisy model spin on newlines until max_tokens, and an
-# answer cut there is not JSON.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
-
-
 def json_schema_constraint(schema: dict, what: str, strict: bool = True) -> Constraint:
-    """A JSON-schema constraint in its canonical form (sorted keys: equal schemas share one grammar). The
-    compile options are ours: a client's own "x-guidance" is replaced. ``strict``: a keyword llguidance
-    does not implement is a 400 naming it; not strict: it is ignored (the answer is JSON of the rest)."""
-    options = dict(JSON_STYLE, lenient=not strict)
-    return Constraint(kind="json_schema", what=what,
-                      source=json.dumps({**schema, "x-guidance": options}, sort_keys=True, ensure_ascii=False))
+    return Constraint.json_schema(schema, what, strict)
 
 
 # ---------------------------------------------------------------- masks

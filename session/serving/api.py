@@ -225,13 +225,16 @@ class ChatService:
             decoded, prepared = [], NO_IMAGES
         first_turn = opens or request.session_id is None
         rendered = await loop.run_in_executor(None, self.engine.render_turn, request.messages, prepared, first_turn)
+        constraint = request.sampling.constraint
+        grammar = None if constraint is None else await loop.run_in_executor(None, self.engine.compile_grammar,
+                                                                              constraint)
         stream = EventStream(loop, deltas=request.stream)  # a plain request reads Finished's text
         self.engine.submit(GenerationRequest(
             messages=request.messages, sampling=request.sampling, stream=stream,
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
             images=prepared, image_digests=tuple(d.digest for d in decoded),
             image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=adapter,
-            speculative=request.speculative, rendered=rendered,
+            speculative=request.speculative, rendered=rendered, grammar=grammar,
         ))
         started = await self._next_event(stream, request_id)
         if isinstance(started, Failed):
@@ -245,11 +248,13 @@ class ChatService:
         ids = CompletionIds(model=request.model or self.model_name)
         kind = "first" if opens else ("followup" if started.session_id else "stateless")
         if request.stream:
-            return ApiResponse(status=200, headers=headers, chunks=self._chunks(stream, ids, request_id), kind=kind)
+            return ApiResponse(status=200, headers=headers, chunks=self._chunks(stream, ids, request_id, request),
+                               kind=kind)
         while True:
             event = await self._next_event(stream, request_id)
             if isinstance(event, Finished):
-                body = completion_body(ids, event.text, event.finish_reason, event.usage, event.session_id)
+                body = completion_body(ids, event.text, event.finish_reason, event.usage, event.session_id,
+                                       self._logprobs(event.logprobs))
                 return ApiResponse(status=200, body=body, headers=headers, kind=kind)
             if isinstance(event, Failed):
                 raise event.error
@@ -260,17 +265,38 @@ class ChatService:
                    for p in images]
         return decoded, self.engine.preprocess_images([d.image for d in decoded])
 
-    async def _chunks(self, stream: EventStream, ids: CompletionIds, request_id: str) -> AsyncIterator[str]:
+    def _logprobs(self, entries) -> list[dict] | None:
+        """The engine's TokenLogprob entries in OpenAI's shape (None when the request asked none)."""
+        if entries is None:
+            return None
+        ids = sorted({e.token_id for e in entries} | {t for e in entries for t, _ in e.top})
+        texts = dict(zip(ids, self.engine.token_texts(ids)))
+
+        def one(token_id: int, logprob: float) -> dict:
+            text = texts[token_id]
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+    async def _chunks(self, stream: EventStream, ids: CompletionIds, request_id: str,
+                      request: ChatRequest) -> AsyncIterator[str]:
         finished = False
+        wants_logprobs = request.sampling.logprobs is not None
+        num_logprobs_sent = 0
         try:
             yield sse(chunk_body(ids, {"role": "assistant", "content": ""}))
             while True:
                 event = await self._next_event(stream, request_id)
                 if isinstance(event, TextDelta):
-                    yield sse(chunk_body(ids, {"content": event.text}))
+                    logprobs = self._logprobs(event.logprobs) if wants_logprobs else None
+                    num_logprobs_sent += len(event.logprobs)
+                    yield sse(chunk_body(ids, {"content": event.text}, logprobs=logprobs))
                 elif isinstance(event, Finished):
                     finished = True
-                    yield sse(chunk_body(ids, {}, finish_reason=event.finish_reason, usage=event.usage))
+                    rest = self._logprobs(event.logprobs[num_logprobs_sent:]) if wants_logprobs else None
+                    yield sse(chunk_body(ids, {}, finish_reason=event.finish_reason, logprobs=rest))
+                    if request.include_usage:  # as OpenAI sends it: a last chunk with no choices
+                        yield sse(chunk_body(ids, None, usage=event.usage))
                     yield sse("[DONE]")
                     return
                 elif isinstance(event, Failed):

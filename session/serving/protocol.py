@@ -16,7 +16,16 @@ from datetime import datetime, timezone
 from typing import Any
 
 from session.errors import BadRequest
-from session.types import SEED_RANGE, ImagePart, Message, SamplingParams, TextPart, Usage, validate_session_id
+from session.types import (
+    SEED_RANGE,
+    Constraint,
+    ImagePart,
+    Message,
+    SamplingParams,
+    TextPart,
+    Usage,
+    validate_session_id,
+)
 
 SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
@@ -74,6 +83,8 @@ class ChatRequest:
     model: str | None = None
     adapter: str | None = None  # from X-Amzn-SageMaker-Adapter-Identifier / -Inference-Component
     speculative: bool = True  # ours: false turns speculative decoding off for this request
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
+
     @property
     def opens_session(self) -> bool:
         return self.session_id == NEW_SESSION or self.request_type == NEW_SESSION
@@ -84,7 +95,16 @@ class ChatRequest:
 
 
 _ALLOWED_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "stream",
-                   "seed", "requestType", "model", "n", "stream_options", "user", "speculative"}
+                   "seed", "requestType", "model", "n", "stream_options", "user", "speculative",
+                   "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+                   "response_format", "top_k", "min_tokens", "ignore_eos", "repetition_penalty",
+                   "guided_regex", "guided_grammar", "guided_json"}
+# OpenAI chat-completions fields we do not implement: refused by name, so a client knows what to drop.
+_NOT_SUPPORTED = {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+                  "modalities", "prediction", "reasoning_effort", "service_tier", "store", "metadata",
+                  "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier"}
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
 _ROLES = ("system", "user", "assistant")
 
 
@@ -100,7 +120,10 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
                   default_max_tokens: int, max_new_tokens: int, limits: PromptLimits = PromptLimits()) -> ChatRequest:
     """Parse and validate an invocation; raises BadRequest with a message that says what to fix."""
     data = load_json_object(body)
-    unknown = sorted(set(data) - _ALLOWED_FIELDS)
+    refused = sorted(k for k in set(data) & _NOT_SUPPORTED if data[k] is not None)
+    if refused:
+        raise BadRequest(f"field(s) {refused} are not supported by this server")
+    unknown = sorted(set(data) - _ALLOWED_FIELDS - _NOT_SUPPORTED)
     if unknown:
         raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(_ALLOWED_FIELDS)}")
     request_type = data.get("requestType")
@@ -118,7 +141,7 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
                            request_type=CLOSE)
     messages = _parse_messages(data.get("messages"), limits)
     if _get(data, "n", 1) != 1:
-        raise BadRequest("only n=1 is supported")
+        raise BadRequest("n > 1 is not supported by this server yet; send n requests")
     max_tokens = _get(data, "max_completion_tokens", _get(data, "max_tokens", default_max_tokens))
     max_tokens = _typed(max_tokens, int, "max_tokens")
     if not 1 <= max_tokens <= max_new_tokens:
@@ -150,12 +173,134 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
     model = data.get("model")
     if model is not None:
         model = _text(model, "model")
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+                              **_processing(data))
+    include_usage = _include_usage(data, stream)
     adapter = header(headers, ADAPTER_HEADER) or header(headers, INFERENCE_COMPONENT_HEADER)
     speculative = _typed(_get(data, "speculative", True), bool, "speculative")
     return ChatRequest(messages=messages, sampling=sampling, stream=stream, session_id=session_id,
                        request_type=request_type, model=model, adapter=adapter.strip() if adapter else None,
-                       speculative=speculative)
+                       speculative=speculative, include_usage=include_usage)
+
+
+def _include_usage(data: dict, stream: bool) -> bool:
+    options = data.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise BadRequest("stream_options must be an object with include_usage (a boolean)")
+    if not stream:
+        raise BadRequest("stream_options is only allowed with stream: true")
+    return _typed(_get(options, "include_usage", False), bool, "stream_options.include_usage")
+
+
+def _processing(data: dict) -> dict:
+    """The SamplingParams fields beyond temperature / top_p: log-probabilities, penalties, bias, the
+    benchmark clients' extensions and the answer's constraint."""
+    out: dict[str, Any] = {}
+    logprobs = _typed(_get(data, "logprobs", False), bool, "logprobs")
+    top = _get(data, "top_logprobs", None)
+    if top is not None:
+        top = _typed(top, int, "top_logprobs")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+        if not logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true")
+    if logprobs:
+        out["logprobs"] = top or 0
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(_get(data, name, 0.0), name)
+        if not -2.0 <= value <= 2.0:
+            raise BadRequest(f"{name} must be between -2 and 2, got {value}")
+        out[name] = value
+    repetition = _number(_get(data, "repetition_penalty", 1.0), "repetition_penalty")
+    if not 0.0 < repetition <= 10.0:
+        raise BadRequest(f"repetition_penalty must be in (0, 10], got {repetition}")
+    out["repetition_penalty"] = repetition
+    top_k = _typed(_get(data, "top_k", 0), int, "top_k")
+    if top_k < -1:
+        raise BadRequest(f"top_k must be -1 or 0 (all tokens) or positive, got {top_k}")
+    out["top_k"] = max(top_k, 0)
+    out["min_tokens"] = _typed(_get(data, "min_tokens", 0), int, "min_tokens")
+    if out["min_tokens"] < 0:
+        raise BadRequest(f"min_tokens must be >= 0, got {out['min_tokens']}")
+    out["ignore_eos"] = _typed(_get(data, "ignore_eos", False), bool, "ignore_eos")
+    out["logit_bias"] = _logit_bias(data.get("logit_bias"))
+    out["constraint"] = _constraint(data)
+    if out["constraint"] is not None and (out["ignore_eos"] or out["min_tokens"]):
+        raise BadRequest("ignore_eos and min_tokens cannot be combined with a constrained answer "
+                         "(response_format / guided_*): the grammar decides where the answer ends")
+    return out
+
+
+def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise BadRequest("logit_bias must be an object mapping token ids to a bias in [-100, 100]")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
+    out = []
+    for key, bias in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token_id < 0:
+            raise BadRequest(f"logit_bias key {key!r} is not a token id")
+        bias = _number(bias, f"logit_bias[{key!r}]")
+        if not -100.0 <= bias <= 100.0:
+            raise BadRequest(f"logit_bias[{key!r}] must be between -100 and 100, got {bias}")
+        out.append((token_id, bias))
+    return tuple(sorted(out))
+
+
+def _constraint(data: dict) -> Constraint | None:
+    """response_format (OpenAI), or vLLM's guided_json / guided_regex / guided_grammar extensions; at most one."""
+    given = [k for k in ("response_format", "guided_json", "guided_regex", "guided_grammar") if data.get(k) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"at most one of {given} may be given")
+    if not given:
+        return None
+    field_name, raw = given[0], data[given[0]]
+    if field_name == "guided_json":
+        try:
+            schema = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            raise BadRequest("guided_json is not valid JSON") from None
+        if not isinstance(schema, dict):
+            raise BadRequest("guided_json must be a JSON schema object")
+        return Constraint.json_schema(schema, "guided_json")
+    if field_name in ("guided_regex", "guided_grammar"):
+        kind = "regex" if field_name == "guided_regex" else "lark"
+        return Constraint(kind, _text(raw, field_name), field_name)
+    return _response_format(raw)
+
+
+def _response_format(raw: Any) -> Constraint | None:
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+        raise BadRequest("response_format must be an object with a type: text, json_object, json_schema, "
+                         "regex or grammar")
+    kind = raw["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_schema({"type": "object"}, "response_format")
+    if kind == "json_schema":
+        spec = raw.get("json_schema")
+        if not isinstance(spec, dict):
+            raise BadRequest("response_format.json_schema must be an object with name and schema")
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format.json_schema.schema must be a JSON schema object")
+        strict = _typed(_get(spec, "strict", False), bool, "response_format.json_schema.strict")
+        return Constraint.json_schema(schema, "response_format.json_schema", strict)
+    if kind in ("regex", "grammar"):  # ours, documented in docs/STRUCTURED_OUTPUT.md
+        source = raw.get(kind)
+        return Constraint("regex" if kind == "regex" else "lark", _text(source, f"response_format.{kind}"),
+                          f"response_format.{kind}")
+    raise BadRequest(f"response_format.type {kind!r} is not supported; use text, json_object, json_schema, "
+                     "regex or grammar")
 
 
 FORM_CONTENT_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
@@ -288,12 +433,19 @@ class CompletionIds:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def logprobs_body(entries: list[dict] | None) -> dict | None:
+    """OpenAI's choice.logprobs: {"content": [{token, logprob, bytes, top_logprobs}, ...]} (None: not asked)."""
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
 def completion_body(ids: CompletionIds, text: str, finish_reason: str, usage: Usage,
-                    session_id: str | None) -> dict:
+                    session_id: str | None, logprobs: list[dict] | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs_body(logprobs)
     body = {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": finish_reason}],
+        "choices": [choice],
         "usage": usage.to_dict(),
     }
     if session_id is not None:
@@ -301,10 +453,17 @@ def completion_body(ids: CompletionIds, text: str, finish_reason: str, usage: Us
     return body
 
 
-def chunk_body(ids: CompletionIds, delta: dict, finish_reason: str | None = None,
-               usage: Usage | None = None) -> dict:
+def chunk_body(ids: CompletionIds, delta: dict | None, finish_reason: str | None = None,
+               usage: Usage | None = None, logprobs: list[dict] | None = None) -> dict:
+    """One stream chunk; ``delta`` None: the usage-only last chunk (``choices: []``)."""
+    choices = []
+    if delta is not None:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs_body(logprobs)
+        choices.append(choice)
     body = {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+            "choices": choices}
     if usage is not None:
         body["usage"] = usage.to_dict()
     return body

@@ -201,6 +201,7 @@ def test_boto3_sagemaker_client_sessions_and_response_stream(cluster):
 
     question = chat("Tell me more about it.", max_tokens=12)
     plain = json.loads(invoke(client, question, id_a)["Body"].read())
+    question = {**question, "stream_options": {"include_usage": True}}  # usage in a last chunk, as OpenAI sends it
     streamed = client.invoke_endpoint_with_response_stream(
         EndpointName="llava", Body=json.dumps(question), ContentType="application/json", SessionId=id_b)
     assert streamed["ContentType"] == "text/event-stream"
@@ -210,9 +211,10 @@ def test_boto3_sagemaker_client_sessions_and_response_stream(cluster):
     events = [p[len(b"data: "):-2].decode() for p in parts]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == plain["choices"][0]["message"]["content"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"] == "length"
+    assert chunks[-2]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and "usage" not in chunks[-2]
     assert chunks[-1]["usage"]["completion_tokens"] == 12
     assert chunks[-1]["usage"]["prompt_tokens_details"] == plain["usage"]["prompt_tokens_details"]
 

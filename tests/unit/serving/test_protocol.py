@@ -373,7 +373,7 @@ def test_bad_model():
 
 
 def test_n_other_than_one():
-    assert bad(chat(n=2)).message == "only n=1 is supported"
+    assert bad(chat(n=2)).message == "n > 1 is not supported by this server yet; send n requests"
 
 
 @pytest.mark.parametrize("headers", [{}, {SESSION_HEADER: NEW_SESSION}])
