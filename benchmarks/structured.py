@@ -2,8 +2,9 @@
 
     python -m benchmarks.structured [--model models/smollm2-135m-instruct] [--concurrency 1 16]
 
-For each concurrency C: C distinct requests at once, greedy, 64 new tokens at most, first free (no
-response_format), then each held to one of the suite's extraction schemas (strict). Reported: decode
+For each concurrency C: C distinct requests at once, greedy, each held to an extraction schema
+(strict, 64 new tokens at most), and the same requests free (no response_format) run with
+ignore_eos to the same number of tokens as their constrained twin. Reported: decode
 tokens/s over the batch (completion tokens / wall time, after one unmeasured warm-up batch of each
 kind), the ratio constrained / free, the share of constrained answers that parse and validate, and
 the grammar compile time, cold (first compile) and cached. No vLLM side here yet.
@@ -35,22 +36,29 @@ PRODUCTS = ["running shoe", "rain jacket", "wool scarf", "denim jeans", "leather
             "yoga pants", "baseball cap", "linen shirt"]
 
 
-def body(i: int, constrained: bool) -> dict:
+def body(i: int, constrained: bool, lengths: list[int] | None = None) -> dict:
+    """Request i; a free one runs to ``lengths[i]`` tokens (ignore_eos): the length of its constrained
+    twin's answer, so that both kinds decode the same number of tokens after the same prefill."""
     request = {"messages": [{"role": "user", "content": f"Describe a {PRODUCTS[i % len(PRODUCTS)]} for sale: "
                              "brand, colour, size and price, as JSON."}], "max_tokens": 64}
+    if lengths is not None:
+        request.update(max_tokens=lengths[i], ignore_eos=True)
     if constrained:
         request["response_format"] = {"type": "json_schema",
                                       "json_schema": {"name": "product", "schema": SCHEMA, "strict": True}}
     return request
 
 
-async def batch(service: ChatService, concurrency: int, constrained: bool) -> tuple[float, int, int]:
-    """(wall seconds, completion tokens, valid answers) of ``concurrency`` requests sent together."""
+async def batch(service: ChatService, concurrency: int, constrained: bool,
+                lengths: list[int] | None = None) -> tuple[float, int, int, list[int]]:
+    """(wall seconds, completion tokens, valid answers, each answer's tokens) of ``concurrency`` requests
+    sent together."""
     start = time.perf_counter()
-    responses = await asyncio.gather(*(service.invoke({}, json.dumps(body(i, constrained)))
+    responses = await asyncio.gather(*(service.invoke({}, json.dumps(body(i, constrained, lengths)))
                                        for i in range(concurrency)))
     wall = time.perf_counter() - start
     tokens = valid = 0
+    each = [r.body["usage"]["completion_tokens"] for r in responses]
     for response in responses:
         assert response.status == 200, response.body
         tokens += response.body["usage"]["completion_tokens"]
@@ -59,7 +67,7 @@ async def batch(service: ChatService, concurrency: int, constrained: bool) -> tu
             valid += 1
         except (ValueError, jsonschema.ValidationError):
             pass
-    return wall, tokens, valid
+    return wall, tokens, valid, each
 
 
 def main() -> None:
@@ -85,10 +93,12 @@ def main() -> None:
         rows = []
         for c in args.concurrency:
             result = {"concurrency": c}
+            lengths = asyncio.run(batch(service, c, True))[3]  # warm-up, and the lengths free rows run to
+            asyncio.run(batch(service, c, False, lengths))
             for constrained in (False, True):
-                asyncio.run(batch(service, c, constrained))  # warm-up
-                runs = [asyncio.run(batch(service, c, constrained)) for _ in range(args.repeats)]
-                wall, tokens, valid = min(runs, key=lambda r: r[0] / max(r[1], 1))
+                runs = [asyncio.run(batch(service, c, constrained, None if constrained else lengths))
+                        for _ in range(args.repeats)]
+                wall, tokens, valid, _ = min(runs, key=lambda r: r[0] / max(r[1], 1))
                 key = "constrained" if constrained else "free"
                 result[f"{key}_tok_s"] = tokens / wall
                 result[f"{key}_valid"] = f"{valid}/{c}"
