@@ -2,10 +2,10 @@
 
 docs/STRUCTURED_OUTPUT.md says why llguidance and what it costs. The pieces:
 
-- ``GrammarCompiler``: built once at start-up from the tokenizer (the vocabulary scan, ~1 s); compiles a
+- ``GrammarCompiler``: built on first use from the tokenizer (the vocabulary scan, ~0.3 s); compiles a
   ``Constraint`` into a ``Grammar`` on the caller's thread (never the engine's), caching the compiled
-  matcher by the constraint's hash (LRU). Compile work is bounded by llguidance's fuel limits
-  (``LLParserLimits``), so a hostile schema costs at most about a second and then fails as a 400.
+  matcher by the constraint's hash (LRU). Compile work is bounded by llguidance's default parser limits
+  (``LLParserLimits``); a grammar over them fails as a 400 (the worst-case time is not measured yet).
 - ``Grammar``: a compiled constraint; ``start()`` gives a fresh matcher for one row (a deep copy:
   microseconds, the compiled lexer is shared).
 - ``fill_masks`` / ``apply_masks``: the step's bitmask, one int32 row of ceil(V/32) words per constrained
@@ -24,8 +24,6 @@ from cachetools import LRUCache
 from session.errors import BadRequest
 from session.types import Constraint
 
-# Per-token work caps (llguidance's units, about 14k-50k per ms): a grammar whose mask or lexer needs
-# more fails its request instead of stalling the step.
 DEFAULT_MAX_CACHED = 256
 
 
@@ -92,10 +90,6 @@ class GrammarCompiler:
 
 def _short(error: str) -> str:
     return error if len(error) <= 400 else error[:400] + "..."
-
-
-def json_schema_constraint(schema: dict, what: str, strict: bool = True) -> Constraint:
-    return Constraint.json_schema(schema, what, strict)
 
 
 # ---------------------------------------------------------------- masks
