@@ -120,6 +120,15 @@ class EngineConfig:
         config.validate()
         return config
 
+    @property
+    def model_name(self) -> str:
+        """The name clients send as "model" and ``/v1/models`` lists: ``served_model_name``, else the
+        checkpoint's folder name (a .gguf file: its name less the suffix), as vLLM names a served path."""
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(self.model_path.rstrip("/"))
+        return path.stem if path.suffix == ".gguf" else path.name
+
     def validate(self) -> None:
         if not 0.0 <= self.device_budget_fraction <= 1.0:
             raise ConfigError(f"{ENV_PREFIX}DEVICE_BUDGET_FRACTION must be in [0, 1], got {self.device_budget_fraction}")

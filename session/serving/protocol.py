@@ -38,6 +38,10 @@ ADMIN_TOKEN_HEADER = "X-Resident-Admin-Token"
 WORKER_HEADER = "X-Resident-Worker"
 REQUEST_ID_HEADER = "X-Resident-Request-Id"  # names a request, so that a cancel can name it too
 CANCEL_HEADER = "X-Resident-Cancel"  # a request carrying it cancels the request with that id
+# Ours: set by the front on a forwarded OpenAI ``/v1/completions`` call ("completions"); a body without
+# it is a chat-completions or SageMaker invocation.
+ENDPOINT_HEADER = "X-Resident-Endpoint"
+COMPLETIONS_ENDPOINT = "completions"
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 NEW_SESSION = "NEW_SESSION"
 CLOSE = "CLOSE"
