@@ -26,6 +26,7 @@ models: install
 	$(PY) -m model_store.build_models --only tiny
 	$(PY) -m model_store.build_smollm2
 
+# The front on $(PORT) before one TorchServe backend on $(PORT)+10 (docs/DEPLOY.md).
 serve: install
 	$(PY) -m launch serve
 

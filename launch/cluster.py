@@ -1,6 +1,8 @@
 """``python -m launch cluster``: N TorchServe backends behind the front, in the foreground
-(``make cluster``, and the container's ``serve``). ``python -m launch front``: the front alone,
-before backends listed in RESIDENT_FRONT_BACKENDS (docker/compose.yaml's router).
+(``make cluster``, and the container's ``serve``). ``python -m launch serve`` (``make serve``): the
+same with one backend, run in build/serve-<PORT>, and the front listening once it is ready.
+``python -m launch front``: the front alone, before backends listed in RESIDENT_FRONT_BACKENDS
+(docker/compose.yaml's router).
 
 Environment (besides RESIDENT_FRONT_* for the front, session/front/server.py, and RESIDENT_* for the engine):
   PORT, SAGEMAKER_BIND_TO_PORT  the front's port (default 8080; SAGEMAKER_BIND_TO_PORT wins)
@@ -18,9 +20,14 @@ NEURON_RT_VISIBLE_CORES=<i mod #cores>; on CPU the cores are shared out with RES
 RESIDENT_DEVICE / RESIDENT_THREADS set by the caller is passed to every backend unchanged; a
 RESIDENT_JOURNAL_DIR becomes <dir>/backend-<i>, one journal per backend.
 
+The front's ``GET /v1/models`` lists the model under the name the backends serve it
+(RESIDENT_SERVED_MODEL_NAME, else the checkpoint's folder name) with its context length
+(RESIDENT_MAX_CONTEXT_TOKENS, at most the checkpoint's max_position_embeddings), read here from the
+checkpoint's config as the engine reads them.
+
 The admin token the front and its backends share (RESIDENT_ADMIN_TOKEN, else a fresh one per run) is
-written to build/cluster-<PORT>/admin-token (mode 0600) for ``POST /backends/{i}/drain`` and
-``/restart`` (docs/ROUTING.md). ``python -m launch front`` takes it from RESIDENT_FRONT_ADMIN_TOKEN,
+written to build/cluster-<PORT>/admin-token (``serve``: build/serve-<PORT>/admin-token; mode 0600)
+for ``POST /backends/{i}/drain`` and ``/restart`` (docs/ROUTING.md). ``python -m launch front`` takes it from RESIDENT_FRONT_ADMIN_TOKEN,
 else from RESIDENT_ADMIN_TOKEN.
 
 Ctrl-C or SIGTERM: the front stops listening and lets requests in flight finish
@@ -55,12 +62,16 @@ from launch.torchserve import (
     DEFAULT_MODEL,
     MODEL_NAME,
     REPO,
+    PortInUse,
     TorchServe,
     WorkerInitError,
+    check_port_free,
     ensure_demo_models,
     start_torchserve,
 )
 from launch.watchdog import watch
+from session.checkpoints import locate, reading_once
+from session.config import EngineConfig
 from session.errors import ConfigError
 from session.families.support import check_checkpoint
 from session.front.config import FrontConfig
@@ -157,15 +168,33 @@ def backend_base_port(front_port: int, environ: Mapping[str, str]) -> int:
     return front_port + BACKEND_PORT_STRIDE
 
 
-def start_backends(num: int, devices: Devices, *, front_port: int, model: Path,
-                   environ: Mapping[str, str]) -> list[TorchServe]:
+def served_model(model: Path, environ: Mapping[str, str]) -> tuple[str, int]:
+    """(The name the backends serve ``model`` under, its context length in tokens; 0 where the config
+    gives none), for the front's ``/v1/models``: worked out as the engine does (``EngineConfig.model_name``;
+    session/engine/assembly.py's ``max_context``) from the settings and the checkpoint's config alone."""
+    import yaml
+    from transformers import AutoConfig
+
+    section = yaml.safe_load((REPO / "model_store" / "model-config.yaml").read_text()).get("handler", {})
+    config = EngineConfig.from_sources(section, {**environ, "RESIDENT_MODEL_PATH": str(model.resolve())})
+    checkpoint = locate(config.model_path)
+    text_config = AutoConfig.from_pretrained(checkpoint.folder, **checkpoint.kwargs).get_text_config()
+    max_positions = getattr(text_config, "max_position_embeddings", None) or 0
+    if not max_positions:
+        return config.model_name, config.max_context_tokens
+    return config.model_name, min(config.max_context_tokens or max_positions, max_positions)
+
+
+def start_backends(devices: Devices, *, front_port: int, model: Path, environ: Mapping[str, str],
+                   run_dirs: list[Path]) -> list[TorchServe]:
+    """One backend per run directory, backend i on RESIDENT_BACKEND_PORT (else PORT+10) + 10*i."""
     base = backend_base_port(front_port, environ)
-    run_root = REPO / "build" / f"cluster-{front_port}"
+    num = len(run_dirs)
     backends: list[TorchServe] = []
     try:
-        for i in range(num):
+        for i, run_dir in enumerate(run_dirs):
             env = {**backend_env(i, num, devices, environ), "RESIDENT_ADMIN_TOKEN": admin_token(environ)}
-            backends.append(start_torchserve(base + BACKEND_PORT_STRIDE * i, run_dir=run_root / f"backend-{i}",
+            backends.append(start_torchserve(base + BACKEND_PORT_STRIDE * i, run_dir=run_dir,
                                              model_path=model, extra_env=env))
             logger.info("backend %d: %s on %s %s (logs: %s/logs)", i, backends[-1].url, devices.kind,
                         " ".join(f"{k}={v}" for k, v in env.items() if "TOKEN" not in k), backends[-1].run_dir)
@@ -242,9 +271,10 @@ def write_admin_token(run_root: Path, token: str) -> Path:
 
 async def serve_front(config: FrontConfig, host: str, port: int,
                       backends_alive: Callable[[], bool] = lambda: True,
-                      restart_backend: Callable[[int], None] | None = None) -> bool:
+                      restart_backend: Callable[[int], None] | None = None, banner: str = "") -> bool:
     """Run the front until SIGTERM or SIGINT (True), or until no backend process is left (False). What
-    ``backends_alive`` raises (a backend's WorkerInitError) stops the front and is raised here."""
+    ``backends_alive`` raises (a backend's WorkerInitError) stops the front and is raised here. The
+    ``banner`` is printed once the front listens and has probed its backends."""
     front = Front(config, restart_backend=restart_backend)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -252,6 +282,9 @@ async def serve_front(config: FrontConfig, host: str, port: int,
         loop.add_signal_handler(signum, stop.set)
     try:
         await front.start(host, port)
+        if banner:
+            await front.check_health()
+            print(banner, flush=True)
         while not stop.is_set():
             if not backends_alive():
                 logger.error("every backend process has exited; stopping (see the backends' logs)")
@@ -265,10 +298,10 @@ async def serve_front(config: FrontConfig, host: str, port: int,
 
 
 def _serve(config: FrontConfig, host: str, port: int, backends_alive: Callable[[], bool] = lambda: True,
-           restart_backend: Callable[[int], None] | None = None) -> int:
+           restart_backend: Callable[[int], None] | None = None, banner: str = "") -> int:
     """The front in the foreground; the exit status."""
     try:
-        return 0 if asyncio.run(serve_front(config, host, port, backends_alive, restart_backend)) else 1
+        return 0 if asyncio.run(serve_front(config, host, port, backends_alive, restart_backend, banner)) else 1
     except OSError as exc:  # the port is taken, most often
         print(f"error: the front cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 1
@@ -278,8 +311,10 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM before the front runs: unwind through the finally blocks
 
 
-def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
-    """Called by ``python -m launch cluster``; returns the exit status."""
+def run_cluster(port: int, environ: Mapping[str, str] = os.environ, *, single: bool = False) -> int:
+    """Called by ``python -m launch cluster``, and with ``single`` by ``python -m launch serve``: one
+    backend whatever BACKENDS says, in build/serve-<PORT> (its logs in build/serve-<PORT>/logs), and the
+    front listens once that backend is ready. Returns the exit status."""
     _configure_logging()
     signal.signal(signal.SIGTERM, _interrupt)
     backends: list[TorchServe] = []
@@ -288,31 +323,45 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ) -> int:
         model = Path(environ["MODEL"]) if environ.get("MODEL") else DEFAULT_MODEL
         if not environ.get("MODEL"):
             ensure_demo_models()
-        check_checkpoint(model)  # fail here, naming the feature, not in a TorchServe worker's crash loop
+        with reading_once():  # a GGUF file: its header parsed once for both
+            check_checkpoint(model)  # fail here, naming the feature, not in a TorchServe worker's crash loop
+            served_name, max_model_len = served_model(model, environ)
+        host = environ.get("HOST", "127.0.0.1")
+        check_port_free(host, port, f"the front's, PORT={port}")  # now, not after the model loaded
         devices = visible_devices()
-        num = num_backends(environ.get("BACKENDS", "2"), devices)
-        backends = start_backends(num, devices, front_port=port, model=model, environ=environ)
+        num = 1 if single else num_backends(environ.get("BACKENDS", "2"), devices)
+        run_root = REPO / "build" / f"{'serve' if single else 'cluster'}-{port}"
+        run_dirs = [run_root] if single else [run_root / f"backend-{i}" for i in range(num)]
+        backends = start_backends(devices, front_port=port, model=model, environ=environ, run_dirs=run_dirs)
         restarter = BackendRestarter(backends, environ)
-        token_file = write_admin_token(REPO / "build" / f"cluster-{port}", admin_token(environ))
+        token_file = write_admin_token(run_root, admin_token(environ))
         config = FrontConfig.from_env(environ, backends=tuple(b.url for b in backends),
                                       management_urls=tuple(b.management_url for b in backends),
                                       model_name=MODEL_NAME, admin_token=admin_token(environ),
-                                      backend_tags=tuple(session_id_tag(i, environ) for i in range(num)))
-        host = environ.get("HOST", "127.0.0.1")
-        print(f"front on http://{host}:{port} before {num} backend(s) serving {model} (admin token in "
-              f"{token_file}); Ctrl-C stops", flush=True)
+                                      backend_tags=tuple(session_id_tag(i, environ) for i in range(num)),
+                                      served_model_name=served_name, max_model_len=max_model_len)
+        if single:
+            backends[0].wait_ready(timeout_s=float(environ.get("RESIDENT_STARTUP_TIMEOUT_S", "900")))
+            banner = (f"serving {model} as {served_name!r} on http://{host}:{port} (the front before one "
+                      f"TorchServe backend, {backends[0].url}; logs: {run_root}/logs); Ctrl-C stops")
+        else:
+            banner = (f"front on http://{host}:{port} before {num} backend(s) serving {model} as {served_name!r} "
+                      f"(admin token in {token_file}); Ctrl-C stops")
 
         def alive() -> bool:  # a backend being restarted counts as alive
             raise_init_failure(backends)
             return restarter.restarting or any(b.process.poll() is None for b in backends)
 
-        return _serve(config, host, port, alive, restarter.restart)
+        return _serve(config, host, port, alive, restarter.restart, banner)
     except KeyboardInterrupt:
         return 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except WorkerInitError as exc:  # TorchServe would start the worker again and again: stop instead
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except PortInUse as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

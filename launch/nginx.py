@@ -12,10 +12,13 @@ A backend started with RESIDENT_SESSION_ID_TAG=<tag> creates session ids ``<uuid
   reached, the request is tried on every backend in turn until one holds the session
   (``proxy_next_upstream http_404``); only a session found nowhere answers 404;
 - answers stream through unbuffered (server-sent events); ``/v1/chat/completions`` is sent to the
-  backends' ``/invocations`` (the same OpenAI body);
+  backends' ``/invocations`` (the same OpenAI body), and so is ``/v1/completions``, marked
+  ``X-Resident-Endpoint: completions`` as the front marks it (a ``map`` on the request's URI, so that
+  the search of a moved session carries it too);
 - abuse is bounded as at the front: our control headers (``X-Resident-Cancel``,
-  ``X-Resident-Admin-Token``, ``X-Resident-Request-Id``) never reach a backend (the engine names the
-  request itself), request heads and bodies have deadlines, header buffers are small, a body past
+  ``X-Resident-Admin-Token``, ``X-Resident-Request-Id``, a client's ``X-Resident-Endpoint``) never
+  reach a backend (the engine names the request itself), request heads and bodies have deadlines,
+  header buffers are small, a body past
   64 KiB waits on disk rather than in memory, and each client address holds at most
   ``max_requests_per_client`` connections (``limit_conn``, 429 past it).
 
@@ -91,7 +94,10 @@ def render_http(site: NginxSite) -> str:
              "map $http_x_amzn_sagemaker_session_id $resident_upstream {",
              "    default resident_any;  # NEW_SESSION, stateless, and ids without a known tag"]
     lines += [f'    "{tag_regex(tag)}" resident_b{i};' for i, tag in tagged]
-    lines += ["}", "", "upstream resident_any {",
+    lines += ["}", "", "# X-Resident-Endpoint: completions on /v1/completions; on any other path empty (not sent), whatever a",
+              "# client sent.",
+              "map $request_uri $resident_endpoint {", '    default "";', '    "~^/v1/completions(\\?|$)" completions;',
+              "}", "", "upstream resident_any {",
               "    zone resident_any 64k;  # least_conn counts shared by every worker", "    least_conn;"]
     lines += [f"    server {server} max_fails=1 fail_timeout=5s;" for server in site.servers]
     lines += ["    keepalive 32;", "}"]
@@ -124,6 +130,7 @@ def _server(site: NginxSite) -> str:
     proxy_set_header X-Resident-Cancel "";
     proxy_set_header X-Resident-Admin-Token "";
     proxy_set_header X-Resident-Request-Id "";
+    proxy_set_header X-Resident-Endpoint $resident_endpoint;
     proxy_buffering off;  # server-sent events go out as they come
     proxy_connect_timeout {connect};
     proxy_read_timeout {timeout};
@@ -144,7 +151,7 @@ def _server(site: NginxSite) -> str:
         error_page 404 502 = @resident_search;
     }}
 
-    location = /v1/chat/completions {{
+    location ~ ^/v1/(chat/)?completions$ {{
         rewrite ^ /invocations break;
         proxy_pass http://$resident_upstream;
         proxy_next_upstream error http_503 non_idempotent;

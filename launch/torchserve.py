@@ -111,18 +111,22 @@ PORT_ROLES = ("inference", "management (describe relay)", "metrics", "gRPC infer
 def check_ports_free(host: str, port: int) -> None:
     """Raise PortInUse naming the first of ``port .. port+4`` that cannot be bound (the gRPC ones on
     UNREACHABLE_ADDRESS, where TorchServe binds them)."""
-    import socket
-
     for offset, role in enumerate(PORT_ROLES):
         address = UNREACHABLE_ADDRESS if role.startswith("gRPC") else host
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((address, port + offset))
-            except OSError as exc:
-                raise PortInUse(f"port {port + offset} on {address} ({role}, PORT={port} uses {port}..{port + 4}) "
-                                f"is already in use{_holder(port + offset)}: {exc.strerror}; stop that process or "
-                                "set PORT to a free range") from None
+        check_port_free(address, port + offset, f"{role}, PORT={port} uses {port}..{port + 4}")
+
+
+def check_port_free(address: str, port: int, what: str) -> None:
+    """Raise PortInUse naming ``port``, ``what`` it is for, and the process holding it, if it cannot be bound."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError as exc:
+            raise PortInUse(f"port {port} on {address} ({what}) is already in use{_holder(port)}: {exc.strerror}; "
+                            "stop that process or set PORT to a free range") from None
 
 
 def _holder(port: int) -> str:

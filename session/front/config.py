@@ -42,6 +42,11 @@ class FrontConfig:
     # Each backend's RESIDENT_SESSION_ID_TAG, same order; empty: b0, b1, ...; "none": ids carry no tag.
     backend_tags: tuple[str, ...] = ()
     cancel_timeout_s: float = 2.0  # a cancel sent to a backend (best effort)
+    # What GET /v1/models lists: the name the backends serve the model under (EngineConfig.model_name, which
+    # clients send as "model"; the launcher sets it from the checkpoint; "" = model_name) and its context
+    # length in tokens (0: unknown, not listed).
+    served_model_name: str = ""
+    max_model_len: int = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> FrontConfig:
@@ -83,8 +88,15 @@ class FrontConfig:
         if self.max_requests_per_client < 0:
             raise ConfigError(f"{ENV_PREFIX}MAX_REQUESTS_PER_CLIENT must be >= 0 (0: no limit), got "
                               f"{self.max_requests_per_client}")
+        if self.max_model_len < 0:
+            raise ConfigError(f"{ENV_PREFIX}MAX_MODEL_LEN must be >= 0 (0: unknown), got {self.max_model_len}")
         if self.drain_s < 0:
             raise ConfigError(f"{ENV_PREFIX}DRAIN_S must be >= 0, got {self.drain_s}")
+
+    @property
+    def listed_model_name(self) -> str:
+        """The base model's id in ``/v1/models``."""
+        return self.served_model_name or self.model_name
 
     def session_tags(self) -> tuple[str, ...]:
         """The session id tag of each backend ("" where ids carry none)."""

@@ -48,7 +48,7 @@ from session.front.health import Health
 from session.front.locator import SessionLocator
 from session.front.migration import Migrator
 from session.front.router import Backend, Router
-from session.serving.protocol import NEW_SESSION, REQUEST_ID_HEADER, sse
+from session.serving.protocol import ENDPOINT_HEADER, NEW_SESSION, REQUEST_ID_HEADER, sse
 from session.types import redact
 
 logger = logging.getLogger(__name__)
@@ -60,19 +60,24 @@ class Call:
 
     path: str  # on the backend: /invocations or /predictions/<model>
     body: bytes
-    headers: dict[str, str]  # X-Amzn-SageMaker-*, Content-Type, X-Resident-Request-Id
+    headers: dict[str, str]  # X-Amzn-SageMaker-*, Content-Type, X-Resident-Request-Id, X-Resident-Endpoint
     session_id: str | None  # None (stateless), NEW_SESSION or an id
     request_id: str
     events: bool  # answer as AWS event-stream PayloadParts (the response-stream path)
 
     @classmethod
     def of(cls, request: web.Request, body: bytes, path: str, session_id: str | None, request_id: str,
-           events: bool) -> Call:
+           events: bool, endpoint: str | None = None) -> Call:
+        """Only the client's X-Amzn-SageMaker-* headers pass; ours are set here, so no client sets
+        X-Resident-Request-Id or X-Resident-Endpoint (``endpoint``: which OpenAI body the backend
+        parses; None for a chat, the default)."""
         headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-amzn-sagemaker-")}
         # The body is JSON whatever the client's Content-Type says (SageMaker clients send all sorts, curl -d
         # says form): forwarded as a form, TorchServe would decode it into fields and lose it.
         headers["Content-Type"] = JSON_CONTENT_TYPE
         headers[REQUEST_ID_HEADER] = request_id
+        if endpoint is not None:
+            headers[ENDPOINT_HEADER] = endpoint
         return cls(path=path, body=body, headers=headers, session_id=session_id, request_id=request_id,
                    events=events)
 

@@ -9,8 +9,9 @@ device; or, in docker/compose.yaml, other fronts standing in for SageMaker insta
                                                         put it back into rotation (session/front/migration.py)
   POST /backends/{i}/restart                            drain, restart (make cluster only), resume
   POST /invocations, /predictions/{model}               forwarded as they are (SSE streams relayed)
-  POST /v1/chat/completions, GET /v1/models             the OpenAI API (the openai client), sessions by
-                                                        the same SageMaker headers
+  POST /v1/chat/completions, POST /v1/completions       the OpenAI API (the openai client), sessions by
+  GET  /v1/models, GET /v1/models/{model}               the same SageMaker headers; the models: the served
+                                                        name (FrontConfig.served_model_name) and adapters
   POST /endpoints/{name}/invocations                    SageMaker InvokeEndpoint
   GET  /adapters, POST /adapters {"name", "src"}, DELETE /adapters/{name}
                                                         LoRA adapters on every backend at once (admin token)
@@ -24,7 +25,8 @@ The jobs live beside this file: forwarding and relaying (``forwarding``), the ad
 headers pass both ways; answers carry ``X-Resident-Backend: <backend index>`` and
 ``X-Resident-Request-Id``: the front's own id for the request (a client's is never forwarded, so no
 client can name, and cancel, another's request on a backend). No other client header reaches a
-backend (``forwarding.Call``): ``X-Resident-Cancel`` and ``X-Resident-Admin-Token`` stop here.
+backend (``forwarding.Call``): ``X-Resident-Cancel``, ``X-Resident-Admin-Token`` and
+``X-Resident-Endpoint`` (set by the front alone, on ``/v1/completions``) stop here.
 
 Abuse: connections are capped, each request's head and body have deadlines and each client's
 requests in flight are capped (``connections``); ``/ping`` is the only route that needs no body.
@@ -55,7 +57,14 @@ from session.front.health import Health
 from session.front.locator import SessionLocator
 from session.front.migration import Migrator
 from session.front.router import Backend, Router
-from session.serving.protocol import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, header, load_json_object
+from session.serving.protocol import (
+    COMPLETIONS_ENDPOINT,
+    NEW_SESSION,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+    header,
+    load_json_object,
+)
 from session.types import redact, validate_session_id
 
 logger = logging.getLogger(__name__)
@@ -93,7 +102,9 @@ class Front:
         add.add_post("/invocations", self.invoke)
         add.add_post("/predictions/{model}", self.invoke)
         add.add_post("/v1/chat/completions", self.invoke)
+        add.add_post("/v1/completions", self.complete)
         add.add_get("/v1/models", self.list_models)
+        add.add_get("/v1/models/{model}", self.retrieve_model)
         add.add_post("/endpoints/{endpoint}/invocations", self.invoke)
         add.add_post("/endpoints/{endpoint}/invocations-response-stream", self.invoke_stream)
         add.add_get("/adapters", self._admin("list_adapters"))
@@ -209,6 +220,12 @@ class Front:
         path = request.path if request.path.startswith("/predictions/") else "/invocations"
         return await self._forward(request, body, path, events=False)
 
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/completions``: forwarded like a chat, marked ``X-Resident-Endpoint: completions`` so that
+        the backend reads the body as a completions request (a prompt, not messages)."""
+        body = await self._read_body(request)
+        return await self._forward(request, body, "/invocations", events=False, endpoint=COMPLETIONS_ENDPOINT)
+
     async def invoke_stream(self, request: web.Request) -> web.StreamResponse:
         data = load_json_object(await self._read_body(request))
         if _session_id(request) == NEW_SESSION or data.get("requestType") == NEW_SESSION:
@@ -219,18 +236,38 @@ class Front:
 
     async def list_models(self, request: web.Request) -> web.Response:
         """OpenAI ``GET /v1/models``: the base model, and the registered adapters when the front may ask."""
-        names = [self.config.model_name]
-        if self.admin.enabled and self.router.healthy_backends:
-            [(status, body)] = await self.admin_routes.on_every({"adapters": "list"},
-                                                                self.router.healthy_backends[:1])
-            if status == 200:
-                names += [a["name"] for a in body.get("adapters", [])]
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "resident"} for name in names]})
+        return web.json_response({"object": "list", "data": await self._models()})
 
-    async def _forward(self, request: web.Request, body: bytes, path: str, *, events: bool) -> web.StreamResponse:
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        """OpenAI ``GET /v1/models/{model}``: one entry of the list, or 404 ``model_not_found``."""
+        name = request.match_info["model"]
+        for model in await self._models():
+            if model["id"] == name:
+                return web.json_response(model)
+        body = {"error": {"type": "model_not_found", "code": "model_not_found",
+                          "message": f"the model {name!r} does not exist here; GET /v1/models lists what is served"}}
+        return error_response(request, 404, body, CIMultiDict())
+
+    async def _models(self) -> list[dict]:
+        """The base model under the name the backends serve it (clients send it as "model"), with its
+        context length when the launcher knows it, then each registered adapter (its ``parent``: the base)."""
+        base = self.config.listed_model_name
+        shared = {"object": "model", "created": 0, "owned_by": "resident"}
+        if self.config.max_model_len:
+            shared["max_model_len"] = self.config.max_model_len
+        return [{"id": base, **shared}] + [{"id": name, **shared, "parent": base} for name in await self._adapters()]
+
+    async def _adapters(self) -> list[str]:
+        """The adapters registered on the first healthy backend; none without the admin token."""
+        if not (self.admin.enabled and self.router.healthy_backends):
+            return []
+        [(status, body)] = await self.admin_routes.on_every({"adapters": "list"}, self.router.healthy_backends[:1])
+        return [a["name"] for a in body.get("adapters", [])] if status == 200 else []
+
+    async def _forward(self, request: web.Request, body: bytes, path: str, *, events: bool,
+                       endpoint: str | None = None) -> web.StreamResponse:
         call = Call.of(request, body, path, session_id=_session_id(request), request_id=_request_id(request),
-                       events=events)
+                       events=events, endpoint=endpoint)
         return await self.forwarder.forward(request, call)
 
     async def _read_body(self, request: web.Request) -> bytes:

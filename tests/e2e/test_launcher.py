@@ -1,4 +1,5 @@
-"""`make serve`'s launcher: SIGTERM stops everything it started, at any moment (docs/DESIGN.md, "Interfaces")."""
+"""`make serve`'s launcher (the front on PORT before one TorchServe on PORT+10 .. +14): SIGTERM stops
+everything it started, at any moment (docs/DESIGN.md, "Interfaces")."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def leftovers(marker: str) -> list[int]:
 
 @pytest.mark.parametrize("moment", ["while loading", "when serving"])
 def test_sigterm_stops_everything(tiny_model_path, moment):
-    port = free_port(5)
+    port = free_port(15)
     marker = f"serve-{port}"
     launcher = subprocess.Popen([sys.executable, "-m", "launch", "serve"], cwd=REPO,
                                 env={**os.environ, "PORT": str(port)}, stdout=subprocess.PIPE,
@@ -117,15 +118,15 @@ def test_stop_matrix_after_traffic(tiny_model_path, tmp_path, target, signame, w
     instances' journals are gone."""
     from launch.torchserve import STOP_TIMEOUT_S
 
-    port = free_port(5) if target == "serve" else free_port(20)
-    backend_port = port + 10
+    port = free_port(20)
+    backend_port = port + 10  # make serve's one backend, make cluster's first
     env = {**os.environ, "PORT": str(port), "BACKENDS": "1", "RESIDENT_WATCHDOG_INTERVAL_S": "0"}
     marker = f"serve-{port}" if target == "serve" else f"cluster-{port}"
     log = tmp_path / "launcher.log"  # a file, not a pipe: TorchServe's logs must never block on a reader
     with open(log, "w") as out:
         make = subprocess.Popen(["make", "-s", target], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    ts_port = port if target == "serve" else backend_port
+    ts_port = backend_port
     journal = f"/dev/shm/resident-journal-{ts_port}"
     try:
         _wait_healthy(f"http://127.0.0.1:{port}")
@@ -153,17 +154,19 @@ def test_stop_matrix_after_traffic(tiny_model_path, tmp_path, target, signame, w
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_port_in_use_fails_start_up_naming_it(tiny_model_path):
+@pytest.mark.parametrize("offset,role", [(0, "the front's, PORT="), (11, "management")])
+def test_a_port_in_use_fails_start_up_naming_it(tiny_model_path, offset, role):
+    """The front's port, or one of its backend's (PORT+10 ..), taken: refused before any model loads."""
     import socket
 
-    port = free_port(5)
+    port = free_port(15)
     with socket.socket() as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(("127.0.0.1", port + 1))
+        squatter.bind(("127.0.0.1", port + offset))
         squatter.listen()
         done = subprocess.run([sys.executable, "-m", "launch", "serve"], cwd=REPO, capture_output=True, text=True,
                               env={**os.environ, "PORT": str(port)}, timeout=120)
     assert done.returncode == 1
-    assert f"port {port + 1} on 127.0.0.1 (management" in done.stderr and "already in use" in done.stderr
+    assert f"port {port + offset} on 127.0.0.1 ({role}" in done.stderr and "already in use" in done.stderr
     assert f"by pid {os.getpid()}" in done.stderr
     assert leftovers(f"serve-{port}") == []

@@ -28,6 +28,8 @@ from session.serving.protocol import (
     ADMIN_TOKEN_HEADER,
     CANCEL_HEADER,
     CLOSED_SESSION_HEADER,
+    COMPLETIONS_ENDPOINT,
+    ENDPOINT_HEADER,
     NEW_SESSION_HEADER,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
@@ -186,15 +188,41 @@ def test_the_openai_path_through_nginx(proxy):
                                          extra_headers={SESSION_HEADER: sid})
     assert "".join(c.choices[0].delta.content or "" for c in stream) == f"backend {backend} turn 2 "
     assert backends[backend].requests[-1]["path"] == "/invocations"
+    assert ENDPOINT_HEADER not in backends[backend].requests[-1]["headers"]
+
+
+def test_completions_reach_invocations_marked_so_also_when_searched(proxy):
+    """/v1/completions goes to /invocations with X-Resident-Endpoint: completions, on the tagged backend
+    and on every backend the search of a moved session asks."""
+    url, backends, thread = proxy
+    sid, home = open_session(url)
+    elsewhere = (home + 1) % 3
+
+    async def move():  # as in the test above
+        exported = backends[home]._admin({"sessions": "export", "session_id": sid})
+        backends[elsewhere]._admin({"sessions": "import", "session": json.loads(exported.body)["session"]})
+        backends[home]._admin({"sessions": "forget", "session_id": sid})
+
+    thread.call(move())
+    prompt = {"prompt": "Once upon a time"}  # the fakes answer its messages; a backend reads the prompt
+    for session in ("NEW_SESSION", sid):
+        answer = post(url, "hi", session=session, path="/v1/completions", **prompt)
+        assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == f"backend {elsewhere} turn 2"
+    marked = [r for b in backends for r in b.requests if "prompt" in r["body"]]
+    assert any(r["session"] == sid for r in backends[home].requests if "prompt" in r["body"])  # asked first: 404
+    assert {r["path"] for r in marked} == {"/invocations"}
+    assert [r["headers"].get(ENDPOINT_HEADER) for r in marked] == [COMPLETIONS_ENDPOINT] * len(marked)
 
 
 def test_control_headers_never_reach_a_backend(proxy):
     url, backends, _ = proxy
     answer = requests.post(url + "/invocations", json=chat("hi"), timeout=TIMEOUT,
-                           headers={CANCEL_HEADER: "victim-1", ADMIN_TOKEN_HEADER: TOKEN, REQUEST_ID_HEADER: "victim-1"})
+                           headers={CANCEL_HEADER: "victim-1", ADMIN_TOKEN_HEADER: TOKEN, REQUEST_ID_HEADER: "victim-1",
+                                    ENDPOINT_HEADER: COMPLETIONS_ENDPOINT})
     assert answer.status_code == 200, answer.text  # an ordinary turn: the cancel never got through
     [sent] = [r["headers"] for b in backends for r in b.requests]
-    assert not {CANCEL_HEADER, ADMIN_TOKEN_HEADER, REQUEST_ID_HEADER} & set(sent)
+    assert not {CANCEL_HEADER, ADMIN_TOKEN_HEADER, REQUEST_ID_HEADER, ENDPOINT_HEADER} & set(sent)
     assert all(b.cancels == [] and b.admin_bodies == [] for b in backends)
 
 

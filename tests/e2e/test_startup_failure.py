@@ -110,7 +110,7 @@ def assert_it_started_torchserve_and_left_nothing(run: Run, num_instances: int) 
 
 
 def test_serve_exits_at_once_with_the_workers_error(broken_model, tmp_path):
-    port = free_port(5)
+    port = free_port(15)  # the front on port, its backend on port+10 .. +14, run in build/serve-<port>
     run_dir = REPO / "build" / f"serve-{port}"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "init-error.txt").write_text("StaleError: a previous run's, removed when the instance starts\n")
