@@ -169,9 +169,10 @@ class Engine:
                 raise SessionNotFound(f"session {session_id} is unknown on this worker (closed, expired or never "
                                       "opened here); open a new one with NEW_SESSION")
 
-    def render_turn(self, messages, images: Images, first_turn: bool) -> RenderedTurn:
-        """A turn's prompt, rendered and tokenized on the caller's thread (``RenderedTurn``)."""
-        return self.parts.formatter.render_turn(messages, images.num_tokens, first_turn)
+    def render_turn(self, messages, images: Images, first_turn: bool, tools: list[dict] | None = None) -> RenderedTurn:
+        """A turn's prompt, rendered and tokenized on the caller's thread (``RenderedTurn``); ``tools``
+        go to the chat template of an opening (``ChatFormatter.render_turn``)."""
+        return self.parts.formatter.render_turn(messages, images.num_tokens, first_turn, tools)
 
     def preprocess_images(self, images: list) -> Images:
         """PIL images -> Images (pixels, original sizes, token counts). Runs in the caller's thread
@@ -186,12 +187,24 @@ class Engine:
     def compile_grammar(self, constraint: Constraint) -> Grammar:
         """A request's constraint compiled (or found cached) on the caller's thread, never the loop's:
         ``GenerationRequest.grammar``. The compiler (a scan of the vocabulary) is built on first use."""
+        return self._grammar_compiler().compile(constraint)
+
+    def special_token_ids(self, texts: tuple[str, ...]) -> dict[str, int]:
+        """Which of ``texts`` are single special tokens of the vocabulary, by id (tool-call markers
+        in a grammar). Any thread; builds the grammar compiler on first use."""
+        return self._grammar_compiler().special_token_ids(texts, self.parts.tokenizer)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.parts.tokenizer.chat_template
+
+    def _grammar_compiler(self) -> GrammarCompiler:
         with self._grammar_lock:
             if self._grammars is None:
                 info = self.parts.runner.info
                 self._grammars = GrammarCompiler(self.parts.tokenizer, info.vocab_size, info.eos_token_ids,
                                                  max_cached=self.config.max_cached_grammars)
-        return self._grammars.compile(constraint)
+            return self._grammars
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's own text (log-probabilities name tokens by it). Any thread."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jinja2
+
 from session.errors import BadRequest, ConfigError
 from session.types import ImagePart, Message
 
@@ -73,10 +75,12 @@ class ChatFormatter:
         self.end_of_turn = self._probe_text.split(_ASSISTANT_PROBE, 1)[1]
         self._eos_texts = {tokenizer.convert_ids_to_tokens(i) for i in eos_token_ids}
 
-    def opening(self, messages: tuple[Message, ...], image_tokens: tuple[int, ...] = ()) -> PromptPiece:
+    def opening(self, messages: tuple[Message, ...], image_tokens: tuple[int, ...] = (),
+                tools: list[dict] | None = None) -> PromptPiece:
         """The whole prompt of a first turn (or a stateless request), with BOS. ``image_tokens``: the
-        placeholder count of each image of ``messages``, in order (``session.families.vision.Images.num_tokens``)."""
-        text = self._render([self._template_message(m) for m in messages], generation_prompt=True)
+        placeholder count of each image of ``messages``, in order (``session.families.vision.Images.num_tokens``).
+        ``tools``: function definitions for the template's own ``tools`` variable."""
+        text = self._render([self._template_message(m) for m in messages], generation_prompt=True, tools=tools)
         return self._tokenize(text, messages, image_tokens, add_special_tokens=True)
 
     def followup(self, messages: tuple[Message, ...], ended_with_eos: bool,
@@ -89,11 +93,13 @@ class ChatFormatter:
                               image_tokens, add_special_tokens=False)
 
     def render_turn(self, messages: tuple[Message, ...], image_tokens: tuple[int, ...],
-                    first_turn: bool) -> RenderedTurn:
+                    first_turn: bool, tools: list[dict] | None = None) -> RenderedTurn:
         """Every piece a turn may need (``RenderedTurn``). Thread-safe: templating is pure and a fast
-        tokenizer encodes concurrently while nothing changes its truncation or padding."""
+        tokenizer encodes concurrently while nothing changes its truncation or padding. ``tools`` are
+        rendered into an opening only: templates put them at the conversation's start (the system
+        turn), which a follow-up's transcript already holds."""
         if first_turn:
-            return RenderedTurn(opening=self.opening(messages, image_tokens))
+            return RenderedTurn(opening=self.opening(messages, image_tokens, tools))
         after_eos = self.followup(messages, True, image_tokens)
         same = self._closing(True) == self._closing(False)
         return RenderedTurn(after_eos=after_eos,
@@ -116,13 +122,18 @@ class ChatFormatter:
     def _template_message(self, message: Message) -> dict:
         """A message in the form the template takes: its parts, or its text parts joined."""
         if self.content_form == LIST_CONTENT:
-            return {"role": message.role, "content": message.template_content()}
+            return {"role": message.role, "content": message.template_content(), **message.template_extras()}
         if any(isinstance(p, ImagePart) for p in message.parts):
             raise BadRequest("this model's chat template takes text content only; remove the image_url parts")
-        return {"role": message.role, "content": TEXT_PART_SEPARATOR.join(p.text for p in message.parts)}
+        return {"role": message.role, "content": TEXT_PART_SEPARATOR.join(p.text for p in message.parts),
+                **message.template_extras()}
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None,
+                                                      add_generation_prompt=generation_prompt, tokenize=False)
+        except jinja2.TemplateError as exc:  # the template's raise_exception: roles out of order, and the like
+            raise BadRequest(f"the model's chat template refused these messages: {exc}") from None
 
     def _tokenize(self, text: str, messages: tuple[Message, ...], image_tokens: tuple[int, ...],
                   add_special_tokens: bool) -> PromptPiece:

@@ -69,6 +69,17 @@ class GrammarCompiler:
             self.num_compiled += 1
         return grammar
 
+    def special_token_ids(self, texts: Sequence[str], hf_tokenizer) -> dict[str, int]:
+        """Which of ``texts`` the vocabulary holds as one special token (llguidance's view: a grammar
+        must name such a token by id, ``<[id]>``; a literal never matches it) -> its id."""
+        found = {}
+        for text in texts:
+            token_id = hf_tokenizer.convert_tokens_to_ids(text)
+            if (isinstance(token_id, int) and token_id != hf_tokenizer.unk_token_id and token_id < self.vocab_size
+                    and self.tokenizer.is_special_token(token_id)):
+                found[text] = token_id
+        return found
+
     def _matcher(self, constraint: Constraint):
         llg = self._llg
         try:

@@ -13,7 +13,7 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from session.engine import AdapterRequest, CancelRequest, CloseRequest, Engine, GenerationRequest, SessionAdminRequest
 from session.engine.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started, TextDelta
@@ -36,12 +36,14 @@ from session.serving.protocol import (
     completion_body,
     header,
     load_json_object,
+    message_choice,
     new_session_header_value,
     parse_request,
     sse,
     tokens_match,
 )
-from session.types import ImagePart, redact
+from session.serving.tools import MARKERS, ToolCall, ToolSupport, finish_reason, streamable_prefix
+from session.types import SEED_RANGE, ImagePart, Usage, redact
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,7 @@ class ChatService:
         self.limits = PromptLimits(max_chars=config.max_prompt_chars, max_messages=config.max_messages)
         self._image_decodes = asyncio.Semaphore(config.max_image_decodes)
         self._live_ids: set[str] = set()  # request ids of this worker's generations not yet answered
+        self._tools: ToolSupport | None = None  # the model's tool format, found on first use
 
     async def invoke(self, headers: Mapping[str, str], body) -> ApiResponse:
         """Called once per HTTP request by a front door, on its event loop."""
@@ -109,7 +112,8 @@ class ChatService:
             if token is not None:
                 return await self._admin(token, body, request_id)
             request = parse_request(body, headers, default_max_tokens=config.default_max_tokens,
-                                    max_new_tokens=config.max_new_tokens, limits=self.limits)
+                                    max_new_tokens=config.max_new_tokens, limits=self.limits,
+                                    max_choices=config.max_choices)
             session_id = request.session_id
             if request.closes_session:
                 return await self._close(request, request_id)
@@ -210,7 +214,7 @@ class ChatService:
     async def _start(self, request: ChatRequest, request_id: str) -> ApiResponse:
         """Admission's cheap checks, then the request's own work off this loop and off the engine's thread
         (images decoded, at most ``max_image_decodes`` at once; the prompt rendered and tokenized), then
-        the engine."""
+        the engine: ``n`` rows of one prompt."""
         loop = asyncio.get_running_loop()
         config = self.engine.config
         images = [p for m in request.messages for p in m.parts if isinstance(p, ImagePart)]
@@ -224,22 +228,27 @@ class ChatService:
         else:
             decoded, prepared = [], NO_IMAGES
         first_turn = opens or request.session_id is None
-        rendered = await loop.run_in_executor(None, self.engine.render_turn, request.messages, prepared, first_turn)
-        constraint = request.sampling.constraint
-        grammar = None if constraint is None else await loop.run_in_executor(None, self.engine.compile_grammar,
-                                                                              constraint)
-        stream = EventStream(loop, deltas=request.stream)  # a plain request reads Finished's text
-        self.engine.submit(GenerationRequest(
-            messages=request.messages, sampling=request.sampling, stream=stream,
+        tools = self.tool_support() if request.tools or _has_tool_messages(request) else None
+        messages, template_tools, sampling = request.messages, None, request.sampling
+        if tools is not None:
+            offered = request.tools if request.tool_choice.mode != "none" else ()
+            messages, template_tools = tools.prompt(request.messages, offered, first_turn)
+            forced = tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+            sampling = sampling if forced is None else replace(sampling, constraint=forced)
+        rendered = await loop.run_in_executor(None, self.engine.render_turn, messages, prepared, first_turn,
+                                              template_tools)
+        grammar = None if sampling.constraint is None else await loop.run_in_executor(
+            None, self.engine.compile_grammar, sampling.constraint)
+        base = GenerationRequest(
+            messages=messages, sampling=sampling, stream=None,
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
             images=prepared, image_digests=tuple(d.digest for d in decoded),
             image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=adapter,
             speculative=request.speculative, rendered=rendered, grammar=grammar,
-        ))
-        started = await self._next_event(stream, request_id)
-        if isinstance(started, Failed):
-            raise started.error
-        assert isinstance(started, Started)
+            keep_special=tools is not None and request.tool_choice.mode != "none")
+        answer = _Answer(request, tools)
+        choices = await self._submit_all(base, request, rendered, answer)
+        started = choices[0].started
         headers = {}
         if opens:
             headers[NEW_SESSION_HEADER] = new_session_header_value(started.session_id, started.expires_at)
@@ -248,16 +257,74 @@ class ChatService:
         ids = CompletionIds(model=request.model or self.model_name)
         kind = "first" if opens else ("followup" if started.session_id else "stateless")
         if request.stream:
-            return ApiResponse(status=200, headers=headers, chunks=self._chunks(stream, ids, request_id, request),
-                               kind=kind)
+            return ApiResponse(status=200, headers=headers, chunks=self._chunks(choices, ids, answer), kind=kind)
+        try:
+            finished = [await self._finished(choice) for choice in choices]
+        finally:
+            self._cancel_unfinished(choices)
+        body = completion_body(ids, [answer.choice(c.index, f, self._logprobs(f.logprobs))
+                                     for c, f in zip(choices, finished)],
+                               _total_usage([f.usage for f in finished]), finished[0].session_id)
+        return ApiResponse(status=200, body=body, headers=headers, kind=kind)
+
+    async def _submit_all(self, base: GenerationRequest, request: ChatRequest, rendered,
+                          answer: _Answer) -> list[_Choice]:
+        """Submit the request's ``n`` rows and wait until each has started. The rows after the first wait
+        for its prefill when the prompt fills a KV block, so that they find its blocks in the prefix
+        cache; a shorter prompt has no block to share, and all rows are submitted at once."""
+        choices = [self._submit(base, 0, request.stream)]
+        shares_prefix = len(rendered.opening.token_ids) >= self.engine.config.kv_block_tokens if request.n > 1 else False
+        try:
+            if shares_prefix:
+                await self._wait_started(choices[0])
+            choices += [self._submit(base, i, request.stream) for i in range(1, request.n)]
+            for choice in choices:
+                await self._wait_started(choice)
+        except BaseException:
+            self._cancel_unfinished(choices)
+            raise
+        return choices
+
+    def _submit(self, base: GenerationRequest, index: int, deltas: bool) -> _Choice:
+        request_id = base.request_id if index == 0 else f"{base.request_id[:56]}-{index}"
+        sampling = base.sampling
+        if index and sampling.seed is not None:  # row i samples with seed + i (within the seed range)
+            seed = sampling.seed + index
+            sampling = replace(sampling, seed=seed if seed < SEED_RANGE[1] else sampling.seed - index)
+        stream = EventStream(asyncio.get_running_loop(), deltas=deltas)  # a plain request reads Finished's text
+        self.engine.submit(replace(base, stream=stream, request_id=request_id, sampling=sampling))
+        return _Choice(index=index, stream=stream, request_id=request_id)
+
+    async def _wait_started(self, choice: _Choice) -> None:
+        if choice.started is not None:
+            return
+        event = await self._next_event(choice.stream, choice.request_id)
+        if isinstance(event, Failed):
+            choice.done = True
+            raise event.error
+        assert isinstance(event, Started)
+        choice.started = event
+
+    async def _finished(self, choice: _Choice) -> Finished:
         while True:
-            event = await self._next_event(stream, request_id)
+            event = await self._next_event(choice.stream, choice.request_id)
+            if isinstance(event, (Finished, Failed)):
+                choice.done = True
             if isinstance(event, Finished):
-                body = completion_body(ids, event.text, event.finish_reason, event.usage, event.session_id,
-                                       self._logprobs(event.logprobs))
-                return ApiResponse(status=200, body=body, headers=headers, kind=kind)
+                return event
             if isinstance(event, Failed):
                 raise event.error
+
+    def _cancel_unfinished(self, choices: list[_Choice]) -> None:
+        for choice in choices:
+            if not choice.done:
+                self.engine.cancel(choice.request_id)
+
+    def tool_support(self) -> ToolSupport:
+        """The served model's tool format, found on first use (the vocabulary scan is the grammar compiler's)."""
+        if self._tools is None:
+            self._tools = ToolSupport.of(self.engine.chat_template, self.engine.special_token_ids(MARKERS))
+        return self._tools
 
     def _prepare_images(self, images: list[ImagePart]):
         config = self.engine.config
@@ -278,34 +345,40 @@ class ChatService:
 
         return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
-    async def _chunks(self, stream: EventStream, ids: CompletionIds, request_id: str,
-                      request: ChatRequest) -> AsyncIterator[str]:
-        finished = False
-        wants_logprobs = request.sampling.logprobs is not None
-        num_logprobs_sent = 0
+    async def _chunks(self, choices: list[_Choice], ids: CompletionIds, answer: _Answer) -> AsyncIterator[str]:
+        """The rows' events as one stream of chunks, each row's in order, rows interleaved as they come."""
+        pending: dict[asyncio.Future, _Choice] = {}
+        usages: list[Usage] = []
         try:
-            yield sse(chunk_body(ids, {"role": "assistant", "content": ""}))
-            while True:
-                event = await self._next_event(stream, request_id)
-                if isinstance(event, TextDelta):
-                    logprobs = self._logprobs(event.logprobs) if wants_logprobs else None
-                    num_logprobs_sent += len(event.logprobs)
-                    yield sse(chunk_body(ids, {"content": event.text}, logprobs=logprobs))
-                elif isinstance(event, Finished):
-                    finished = True
-                    rest = self._logprobs(event.logprobs[num_logprobs_sent:]) if wants_logprobs else None
-                    yield sse(chunk_body(ids, {}, finish_reason=event.finish_reason, logprobs=rest))
-                    if request.include_usage:  # as OpenAI sends it: a last chunk with no choices
-                        yield sse(chunk_body(ids, None, usage=event.usage))
-                    yield sse("[DONE]")
-                    return
-                elif isinstance(event, Failed):
-                    finished = True
-                    yield sse(error_response(event.error).body)
-                    return
+            for choice in choices:
+                yield sse(chunk_body(ids, {"role": "assistant", "content": ""}, index=choice.index))
+            pending = {self._next_of(choice): choice for choice in choices}
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    choice = pending.pop(future)
+                    event = future.result()
+                    if isinstance(event, Failed):
+                        choice.done = True
+                        yield sse(error_response(event.error).body)
+                        return
+                    for chunk in answer.chunks(choice, event, ids, self._logprobs):
+                        yield sse(chunk)
+                    if isinstance(event, Finished):
+                        choice.done = True
+                        usages.append(event.usage)
+                    else:
+                        pending[self._next_of(choice)] = choice
+            if answer.request.include_usage:  # as OpenAI sends it: a last chunk with no choices
+                yield sse(chunk_body(ids, None, usage=_total_usage(usages)))
+            yield sse("[DONE]")
         finally:
-            if not finished:  # the consumer stopped reading (a disconnect): stop generating
-                self.engine.cancel(request_id)
+            for future in pending:
+                future.cancel()
+            self._cancel_unfinished(choices)  # the consumer stopped reading (a disconnect): stop generating
+
+    def _next_of(self, choice: _Choice) -> asyncio.Future:
+        return asyncio.ensure_future(self._next_event(choice.stream, choice.request_id))
 
     async def _next_event(self, stream: EventStream, request_id: str):
         """The request's next event; Cancelled becomes Failed(RequestCancelled). If the caller's task is
@@ -319,3 +392,80 @@ class ChatService:
             return Failed(RequestCancelled(f"request {request_id} was cancelled ({event.reason}); "
                                            "its turn was rolled back"))
         return event
+
+
+@dataclass
+class _Choice:
+    """One of a request's ``n`` rows in flight."""
+
+    index: int
+    stream: EventStream
+    request_id: str
+    started: Started | None = None
+    done: bool = False  # Finished or Failed arrived
+    text: str = ""  # a stream's answer so far
+    num_text_sent: int = 0  # characters of ``text`` sent as content (tool calls hold some back)
+    logprobs: list = field(default_factory=list)  # a stream's TokenLogprob entries so far
+    num_logprobs_sent: int = 0
+
+
+class _Answer:
+    """How a request's answers are shaped: content, or content and tool calls parsed out of it."""
+
+    def __init__(self, request: ChatRequest, tools: ToolSupport | None):
+        self.request = request
+        self.choice_mode = request.tool_choice
+        self.tools = tools if request.tool_choice.mode != "none" else None
+
+    def choice(self, index: int, finished: Finished, logprobs: list[dict] | None) -> dict:
+        content, calls = self._parsed(finished.text)
+        return message_choice(index, content, finish_reason(finished.finish_reason, calls, self.choice_mode),
+                              logprobs, [call.to_openai() for call in calls])
+
+    def _parsed(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return (text, []) if self.tools is None else self.tools.answer(text, self.choice_mode)
+
+    def chunks(self, choice: _Choice, event, ids: CompletionIds, shape_logprobs) -> list[dict]:
+        """The chunks one event of ``choice`` makes. Content goes out as it comes, but for what may be a
+        tool call (``streamable_prefix``), which is settled when the answer is finished: its calls as
+        ``delta.tool_calls``, one chunk each."""
+        wants_logprobs = self.request.sampling.logprobs is not None
+        out = []
+        if isinstance(event, TextDelta):
+            choice.text += event.text
+            choice.logprobs += event.logprobs
+            end = len(choice.text) if self.tools is None else self._streamable(choice.text)
+            if end > choice.num_text_sent:
+                logprobs = shape_logprobs(choice.logprobs[choice.num_logprobs_sent:]) if wants_logprobs else None
+                choice.num_logprobs_sent = len(choice.logprobs)
+                out.append(chunk_body(ids, {"content": choice.text[choice.num_text_sent:end]}, logprobs=logprobs,
+                                      index=choice.index))
+                choice.num_text_sent = end
+            return out
+        assert isinstance(event, Finished)
+        _, calls = self._parsed(event.text)
+        if calls:
+            out += [chunk_body(ids, {"tool_calls": [call.to_openai(k)]}, index=choice.index)
+                    for k, call in enumerate(calls)]
+        elif len(event.text) > choice.num_text_sent:
+            out.append(chunk_body(ids, {"content": event.text[choice.num_text_sent:]}, index=choice.index))
+        rest = shape_logprobs(list(event.logprobs[choice.num_logprobs_sent:])) if wants_logprobs else None
+        out.append(chunk_body(ids, {}, finish_reason=finish_reason(event.finish_reason, calls, self.choice_mode),
+                              logprobs=rest, index=choice.index))
+        return out
+
+    def _streamable(self, text: str) -> int:
+        if self.choice_mode.mode in ("required", "function"):
+            return 0  # the answer is calls, all of it
+        return streamable_prefix(text, self.tools.fmt)
+
+
+def _has_tool_messages(request: ChatRequest) -> bool:
+    return any(m.role == "tool" or m.tool_calls for m in request.messages)
+
+
+def _total_usage(usages: list[Usage]) -> Usage:
+    """The n rows' usage: the prompt counted once (OpenAI's), the answers' tokens summed, and the most
+    prompt tokens any row found cached."""
+    return Usage(prompt_tokens=usages[0].prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_tokens=max(u.cached_tokens for u in usages))

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from session.errors import BadRequest
+from session.serving.tools import Tool, ToolChoice, parse_tool_choice, parse_tools
 from session.types import (
     SEED_RANGE,
     Constraint,
@@ -88,6 +89,10 @@ class ChatRequest:
     adapter: str | None = None  # from X-Amzn-SageMaker-Adapter-Identifier / -Inference-Component
     speculative: bool = True  # ours: false turns speculative decoding off for this request
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
+    n: int = 1  # answers to the one prompt (stateless only)
 
     @property
     def opens_session(self) -> bool:
@@ -102,14 +107,14 @@ _ALLOWED_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperatu
                    "seed", "requestType", "model", "n", "stream_options", "user", "speculative",
                    "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
                    "response_format", "top_k", "min_tokens", "ignore_eos", "repetition_penalty",
-                   "guided_regex", "guided_grammar", "guided_json"}
+                   "guided_regex", "guided_grammar", "guided_json", "tools", "tool_choice", "parallel_tool_calls"}
 # OpenAI chat-completions fields we do not implement: refused by name, so a client knows what to drop.
-_NOT_SUPPORTED = {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+_NOT_SUPPORTED = {"functions", "function_call", "audio",
                   "modalities", "prediction", "reasoning_effort", "service_tier", "store", "metadata",
                   "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier"}
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer": OpenAI's newer name for system
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,8 @@ class PromptLimits:
 
 
 def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping[str, str], *,
-                  default_max_tokens: int, max_new_tokens: int, limits: PromptLimits = PromptLimits()) -> ChatRequest:
+                  default_max_tokens: int, max_new_tokens: int, limits: PromptLimits = PromptLimits(),
+                  max_choices: int = 1) -> ChatRequest:
     """Parse and validate an invocation; raises BadRequest with a message that says what to fix."""
     data = load_json_object(body)
     refused = sorted(k for k in set(data) & _NOT_SUPPORTED if data[k] is not None)
@@ -144,8 +150,12 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
         return ChatRequest(messages=(), sampling=SamplingParams(max_tokens=0), session_id=session_id,
                            request_type=CLOSE)
     messages = _parse_messages(data.get("messages"), limits)
-    if _get(data, "n", 1) != 1:
-        raise BadRequest("n > 1 is not supported by this server yet; send n requests")
+    n = _typed(_get(data, "n", 1), int, "n")
+    if not 1 <= n <= max_choices:
+        raise BadRequest(f"n must be between 1 and {max_choices} (RESIDENT_MAX_CHOICES), got {n}")
+    if n > 1 and (session_id is not None or request_type is not None):
+        raise BadRequest("n > 1 cannot be used in a session: a session holds one conversation, and n answers "
+                         "would be n conversations; send n requests, or open n sessions")
     max_tokens = _get(data, "max_completion_tokens", _get(data, "max_tokens", default_max_tokens))
     max_tokens = _typed(max_tokens, int, "max_tokens")
     if not 1 <= max_tokens <= max_new_tokens:
@@ -180,11 +190,18 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
                               **_processing(data))
     include_usage = _include_usage(data, stream)
+    tools = parse_tools(data.get("tools"))
+    tool_choice = parse_tool_choice(data.get("tool_choice"), tools)
+    parallel = _typed(_get(data, "parallel_tool_calls", True), bool, "parallel_tool_calls")
+    if tool_choice.mode in ("required", "function") and sampling.constraint is not None:
+        raise BadRequest(f"tool_choice {tool_choice.name or tool_choice.mode!r} and "
+                         f"{sampling.constraint.what} both constrain the answer; give one")
     adapter = header(headers, ADAPTER_HEADER) or header(headers, INFERENCE_COMPONENT_HEADER)
     speculative = _typed(_get(data, "speculative", True), bool, "speculative")
     return ChatRequest(messages=messages, sampling=sampling, stream=stream, session_id=session_id,
                        request_type=request_type, model=model, adapter=adapter.strip() if adapter else None,
-                       speculative=speculative, include_usage=include_usage)
+                       speculative=speculative, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
+                       parallel_tool_calls=parallel, n=n)
 
 
 def _include_usage(data: dict, stream: bool) -> bool:
@@ -388,19 +405,62 @@ def _parse_messages(raw: Any, limits: PromptLimits) -> tuple[Message, ...]:
         raise BadRequest("'messages' must be a non-empty list")
     if len(raw) > limits.max_messages:
         raise BadRequest(f"{len(raw)} messages; at most {limits.max_messages} per request (RESIDENT_MAX_MESSAGES)")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}] must be an object")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {list(_ROLES)}, got {role!r}")
-        messages.append(Message(role=role, parts=_parse_content(m.get("content"), i)))
+    messages = tuple(_parse_message(m, i) for i, m in enumerate(raw))
     num_chars = sum(len(p.text) for m in messages for p in m.parts if isinstance(p, TextPart))
+    num_chars += sum(len(json.dumps(call)) for m in messages for call in m.tool_calls)
     if num_chars > limits.max_chars:
         raise BadRequest(f"the messages' text is {num_chars} characters; at most {limits.max_chars} per request "
                          "(RESIDENT_MAX_PROMPT_CHARS)")
-    return tuple(messages)
+    return messages
+
+
+def _parse_message(m: Any, i: int) -> Message:
+    """One message: system / developer (a system message), user, assistant (its ``tool_calls``, content
+    then optional) or tool (its ``tool_call_id``)."""
+    if not isinstance(m, dict):
+        raise BadRequest(f"messages[{i}] must be an object")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise BadRequest(f"messages[{i}].role must be one of {list(_ROLES)}, got {role!r}")
+    if role == "developer":
+        role = "system"
+    if role == "assistant" and m.get("tool_calls"):
+        calls = _parse_tool_calls(m["tool_calls"], i)
+        parts = () if m.get("content") in (None, "") else _parse_content(m["content"], i)
+        return Message(role=role, parts=parts, tool_calls=calls)
+    parts = _parse_content(m.get("content"), i)
+    if role != "tool":
+        return Message(role=role, parts=parts)
+    if any(not isinstance(p, TextPart) for p in parts):
+        raise BadRequest(f"messages[{i}] is a tool result: its content must be text")
+    call_id = _text(m.get("tool_call_id"), f"messages[{i}].tool_call_id")
+    name = None if m.get("name") is None else _text(m["name"], f"messages[{i}].name")
+    return Message(role=role, parts=parts, tool_call_id=call_id, name=name)
+
+
+def _parse_tool_calls(raw: Any, i: int) -> tuple[dict, ...]:
+    """An assistant message's ``tool_calls`` in the form chat templates take: arguments as an object
+    (OpenAI sends them as JSON text)."""
+    if not isinstance(raw, list):
+        raise BadRequest(f"messages[{i}].tool_calls must be a list")
+    calls = []
+    for j, call in enumerate(raw):
+        where = f"messages[{i}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise BadRequest(f"{where} must be {{id, type: 'function', function: {{name, arguments}}}}")
+        name = _text(function.get("name"), f"{where}.function.name")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise BadRequest(f"{where}.function.arguments is not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise BadRequest(f"{where}.function.arguments must be a JSON object")
+        call_id = _text(call.get("id", f"call_{i}_{j}"), f"{where}.id")
+        calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    return tuple(calls)
 
 
 def _parse_content(content: Any, i: int) -> tuple[TextPart | ImagePart, ...]:
@@ -442,14 +502,22 @@ def logprobs_body(entries: list[dict] | None) -> dict | None:
     return None if entries is None else {"content": entries, "refusal": None}
 
 
-def completion_body(ids: CompletionIds, text: str, finish_reason: str, usage: Usage,
-                    session_id: str | None, logprobs: list[dict] | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+def message_choice(index: int, content: str | None, finish_reason: str, logprobs: list[dict] | None = None,
+                   tool_calls: list[dict] | None = None) -> dict:
+    """One of a chat completion's ``choices``; ``tool_calls`` (``ToolCall.to_openai``) only when the model called."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    choice = {"index": index, "message": message, "finish_reason": finish_reason}
     if logprobs is not None:
         choice["logprobs"] = logprobs_body(logprobs)
+    return choice
+
+
+def completion_body(ids: CompletionIds, choices: list[dict], usage: Usage, session_id: str | None) -> dict:
     body = {
         "id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage.to_dict(),
     }
     if session_id is not None:
@@ -458,11 +526,11 @@ def completion_body(ids: CompletionIds, text: str, finish_reason: str, usage: Us
 
 
 def chunk_body(ids: CompletionIds, delta: dict | None, finish_reason: str | None = None,
-               usage: Usage | None = None, logprobs: list[dict] | None = None) -> dict:
-    """One stream chunk; ``delta`` None: the usage-only last chunk (``choices: []``)."""
+               usage: Usage | None = None, logprobs: list[dict] | None = None, index: int = 0) -> dict:
+    """One stream chunk of choice ``index``; ``delta`` None: the usage-only last chunk (``choices: []``)."""
     choices = []
     if delta is not None:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
         if logprobs is not None:
             choice["logprobs"] = logprobs_body(logprobs)
         choices.append(choice)

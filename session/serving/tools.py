@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from session.errors import BadRequest
+from session.types import Constraint, Message, TextPart
 
 MAX_TOOLS = 128
 TOOL_NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -540,3 +541,89 @@ def _grammar(top: list[str], functions: list[str]) -> str:
     # "%llguidance {}" marks the text as Lark for llguidance.grammar_from("grammar", ...), which would
     # otherwise try to read it as GBNF.
     return "\n".join(["%llguidance {}", *top, *functions]) + "\n"
+
+
+# ---------------------------------------------------------------- one served model
+
+
+MARKERS = (HERMES_OPEN, HERMES_CLOSE, PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS)
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+
+@dataclass(frozen=True)
+class ToolSupport:
+    """What one served model does with tools, found once from its chat template and vocabulary
+    (``ToolSupport.of``); the chat service asks it for each request that has tools or tool messages."""
+
+    fmt: ToolFormat
+    renders_tools: bool  # the template reads ``tools`` and renders tool calls and results itself
+    special_token_ids: dict = field(default_factory=dict, hash=False)  # marker text -> its special token id
+
+    @classmethod
+    def of(cls, chat_template: str | None, special_token_ids: dict[str, int]) -> ToolSupport:
+        """``special_token_ids``: which of ``MARKERS`` the vocabulary holds as one special token."""
+        return cls(detect_tool_format(chat_template), template_renders_tools(chat_template), special_token_ids)
+
+    def prompt(self, messages: tuple[Message, ...], tools: tuple[Tool, ...],
+               opening: bool) -> tuple[tuple[Message, ...], list[dict] | None]:
+        """The messages a turn renders and the ``tools`` its template gets. A template that renders
+        tools gets them as they are (in an opening: a follow-up's transcript holds them already); for
+        one that does not, the tools are described in the system message (``tools_system_prompt``), an
+        assistant's calls written as text in ``fmt`` and each tool result as a user turn in
+        <tool_response> tags (Hermes' convention), so the model sees what it called and got back."""
+        if self.renders_tools:
+            return messages, [tool.to_template() for tool in tools] if opening and tools else None
+        messages = tuple(_untooled(message, self.fmt) for message in messages)
+        if opening and tools:
+            messages = _with_system_text(messages, tools_system_prompt(tools, self.fmt))
+        return messages, None
+
+    def grammar(self, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool) -> Constraint | None:
+        """The constraint that makes the answer calls ("required" or a named function), else None."""
+        text = tool_call_grammar(tools, choice, self.fmt, parallel, self.special_token_ids)
+        return None if text is None else Constraint("lark", text, "tools")
+
+    def answer(self, text: str, choice: ToolChoice) -> tuple[str | None, list[ToolCall]]:
+        """A finished answer -> (content, calls); all content when tools are off ("none")."""
+        if choice.mode == "none":
+            return text, []
+        return parse_tool_calls(text, self.fmt)
+
+
+def finish_reason(reason: str, calls: list[ToolCall], choice: ToolChoice) -> str:
+    """OpenAI's: "tool_calls" when the model chose to call (auto, required); a call the request named
+    ends as "stop", as OpenAI answers a named tool_choice."""
+    if calls and choice.mode != "function" and reason == "stop":
+        return "tool_calls"
+    return reason
+
+
+def call_text(calls: tuple[dict, ...], fmt: ToolFormat) -> str:
+    """An assistant message's ``tool_calls`` (template form: arguments an object) as the model writes them."""
+    pairs = [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
+    if fmt is ToolFormat.LLAMA3_JSON:
+        return "; ".join(json.dumps({"name": name, "parameters": args}, ensure_ascii=False) for name, args in pairs)
+    if fmt is ToolFormat.MISTRAL:
+        return MISTRAL_CALLS + " " + json.dumps([{"name": name, "arguments": args} for name, args in pairs],
+                                                ensure_ascii=False)
+    return "\n".join(f"{HERMES_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n"
+                     f"{HERMES_CLOSE}" for name, args in pairs)
+
+
+def _untooled(message: Message, fmt: ToolFormat) -> Message:
+    """A message with tool fields as plain text, for a template that knows no tools."""
+    if message.role == "tool":
+        text = "".join(p.text for p in message.parts if isinstance(p, TextPart))
+        return Message(role="user", parts=(TextPart(f"{TOOL_RESPONSE_OPEN}\n{text}\n{TOOL_RESPONSE_CLOSE}"),))
+    if message.tool_calls:
+        text = "".join(p.text for p in message.parts if isinstance(p, TextPart))
+        calls = call_text(message.tool_calls, fmt)
+        return Message(role=message.role, parts=(TextPart(f"{text}\n{calls}" if text else calls),))
+    return message
+
+
+def _with_system_text(messages: tuple[Message, ...], text: str) -> tuple[Message, ...]:
+    if messages and messages[0].role == "system":
+        first = messages[0]
+        return (Message(role="system", parts=(*first.parts, TextPart("\n\n" + text))), *messages[1:])
+    return (Message(role="system", parts=(TextPart(text),)), *messages)

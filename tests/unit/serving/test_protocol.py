@@ -18,6 +18,7 @@ from session.serving.protocol import (
     CompletionIds,
     chunk_body,
     completion_body,
+    message_choice,
     format_expiry,
     header,
     new_session_header_value,
@@ -35,7 +36,11 @@ MAX_NEW_TOKENS = 64
 def parse(body, headers=None) -> ChatRequest:
     if isinstance(body, dict):
         body = json.dumps(body)
-    return parse_request(body, headers or {}, default_max_tokens=DEFAULT_MAX_TOKENS, max_new_tokens=MAX_NEW_TOKENS)
+    return parse_request(body, headers or {}, default_max_tokens=DEFAULT_MAX_TOKENS, max_new_tokens=MAX_NEW_TOKENS,
+                         max_choices=MAX_CHOICES)
+
+
+MAX_CHOICES = 4
 
 
 def chat(**extra) -> dict:
@@ -280,7 +285,8 @@ def test_message_that_is_not_an_object():
 @pytest.mark.parametrize("role", ["robot", None, "USER"])
 def test_bad_role(role):
     body = {"messages": [{"role": "user", "content": "a"}, {"role": role, "content": "b"}]}
-    assert bad(body).message == f"messages[1].role must be one of ['system', 'user', 'assistant'], got {role!r}"
+    assert bad(body).message == ("messages[1].role must be one of ['system', 'developer', 'user', 'assistant', "
+                                 f"'tool'], got {role!r}")
 
 
 @pytest.mark.parametrize("content", [None, 5, [], {"type": "text", "text": "hi"}])
@@ -372,8 +378,13 @@ def test_bad_model():
     assert bad(chat(model=3)).message == "model must be str, got int"
 
 
-def test_n_other_than_one():
-    assert bad(chat(n=2)).message == "n > 1 is not supported by this server yet; send n requests"
+def test_n():
+    assert parse(chat()).n == 1
+    assert parse(chat(n=4)).n == 4
+    assert bad(chat(n=5)).message == "n must be between 1 and 4 (RESIDENT_MAX_CHOICES), got 5"
+    assert bad(chat(n=0)).message == "n must be between 1 and 4 (RESIDENT_MAX_CHOICES), got 0"
+    assert bad(chat(n=2), {SESSION_HEADER: NEW_SESSION}).message.startswith(
+        "n > 1 cannot be used in a session: a session holds one conversation")
 
 
 @pytest.mark.parametrize("headers", [{}, {SESSION_HEADER: NEW_SESSION}])
@@ -436,7 +447,7 @@ def test_completion_ids_defaults():
 
 
 def test_completion_body_with_session():
-    assert completion_body(IDS, "A cat.", "stop", USAGE, "abc-1") == {
+    assert completion_body(IDS, [message_choice(0, "A cat.", "stop")], USAGE, "abc-1") == {
         "id": "chatcmpl-abc", "object": "chat.completion", "created": 1700000000, "model": "llava-tiny",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "A cat."}, "finish_reason": "stop"}],
         "usage": USAGE_DICT,
@@ -445,7 +456,7 @@ def test_completion_body_with_session():
 
 
 def test_completion_body_without_session_has_no_session_id_key():
-    body = completion_body(IDS, "x", "length", USAGE, None)
+    body = completion_body(IDS, [message_choice(0, "x", "length")], USAGE, None)
     assert list(body) == ["id", "object", "created", "model", "choices", "usage"]
     assert body["choices"][0]["finish_reason"] == "length"
 
@@ -455,6 +466,14 @@ def test_chunk_body():
         "id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 1700000000, "model": "llava-tiny",
         "choices": [{"index": 0, "delta": {"content": "A"}, "finish_reason": None}],
     }
+
+
+def test_message_choice_with_tool_calls_and_index():
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert message_choice(2, None, "tool_calls", tool_calls=[call]) == {
+        "index": 2, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+        "finish_reason": "tool_calls"}
+    assert chunk_body(IDS, {"content": "b"}, index=1)["choices"][0]["index"] == 1
 
 
 def test_last_chunk_body_with_usage():

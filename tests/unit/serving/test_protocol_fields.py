@@ -66,10 +66,46 @@ def test_stream_options_include_usage():
         "stream_options is only allowed with stream: true"
 
 
-@pytest.mark.parametrize("name", ["tools", "audio", "prediction", "store"])
+@pytest.mark.parametrize("name", ["functions", "audio", "prediction", "store"])
 def test_fields_we_do_not_implement_are_named_as_not_supported(name):
     assert bad(chat(**{name: [{"x": 1}]})).message == f"field(s) ['{name}'] are not supported by this server"
 
 
 def test_a_field_no_api_has_is_still_unknown():
     assert bad(chat(frobnicate=1)).message.startswith("unknown field(s) ['frobnicate']")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}
+
+
+def test_tools_tool_choice_and_parallel_calls():
+    request = parse(chat(tools=[WEATHER]))
+    assert [t.name for t in request.tools] == ["get_weather"]
+    assert request.tool_choice.mode == "auto" and request.parallel_tool_calls is True
+    named = parse(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                       parallel_tool_calls=False))
+    assert (named.tool_choice.mode, named.tool_choice.name, named.parallel_tool_calls) == ("function", "get_weather", False)
+    assert parse(chat(tools=[WEATHER], tool_choice="none")).tool_choice.mode == "none"
+    assert bad(chat(tool_choice="required")).message == "tool_choice 'required' needs a non-empty tools list"
+    assert bad(chat(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})).message == (
+        "tool_choice 'required' and response_format both constrain the answer; give one")
+
+
+def test_tool_messages_and_assistant_tool_calls():
+    call = {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    request = parse({"messages": [{"role": "developer", "content": "Be brief."},
+                                  {"role": "user", "content": "Weather?"},
+                                  {"role": "assistant", "content": None, "tool_calls": [call]},
+                                  {"role": "tool", "tool_call_id": "call_7", "content": "18 C"}], "tools": [WEATHER]})
+    system, _, assistant, tool = request.messages
+    assert system.role == "system"
+    assert assistant.parts == () and assistant.tool_calls == (
+        {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},)
+    assert (tool.role, tool.tool_call_id, tool.parts[0].text) == ("tool", "call_7", "18 C")
+    assert tool.template_extras() == {"tool_call_id": "call_7"}
+    broken = dict(call, function={"name": "f", "arguments": "{oops"})
+    assert bad({"messages": [{"role": "assistant", "tool_calls": [broken]}]}).message == (
+        "messages[0].tool_calls[0].function.arguments is not valid JSON")
+    assert bad({"messages": [{"role": "tool", "content": "x"}]}).message == "messages[0].tool_call_id must be str, got NoneType"
