@@ -115,6 +115,13 @@ class AdapterNotFound(ResidentError):
     type = "adapter_not_found"
 
 
+class ModelNotFound(ResidentError):
+    """A request's "model" names neither the served model nor a registered adapter."""
+
+    status = 404
+    type = "model_not_found"
+
+
 class AdapterInUse(ResidentError):
     """Unregistering an adapter that live sessions or running requests use (or one already registered)."""
 

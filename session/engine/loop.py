@@ -34,11 +34,13 @@ from session.engine.admission import Admission
 from session.engine.assembly import assemble, preprocess_images
 from session.engine.events import Cancelled, EventStream, Failed, Finished, Started
 from session.engine.faults import Fault, classify, device_failed, exit_worker, free_cached_memory, out_of_memory
-from session.engine.prompt import RenderedTurn
+from session.engine.prompt import PromptPiece, RenderedTurn
 from session.engine.requests import CancelRequest, GenerationRequest, Sequence
 from session.engine.scheduler import StepPlan
 from session.engine.stats import EngineStats, snapshot
 from session.errors import (
+    AdapterNotFound,
+    BadRequest,
     CapacityExceeded,
     DeviceFailed,
     DeviceOutOfMemory,
@@ -169,10 +171,40 @@ class Engine:
                 raise SessionNotFound(f"session {session_id} is unknown on this worker (closed, expired or never "
                                       "opened here); open a new one with NEW_SESSION")
 
+    def knows_adapter(self, name: str) -> bool:
+        """Whether ``name`` is a registered adapter (a request's "model" may name one). Any thread."""
+        registry = self.parts.adapters
+        if registry is None:
+            return False
+        try:
+            registry.get(name)
+        except AdapterNotFound:
+            return False
+        return True
+
     def render_turn(self, messages, images: Images, first_turn: bool, tools: list[dict] | None = None) -> RenderedTurn:
         """A turn's prompt, rendered and tokenized on the caller's thread (``RenderedTurn``); ``tools``
         go to the chat template of an opening (``ChatFormatter.render_turn``)."""
         return self.parts.formatter.render_turn(messages, images.num_tokens, first_turn, tools)
+
+    def render_prompt(self, prompt: str | tuple[int, ...]) -> RenderedTurn:
+        """A /v1/completions prompt as an opening: text tokenized as it is (BOS added, no chat template),
+        or token ids checked against the vocabulary. Runs on the caller's thread."""
+        if isinstance(prompt, str):
+            ids = self.parts.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = list(prompt)
+            vocab_size = self.parts.runner.info.vocab_size
+            if max(ids) >= vocab_size:
+                raise BadRequest(f"prompt token id {max(ids)} is not in the vocabulary (ids are below {vocab_size})")
+        image_id = self.parts.runner.info.image_token_id
+        if image_id is not None and image_id in ids:
+            raise BadRequest("a completions prompt carries no images: it must not hold the image token")
+        return RenderedTurn(opening=PromptPiece(token_ids=ids, num_images=0))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (special tokens kept: a prompt echoed as it was given). Any thread."""
+        return self.parts.tokenizer.decode(token_ids)
 
     def preprocess_images(self, images: list) -> Images:
         """PIL images -> Images (pixels, original sizes, token counts). Runs in the caller's thread

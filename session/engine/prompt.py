@@ -80,13 +80,13 @@ class ChatFormatter:
         """The whole prompt of a first turn (or a stateless request), with BOS. ``image_tokens``: the
         placeholder count of each image of ``messages``, in order (``session.families.vision.Images.num_tokens``).
         ``tools``: function definitions for the template's own ``tools`` variable."""
-        text = self._render([self._template_message(m) for m in messages], generation_prompt=True, tools=tools)
+        text = self._render_request([self._template_message(m) for m in messages], tools)
         return self._tokenize(text, messages, image_tokens, add_special_tokens=True)
 
     def followup(self, messages: tuple[Message, ...], ended_with_eos: bool,
                  image_tokens: tuple[int, ...] = ()) -> PromptPiece:
         """Only the tokens a follow-up adds after the transcript so far."""
-        full = self._render(self._probe + [self._template_message(m) for m in messages], generation_prompt=True)
+        full = self._render_request(self._probe + [self._template_message(m) for m in messages])
         if not full.startswith(self._probe_text):
             raise BadRequest("this model's chat template cannot continue a conversation incrementally")
         return self._tokenize(self._closing(ended_with_eos) + full[len(self._probe_text):], messages,
@@ -129,10 +129,15 @@ class ChatFormatter:
                 **message.template_extras()}
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,
+                                                  tokenize=False)
+
+    def _render_request(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """A request's messages rendered; the template refusing them (its raise_exception: roles out of
+        order, and the like) is the client's error."""
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools or None,
-                                                      add_generation_prompt=generation_prompt, tokenize=False)
-        except jinja2.TemplateError as exc:  # the template's raise_exception: roles out of order, and the like
+            return self._render(messages, generation_prompt=True, tools=tools)
+        except jinja2.TemplateError as exc:
             raise BadRequest(f"the model's chat template refused these messages: {exc}") from None
 
     def _tokenize(self, text: str, messages: tuple[Message, ...], image_tokens: tuple[int, ...],

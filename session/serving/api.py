@@ -17,13 +17,15 @@ from dataclasses import dataclass, field, replace
 
 from session.engine import AdapterRequest, CancelRequest, CloseRequest, Engine, GenerationRequest, SessionAdminRequest
 from session.engine.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started, TextDelta
-from session.errors import BadRequest, Forbidden, RequestCancelled, ResidentError
+from session.errors import BadRequest, Forbidden, ModelNotFound, RequestCancelled, ResidentError
 from session.families.image_decode import decode_data_url
 from session.families.vision import NO_IMAGES
 from session.serving.protocol import (
     ADMIN_TOKEN_HEADER,
     CANCEL_HEADER,
     CLOSED_SESSION_HEADER,
+    COMPLETIONS_ENDPOINT,
+    ENDPOINT_HEADER,
     NEW_SESSION_HEADER,
     REQUEST_ID_HEADER,
     REQUEST_ID_RE,
@@ -35,11 +37,15 @@ from session.serving.protocol import (
     chunk_body,
     completion_body,
     header,
+    legacy_logprobs,
     load_json_object,
     message_choice,
     new_session_header_value,
+    parse_completion_request,
     parse_request,
     sse,
+    text_choice,
+    text_completion_body,
     tokens_match,
 )
 from session.serving.tools import MARKERS, ToolCall, ToolSupport, finish_reason, streamable_prefix
@@ -85,7 +91,8 @@ def error_response(exc: Exception, request_id: str = "", session_id: str | None 
 class ChatService:
     def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
-        self.model_name = model_name
+        self.model_name = model_name  # TorchServe's name for the model (metrics), also accepted as "model"
+        self.served_name = engine.config.model_name  # what answers name and /v1/models lists
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         config = engine.config
         self.limits = PromptLimits(max_chars=config.max_prompt_chars, max_messages=config.max_messages)
@@ -111,9 +118,9 @@ class ChatService:
                 return await self._cancel(header(headers, CANCEL_HEADER).strip())
             if token is not None:
                 return await self._admin(token, body, request_id)
-            request = parse_request(body, headers, default_max_tokens=config.default_max_tokens,
-                                    max_new_tokens=config.max_new_tokens, limits=self.limits,
-                                    max_choices=config.max_choices)
+            parse = parse_completion_request if _endpoint(headers) == COMPLETIONS_ENDPOINT else parse_request
+            request = parse(body, headers, default_max_tokens=config.default_max_tokens,
+                            max_new_tokens=config.max_new_tokens, limits=self.limits, max_choices=config.max_choices)
             session_id = request.session_id
             if request.closes_session:
                 return await self._close(request, request_id)
@@ -172,12 +179,16 @@ class ChatService:
         return ApiResponse(status=200, body=event.body, kind="cancel")
 
     def _adapter(self, request: ChatRequest) -> str | None:
-        """Header first; else the body's "model" when it names something other than the base model."""
+        """Header first; else the body's "model" when it names a registered adapter rather than the base
+        model (by its served name, or TorchServe's); any other name is a 404 model_not_found."""
         if request.adapter:
             return request.adapter
-        if request.model and request.model != self.model_name:
-            return request.model
-        return None
+        if request.model is None or request.model in (self.served_name, self.model_name):
+            return None
+        if not self.engine.knows_adapter(request.model):
+            raise ModelNotFound(f"model {request.model!r} is not served here: GET /v1/models lists "
+                                f"{self.served_name!r} and the registered adapters")
+        return request.model
 
     async def _close(self, request: ChatRequest, request_id: str) -> ApiResponse:
         stream = EventStream(asyncio.get_running_loop())
@@ -235,8 +246,11 @@ class ChatService:
             messages, template_tools = tools.prompt(request.messages, offered, first_turn)
             forced = tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             sampling = sampling if forced is None else replace(sampling, constraint=forced)
-        rendered = await loop.run_in_executor(None, self.engine.render_turn, messages, prepared, first_turn,
-                                              template_tools)
+        if request.prompt is None:
+            rendered = await loop.run_in_executor(None, self.engine.render_turn, messages, prepared, first_turn,
+                                                  template_tools)
+        else:
+            rendered = await loop.run_in_executor(None, self.engine.render_prompt, request.prompt)
         grammar = None if sampling.constraint is None else await loop.run_in_executor(
             None, self.engine.compile_grammar, sampling.constraint)
         base = GenerationRequest(
@@ -246,7 +260,12 @@ class ChatService:
             image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=adapter,
             speculative=request.speculative, rendered=rendered, grammar=grammar,
             keep_special=tools is not None and request.tool_choice.mode != "none")
-        answer = _Answer(request, tools)
+        if request.prompt is None:
+            answer = _ChatAnswer(request, tools)
+        else:
+            echo = "" if not request.echo else request.prompt if isinstance(request.prompt, str) else \
+                await loop.run_in_executor(None, self.engine.decode, list(request.prompt))
+            answer = _TextAnswer(request, echo)
         choices = await self._submit_all(base, request, rendered, answer)
         started = choices[0].started
         headers = {}
@@ -254,7 +273,7 @@ class ChatService:
             headers[NEW_SESSION_HEADER] = new_session_header_value(started.session_id, started.expires_at)
         elif started.session_id is not None:
             headers[SESSION_HEADER] = started.session_id
-        ids = CompletionIds(model=request.model or self.model_name)
+        ids = answer.ids(request.model or self.served_name)
         kind = "first" if opens else ("followup" if started.session_id else "stateless")
         if request.stream:
             return ApiResponse(status=200, headers=headers, chunks=self._chunks(choices, ids, answer), kind=kind)
@@ -262,13 +281,12 @@ class ChatService:
             finished = [await self._finished(choice) for choice in choices]
         finally:
             self._cancel_unfinished(choices)
-        body = completion_body(ids, [answer.choice(c.index, f, self._logprobs(f.logprobs))
-                                     for c, f in zip(choices, finished)],
-                               _total_usage([f.usage for f in finished]), finished[0].session_id)
+        body = answer.body(ids, [answer.choice(c.index, f, self._logprobs) for c, f in zip(choices, finished)],
+                           _total_usage([f.usage for f in finished]), finished[0].session_id)
         return ApiResponse(status=200, body=body, headers=headers, kind=kind)
 
     async def _submit_all(self, base: GenerationRequest, request: ChatRequest, rendered,
-                          answer: _Answer) -> list[_Choice]:
+                          answer: _ChatAnswer | _TextAnswer) -> list[_Choice]:
         """Submit the request's ``n`` rows and wait until each has started. The rows after the first wait
         for its prefill when the prompt fills a KV block, so that they find its blocks in the prefix
         cache; a shorter prompt has no block to share, and all rows are submitted at once."""
@@ -345,13 +363,14 @@ class ChatService:
 
         return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
-    async def _chunks(self, choices: list[_Choice], ids: CompletionIds, answer: _Answer) -> AsyncIterator[str]:
+    async def _chunks(self, choices: list[_Choice], ids: CompletionIds, answer: _ChatAnswer | _TextAnswer) -> AsyncIterator[str]:
         """The rows' events as one stream of chunks, each row's in order, rows interleaved as they come."""
         pending: dict[asyncio.Future, _Choice] = {}
         usages: list[Usage] = []
         try:
             for choice in choices:
-                yield sse(chunk_body(ids, {"role": "assistant", "content": ""}, index=choice.index))
+                for chunk in answer.first_chunks(ids, choice):
+                    yield sse(chunk)
             pending = {self._next_of(choice): choice for choice in choices}
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -370,7 +389,7 @@ class ChatService:
                     else:
                         pending[self._next_of(choice)] = choice
             if answer.request.include_usage:  # as OpenAI sends it: a last chunk with no choices
-                yield sse(chunk_body(ids, None, usage=_total_usage(usages)))
+                yield sse(answer.usage_chunk(ids, _total_usage(usages)))
             yield sse("[DONE]")
         finally:
             for future in pending:
@@ -409,18 +428,30 @@ class _Choice:
     num_logprobs_sent: int = 0
 
 
-class _Answer:
-    """How a request's answers are shaped: content, or content and tool calls parsed out of it."""
+class _ChatAnswer:
+    """A chat completion's answers: content, or content and tool calls parsed out of it."""
 
     def __init__(self, request: ChatRequest, tools: ToolSupport | None):
         self.request = request
         self.choice_mode = request.tool_choice
         self.tools = tools if request.tool_choice.mode != "none" else None
 
-    def choice(self, index: int, finished: Finished, logprobs: list[dict] | None) -> dict:
+    def ids(self, model: str) -> CompletionIds:
+        return CompletionIds(model=model)
+
+    def choice(self, index: int, finished: Finished, shape_logprobs) -> dict:
         content, calls = self._parsed(finished.text)
         return message_choice(index, content, finish_reason(finished.finish_reason, calls, self.choice_mode),
-                              logprobs, [call.to_openai() for call in calls])
+                              shape_logprobs(finished.logprobs), [call.to_openai() for call in calls])
+
+    def body(self, ids: CompletionIds, choices: list[dict], usage: Usage, session_id: str | None) -> dict:
+        return completion_body(ids, choices, usage, session_id)
+
+    def first_chunks(self, ids: CompletionIds, choice: _Choice) -> list[dict]:
+        return [chunk_body(ids, {"role": "assistant", "content": ""}, index=choice.index)]
+
+    def usage_chunk(self, ids: CompletionIds, usage: Usage) -> dict:
+        return chunk_body(ids, None, usage=usage)
 
     def _parsed(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return (text, []) if self.tools is None else self.tools.answer(text, self.choice_mode)
@@ -458,6 +489,48 @@ class _Answer:
         if self.choice_mode.mode in ("required", "function"):
             return 0  # the answer is calls, all of it
         return streamable_prefix(text, self.tools.fmt)
+
+
+class _TextAnswer:
+    """A /v1/completions answer: the prompt's continuation as text (after the prompt, with ``echo``)."""
+
+    def __init__(self, request: ChatRequest, echo: str):
+        self.request = request
+        self.echo = echo
+
+    def ids(self, model: str) -> CompletionIds:
+        return CompletionIds.text(model)
+
+    def choice(self, index: int, finished: Finished, shape_logprobs) -> dict:
+        entries = shape_logprobs(finished.logprobs)
+        logprobs = None if entries is None else legacy_logprobs(entries, len(self.echo))
+        return text_choice(index, self.echo + finished.text, finished.finish_reason, logprobs)
+
+    def body(self, ids: CompletionIds, choices: list[dict], usage: Usage, session_id: str | None) -> dict:
+        return text_completion_body(ids, choices, usage)
+
+    def first_chunks(self, ids: CompletionIds, choice: _Choice) -> list[dict]:
+        choice.num_text_sent = len(self.echo)
+        return [text_completion_body(ids, [text_choice(choice.index, self.echo, None)], None)] if self.echo else []
+
+    def usage_chunk(self, ids: CompletionIds, usage: Usage) -> dict:
+        return text_completion_body(ids, [], usage)
+
+    def chunks(self, choice: _Choice, event, ids: CompletionIds, shape_logprobs) -> list[dict]:
+        wants_logprobs = self.request.sampling.logprobs is not None
+        entries = () if not wants_logprobs else event.logprobs if isinstance(event, TextDelta) else \
+            event.logprobs[choice.num_logprobs_sent:]
+        logprobs = legacy_logprobs(shape_logprobs(list(entries)), choice.num_text_sent) if wants_logprobs else None
+        choice.num_logprobs_sent += len(entries)
+        if isinstance(event, TextDelta):
+            choice.num_text_sent += len(event.text)
+            return [text_completion_body(ids, [text_choice(choice.index, event.text, None, logprobs)], None)]
+        return [text_completion_body(ids, [text_choice(choice.index, "", event.finish_reason, logprobs)], None)]
+
+
+def _endpoint(headers: Mapping[str, str]) -> str | None:
+    value = header(headers, ENDPOINT_HEADER)
+    return None if value is None else value.strip()
 
 
 def _has_tool_messages(request: ChatRequest) -> bool:

@@ -93,6 +93,9 @@ class ChatRequest:
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
     n: int = 1  # answers to the one prompt (stateless only)
+    # /v1/completions: the prompt as text or token ids (no chat template), and whether to echo it
+    prompt: str | tuple[int, ...] | None = None
+    echo: bool = False
 
     @property
     def opens_session(self) -> bool:
@@ -156,6 +159,89 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
     if n > 1 and (session_id is not None or request_type is not None):
         raise BadRequest("n > 1 cannot be used in a session: a session holds one conversation, and n answers "
                          "would be n conversations; send n requests, or open n sessions")
+    stream = _typed(_get(data, "stream", False), bool, "stream")
+    model = data.get("model")
+    if model is not None:
+        model = _text(model, "model")
+    sampling = _sampling(data, default_max_tokens, max_new_tokens)
+    include_usage = _include_usage(data, stream)
+    tools = parse_tools(data.get("tools"))
+    tool_choice = parse_tool_choice(data.get("tool_choice"), tools)
+    parallel = _typed(_get(data, "parallel_tool_calls", True), bool, "parallel_tool_calls")
+    if tool_choice.mode in ("required", "function") and sampling.constraint is not None:
+        raise BadRequest(f"tool_choice {tool_choice.name or tool_choice.mode!r} and "
+                         f"{sampling.constraint.what} both constrain the answer; give one")
+    adapter = header(headers, ADAPTER_HEADER) or header(headers, INFERENCE_COMPONENT_HEADER)
+    speculative = _typed(_get(data, "speculative", True), bool, "speculative")
+    return ChatRequest(messages=messages, sampling=sampling, stream=stream, session_id=session_id,
+                       request_type=request_type, model=model, adapter=adapter.strip() if adapter else None,
+                       speculative=speculative, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
+                       parallel_tool_calls=parallel, n=n)
+
+
+_COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+                      "logprobs", "echo", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+                      "user", "best_of", "top_k", "min_tokens", "ignore_eos", "repetition_penalty",
+                      "response_format", "guided_json", "guided_regex", "guided_grammar", "speculative"}
+_COMPLETION_NOT_SUPPORTED = {"suffix"}
+
+
+def parse_completion_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping[str, str], *,
+                             default_max_tokens: int, max_new_tokens: int, limits: PromptLimits = PromptLimits(),
+                             max_choices: int = 1) -> ChatRequest:
+    """An OpenAI ``/v1/completions`` body: one prompt, text or token ids, rendered by no template;
+    stateless (a session holds a chat). BadRequest saying what to fix."""
+    data = load_json_object(body)
+    refused = sorted(k for k in set(data) & _COMPLETION_NOT_SUPPORTED if data[k] is not None)
+    if refused:
+        raise BadRequest(f"field(s) {refused} are not supported by this server")
+    unknown = sorted(set(data) - _COMPLETION_FIELDS - _COMPLETION_NOT_SUPPORTED)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(_COMPLETION_FIELDS)}")
+    if header(headers, SESSION_HEADER) is not None:
+        raise BadRequest(f"/v1/completions is stateless; sessions ({SESSION_HEADER}) are for chat completions")
+    n = _typed(_get(data, "n", 1), int, "n")
+    if not 1 <= n <= max_choices:
+        raise BadRequest(f"n must be between 1 and {max_choices} (RESIDENT_MAX_CHOICES), got {n}")
+    if _get(data, "best_of", n) != n:
+        raise BadRequest("best_of other than n is not supported by this server")
+    stream = _typed(_get(data, "stream", False), bool, "stream")
+    model = None if data.get("model") is None else _text(data["model"], "model")
+    echo = _typed(_get(data, "echo", False), bool, "echo")
+    sampling = _sampling(data, default_max_tokens, max_new_tokens, legacy_logprobs=True)
+    if echo and sampling.logprobs is not None:
+        raise BadRequest("echo with logprobs (the prompt's log-probabilities) is not supported by this server")
+    adapter = header(headers, ADAPTER_HEADER) or header(headers, INFERENCE_COMPONENT_HEADER)
+    return ChatRequest(messages=(), sampling=sampling, stream=stream, model=model, n=n,
+                       adapter=adapter.strip() if adapter else None, include_usage=_include_usage(data, stream),
+                       speculative=_typed(_get(data, "speculative", True), bool, "speculative"),
+                       prompt=_prompt(data.get("prompt"), limits), echo=echo)
+
+
+def _prompt(raw: Any, limits: PromptLimits) -> str | tuple[int, ...]:
+    """One prompt: a string, a list of token ids, or a one-element list of either (the SDK's forms)."""
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+        raw = raw[0]
+    if isinstance(raw, str):
+        if not raw:
+            raise BadRequest("prompt must not be empty")
+        if len(raw) > limits.max_chars:
+            raise BadRequest(f"the prompt is {len(raw)} characters; at most {limits.max_chars} (RESIDENT_MAX_PROMPT_CHARS)")
+        return _text(raw, "prompt")
+    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        if len(raw) > limits.max_chars:
+            raise BadRequest(f"the prompt is {len(raw)} tokens; at most {limits.max_chars}")
+        if min(raw) < 0:
+            raise BadRequest("prompt token ids must be >= 0")
+        return tuple(raw)
+    if isinstance(raw, list) and len(raw) > 1:
+        raise BadRequest("one prompt per request: send a string or a list of token ids (use n for several answers)")
+    raise BadRequest("prompt must be a non-empty string or a non-empty list of token ids")
+
+
+def _sampling(data: dict, default_max_tokens: int, max_new_tokens: int, legacy_logprobs: bool = False) -> SamplingParams:
+    """The sampling fields both endpoints share. ``legacy_logprobs``: /v1/completions' ``logprobs`` (an
+    int, the top-k) instead of chat's ``logprobs`` + ``top_logprobs``."""
     max_tokens = _get(data, "max_completion_tokens", _get(data, "max_tokens", default_max_tokens))
     max_tokens = _typed(max_tokens, int, "max_tokens")
     if not 1 <= max_tokens <= max_new_tokens:
@@ -183,25 +269,8 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
         seed = _typed(seed, int, "seed")
         if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
             raise BadRequest(f"seed must be in [-2**63, 2**64), got {seed}")
-    stream = _typed(_get(data, "stream", False), bool, "stream")
-    model = data.get("model")
-    if model is not None:
-        model = _text(model, "model")
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                              **_processing(data))
-    include_usage = _include_usage(data, stream)
-    tools = parse_tools(data.get("tools"))
-    tool_choice = parse_tool_choice(data.get("tool_choice"), tools)
-    parallel = _typed(_get(data, "parallel_tool_calls", True), bool, "parallel_tool_calls")
-    if tool_choice.mode in ("required", "function") and sampling.constraint is not None:
-        raise BadRequest(f"tool_choice {tool_choice.name or tool_choice.mode!r} and "
-                         f"{sampling.constraint.what} both constrain the answer; give one")
-    adapter = header(headers, ADAPTER_HEADER) or header(headers, INFERENCE_COMPONENT_HEADER)
-    speculative = _typed(_get(data, "speculative", True), bool, "speculative")
-    return ChatRequest(messages=messages, sampling=sampling, stream=stream, session_id=session_id,
-                       request_type=request_type, model=model, adapter=adapter.strip() if adapter else None,
-                       speculative=speculative, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
-                       parallel_tool_calls=parallel, n=n)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+                          **_processing(data, legacy_logprobs))
 
 
 def _include_usage(data: dict, stream: bool) -> bool:
@@ -215,20 +284,19 @@ def _include_usage(data: dict, stream: bool) -> bool:
     return _typed(_get(options, "include_usage", False), bool, "stream_options.include_usage")
 
 
-def _processing(data: dict) -> dict:
+def _processing(data: dict, legacy_logprobs: bool) -> dict:
     """The SamplingParams fields beyond temperature / top_p: log-probabilities, penalties, bias, the
     benchmark clients' extensions and the answer's constraint."""
     out: dict[str, Any] = {}
-    logprobs = _typed(_get(data, "logprobs", False), bool, "logprobs")
-    top = _get(data, "top_logprobs", None)
-    if top is not None:
-        top = _typed(top, int, "top_logprobs")
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
-        if not logprobs:
-            raise BadRequest("top_logprobs needs logprobs: true")
-    if logprobs:
-        out["logprobs"] = top or 0
+    if legacy_logprobs:
+        top = data.get("logprobs")
+        if top is not None:
+            top = _typed(top, int, "logprobs")
+            if not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise BadRequest(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+            out["logprobs"] = top
+    else:
+        out.update(_chat_logprobs(data))
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(_get(data, name, 0.0), name)
         if not -2.0 <= value <= 2.0:
@@ -252,6 +320,18 @@ def _processing(data: dict) -> dict:
         raise BadRequest("ignore_eos and min_tokens cannot be combined with a constrained answer "
                          "(response_format / guided_*): the grammar decides where the answer ends")
     return out
+
+
+def _chat_logprobs(data: dict) -> dict:
+    logprobs = _typed(_get(data, "logprobs", False), bool, "logprobs")
+    top = _get(data, "top_logprobs", None)
+    if top is not None:
+        top = _typed(top, int, "top_logprobs")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+        if not logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true")
+    return {"logprobs": top or 0} if logprobs else {}
 
 
 def _logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
@@ -496,6 +576,11 @@ class CompletionIds:
     id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @classmethod
+    def text(cls, model: str) -> CompletionIds:
+        """A /v1/completions answer's ids ("cmpl-...")."""
+        return cls(model=model, id="cmpl-" + uuid.uuid4().hex)
+
 
 def logprobs_body(entries: list[dict] | None) -> dict | None:
     """OpenAI's choice.logprobs: {"content": [{token, logprob, bytes, top_logprobs}, ...]} (None: not asked)."""
@@ -539,6 +624,33 @@ def chunk_body(ids: CompletionIds, delta: dict | None, finish_reason: str | None
     if usage is not None:
         body["usage"] = usage.to_dict()
     return body
+
+
+def text_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    """One of a /v1/completions answer's (or chunk's) ``choices``."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def text_completion_body(ids: CompletionIds, choices: list[dict], usage: Usage | None) -> dict:
+    """A /v1/completions answer, or (``usage`` None) one of its stream's chunks; a chunk with usage and
+    ``choices`` [] is the stream's last when ``include_usage`` was asked."""
+    body = {"id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
+            "choices": choices}
+    if usage is not None:
+        body["usage"] = usage.to_dict()
+    return body
+
+
+def legacy_logprobs(entries: list[dict], offset: int) -> dict:
+    """Chat-shaped log-probability entries (``{token, logprob, top_logprobs}``) in /v1/completions'
+    older shape; ``offset``: where the first token's text starts in the choice's text."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def sse(data: dict | str) -> str:
