@@ -20,7 +20,10 @@ from session.serving.tools import (
     ToolCall,
     ToolChoice,
     ToolFormat,
+    ToolSupport,
+    call_text,
     detect_tool_format,
+    finish_reason,
     parse_tool_calls,
     parse_tool_choice,
     parse_tools,
@@ -29,6 +32,7 @@ from session.serving.tools import (
     tool_call_grammar,
     tools_system_prompt,
 )
+from session.types import Message, TextPart
 
 MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "smollm2-135m-instruct"
 TEMPLATES = Path(__file__).parent / "templates"
@@ -472,3 +476,63 @@ def test_random_answers_under_the_mask_parse_into_valid_calls(llg_tokenizer, tok
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
         num_calls += len(calls)
     assert num_calls > 20  # parallel answers did happen
+
+
+# ---------------------------------------------------------------- one served model (ToolSupport)
+
+
+TEMPLATE_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": {"city": "Oslo", "unit": "c"}}}
+
+
+def test_support_of_a_template_that_knows_no_tools_describes_them_and_writes_calls_as_text():
+    support = ToolSupport.of("{{ messages }}", {})
+    assert (support.fmt, support.renders_tools) == (ToolFormat.HERMES, False)
+    history = (Message("user", (TextPart("weather?"),)), Message("assistant", (), tool_calls=(TEMPLATE_CALL,)),
+               Message("tool", (TextPart("3 C"),), tool_call_id="call_1"))
+    messages, template_tools = support.prompt(history, TOOLS, opening=True)
+    assert template_tools is None
+    assert messages[0] == Message("system", (TextPart(tools_system_prompt(TOOLS, ToolFormat.HERMES)),))
+    assert messages[2] == Message("assistant", (TextPart(
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'),))
+    assert messages[3] == Message("user", (TextPart("<tool_response>\n3 C\n</tool_response>"),))
+    with_system = (Message("system", (TextPart("Be brief."),)), *history[:1])
+    assert support.prompt(with_system, TOOLS, opening=True)[0][0].parts == (
+        TextPart("Be brief."), TextPart("\n\n" + tools_system_prompt(TOOLS, ToolFormat.HERMES)))
+    follow_up, _ = support.prompt(history[1:], TOOLS, opening=False)
+    assert [m.role for m in follow_up] == ["assistant", "user"]  # no second tools description
+
+
+def test_support_of_a_template_that_renders_tools_hands_them_over_in_an_opening_only():
+    support = ToolSupport.of((TEMPLATES / "qwen2.5-instruct.jinja").read_text(), {})
+    assert (support.fmt, support.renders_tools) == (ToolFormat.HERMES, True)
+    history = (Message("user", (TextPart("weather?"),)),)
+    messages, template_tools = support.prompt(history, TOOLS, opening=True)
+    assert messages == history and template_tools == [tool.to_template() for tool in TOOLS]
+    assert support.prompt(history, TOOLS, opening=False) == (history, None)
+
+
+def test_support_grammar_answer_and_finish_reason():
+    support = ToolSupport.of("{{ messages }}", {})
+    assert support.grammar(TOOLS, ToolChoice("auto"), True) is None
+    constraint = support.grammar(TOOLS, REQUIRED, False)
+    assert (constraint.kind, constraint.what) == ("lark", "tools")
+    assert constraint.source == tool_call_grammar(TOOLS, REQUIRED, ToolFormat.HERMES, False, {})
+    text = '<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 7}}\n</tool_call>'
+    assert support.answer(text, ToolChoice("none")) == (text, [])
+    content, [call] = support.answer(text, ToolChoice("auto"))
+    assert content is None and (call.name, json.loads(call.arguments)) == ("set_alarm", {"hour": 7})
+    assert finish_reason("stop", [call], ToolChoice("auto")) == "tool_calls"
+    assert finish_reason("stop", [call], ToolChoice("function", "set_alarm")) == "stop"  # OpenAI's, for a named call
+    assert finish_reason("length", [call], REQUIRED) == "length"
+    assert finish_reason("stop", [], ToolChoice("auto")) == "stop"
+
+
+@pytest.mark.parametrize("fmt, expected", [
+    (ToolFormat.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}'),
+    (ToolFormat.MISTRAL, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]'),
+])
+def test_call_text_is_what_each_format_parses_back(fmt, expected):
+    assert call_text((TEMPLATE_CALL,), fmt) == expected
+    _, [call] = parse_tool_calls(expected, fmt)
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Oslo", "unit": "c"})
