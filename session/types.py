@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from session.errors import InvalidSessionId
 
@@ -151,6 +151,14 @@ class SamplingParams:
     def plain(self) -> bool:
         """Nothing but temperature / top-p and no log-probabilities: the rows speculation takes as they are."""
         return not self.processed and self.logprobs is None and not self.top_k
+
+    @property
+    def speculable(self) -> bool:
+        """The rows speculative decoding takes: plain ones, and greedy ones whose only processor is a
+        grammar (drafts proposed and verified under its mask, ``SpeculativeDecoder``)."""
+        if self.plain:
+            return True
+        return self.greedy and self.constraint is not None and replace(self, constraint=None).plain
 
 
 @dataclass(frozen=True)

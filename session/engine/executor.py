@@ -69,7 +69,7 @@ class Executor:
         self.sessions.publish(session)  # its prompt's full blocks, for the next request that shares them
         self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
         self.num_cached_tokens += seq.cached_tokens
-        if self.speculator is not None and seq.request.speculative and seq.request.sampling.plain:
+        if self.speculator is not None and seq.request.speculative and seq.request.sampling.speculable:
             k = self.config.num_speculative_tokens
             seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
             self.speculator.sync_draft(session.token_ids, session.draft_kv)
@@ -157,6 +157,8 @@ class Executor:
         (``batch_should_speculate``: the rows share the step's target pass). While any does, the whole
         step is one batched speculative step (``speculate``); none: a plain batched ``decode``."""
         chosen = [s for s in rows if s.controller is not None]
+        if not chosen or any(not s.request.sampling.speculable for s in rows):
+            return []  # a row with penalties, bias, top-k or log-probabilities needs the plain step's sampler
         for seq in chosen:  # the costs it reads and records are this batch size's
             seq.controller.batch_size = len(rows)
         if len(rows) > self.config.speculative_max_batch:
@@ -230,7 +232,7 @@ class Executor:
         spec_rows = [SpecRow(s.session.token_ids, s.session.kv, s.session.draft_kv,
                              s.controller.k if id(s) in chosen else 0,
                              max_new=s.request.sampling.max_tokens - len(s.generated), sampling=s.request.sampling,
-                             generator=s.generator, adapter_slot=s.adapter_slot) for s in rows]
+                             generator=s.generator, adapter_slot=s.adapter_slot, matcher=s.matcher) for s in rows]
         try:
             results = self.speculator.step_batch(spec_rows, self.runner.info.eos_token_ids)
         except BaseException:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from session.errors import ConfigError
+from session.model.grammar import apply_masks, fill_masks
 from session.model.kv_cache import KVCache
 from session.model.prefix_cache import block_keys
 from session.model.sampling import ban_token, warp_probs
@@ -88,6 +89,9 @@ class SpecRow:
     sampling: SamplingParams | None = None  # None or greedy: greedy acceptance
     generator: torch.Generator | None = None
     adapter_slot: int = 0
+    # A greedy row's grammar matcher (llguidance): proposals are drawn and verified under its mask, and
+    # it takes the emitted tokens at the end of the step; untouched when the step fails.
+    matcher: object | None = None
 
 
 @dataclass(frozen=True)
@@ -208,8 +212,8 @@ class SpeculativeDecoder:
         if self.draft is not None:
             proposed = self._propose_draft(rows, ks, eos_token_ids)
         else:
-            proposed = [(propose_ngram(self.text_ids(row.token_ids), k, self.max_ngram, self.min_ngram), None)
-                        for row, k in zip(rows, ks)]
+            proposed = [(_grammatical(propose_ngram(self.text_ids(row.token_ids), k, self.max_ngram, self.min_ngram),
+                                      row.matcher), None) for row, k in zip(rows, ks)]
         proposed_at = self.clock()
         fed = []
         for row, (proposals, _) in zip(rows, proposed):
@@ -217,6 +221,7 @@ class SpeculativeDecoder:
             fed.append(row.token_ids[row.target_kv.length:] + proposals)  # usually [last] + proposals
         logits = self.target.extend([row.target_kv for row in rows], fed, [row.adapter_slot for row in rows])
         logits = ban_token(logits, self.target.info.image_token_id)  # as in plain decoding: never a placeholder
+        logits = _masked_positions(logits, rows, [p for p, _ in proposed], [len(f) for f in fed])
         greedy_tokens = logits.argmax(dim=-1).tolist()  # [B, T]: one host sync for every greedy row
         results = []
         for b, (row, k, (proposals, draft_probs)) in enumerate(zip(rows, ks, proposed)):
@@ -235,6 +240,11 @@ class SpeculativeDecoder:
                 self.num_accepted += num_accepted
             else:
                 self.num_plain_steps += 1
+        for row, (emitted, _, _) in zip(rows, results):  # the step can no longer fail: the grammars advance
+            # one by one: llguidance's consume_tokens refuses the EOS after a grammar that stopped by itself
+            # (nothing can follow its last token), which consume_token takes, as plain decoding does
+            if row.matcher is not None and not all(row.matcher.consume_token(token) for token in emitted):
+                raise AssertionError(f"a grammar refused its own masked tokens: {row.matcher.get_error()}")
         verified_at = self.clock()
         return [StepResult(emitted, num_proposed, num_accepted, proposed_at - started, verified_at - proposed_at)
                 for emitted, num_proposed, num_accepted in results]
@@ -285,6 +295,7 @@ class SpeculativeDecoder:
         proposals: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = [b for b, k in enumerate(ks) if k > 0]
+        probes = {b: rows[b].matcher.deep_copy() for b in active if rows[b].matcher is not None}  # drafts' grammars
         if active:
             fed = []
             for b in active:
@@ -292,10 +303,13 @@ class SpeculativeDecoder:
             logits = self.draft.extend([rows[b].draft_kv for b in active], fed)
             logits = logits[torch.arange(len(active)), torch.tensor([len(f) - 1 for f in fed])]  # [A, V]
         while active:
+            logits = _masked_rows(logits, [probes.get(b) for b in active])
             tokens = self._draw_proposals([rows[b] for b in active], logits, [probs[b] for b in active])
             still = []
             for b, token in zip(active, tokens):
                 proposals[b].append(token)
+                if b in probes:
+                    probes[b].consume_token(token)
                 if len(proposals[b]) < ks[b] and token not in eos_token_ids:
                     still.append(b)
             if still:
@@ -313,3 +327,42 @@ class SpeculativeDecoder:
                 tokens[a] = int(torch.multinomial(q, 1, generator=row.generator)[0])
                 probs[a].append(q)
         return tokens
+
+
+# ---------------------------------------------------------------- grammars
+
+
+def _grammatical(proposals: list[int], matcher) -> list[int]:
+    """Prompt-lookup proposals cut where the row's grammar would refuse one (all of them without one)."""
+    return proposals if matcher is None or not proposals else proposals[:matcher.validate_tokens(proposals)]
+
+
+def _masked_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
+    """Draft logits [A, V] with each row that has a grammar (its matcher, else None) masked by it."""
+    rows = [a for a, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
+        return logits
+    masks = fill_masks([matchers[a] for a in rows], logits.shape[-1], pin=logits.is_cuda)
+    return apply_masks(logits, rows, masks)
+
+
+def _masked_positions(logits: torch.Tensor, rows: list[SpecRow], proposals: list[list[int]],
+                      fed_lengths: list[int]) -> torch.Tensor:
+    """Target logits [B, T, V] with each grammar row's scored positions (after its last token, then after
+    each proposal) masked by its grammar at that point: one mask per position, from a copy of the matcher
+    that takes the proposals one by one. The argmax under the masks is plain constrained decoding's."""
+    constrained = [b for b, row in enumerate(rows) if row.matcher is not None]
+    if not constrained:
+        return logits
+    logits = logits.clone()
+    for b in constrained:
+        probe, guesses = rows[b].matcher.deep_copy(), proposals[b]
+        positions = []
+        for j in range(len(guesses) + 1):
+            positions.append(probe.deep_copy())
+            if j < len(guesses):
+                probe.consume_token(guesses[j])
+        scored = slice(fed_lengths[b] - len(guesses) - 1, fed_lengths[b])
+        masks = fill_masks(positions, logits.shape[-1], pin=logits.is_cuda)
+        logits[b, scored] = apply_masks(logits[b, scored], list(range(len(positions))), masks)
+    return logits
