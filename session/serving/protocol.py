@@ -39,6 +39,9 @@ ADMIN_TOKEN_HEADER = "X-Resident-Admin-Token"
 WORKER_HEADER = "X-Resident-Worker"
 REQUEST_ID_HEADER = "X-Resident-Request-Id"  # names a request, so that a cancel can name it too
 CANCEL_HEADER = "X-Resident-Cancel"  # a request carrying it cancels the request with that id
+# Ours: set by the front on every forwarded call, the tenant it identified (docs/DEPLOY.md); a client's own
+# is dropped. The backend salts the prefix cache with it, so tenants never share cached prompts.
+TENANT_HEADER = "X-Resident-Tenant"
 # Ours: set by the front on a forwarded OpenAI ``/v1/completions`` call ("completions"); a body without
 # it is a chat-completions or SageMaker invocation.
 ENDPOINT_HEADER = "X-Resident-Endpoint"
