@@ -7,7 +7,9 @@ For each concurrency C: C distinct requests at once, greedy, each held to an ext
 ignore_eos to the same number of tokens as their constrained twin. Reported: decode
 tokens/s over the batch (completion tokens / wall time, after one unmeasured warm-up batch of each
 kind), the ratio constrained / free, the share of constrained answers that parse and validate, and
-the grammar compile time, cold (first compile) and cached. No vLLM side here yet.
+the grammar compile time, cold (first compile) and cached. Then (``--speculative ngram``) the same
+constrained batches on an engine with prompt-lookup speculation: tokens/s against the plain engine's,
+the answers checked equal (greedy speculation under a grammar is exact). No vLLM side here yet.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "structured.json")
+    parser.add_argument("--speculative", default="ngram", help="the speculation compared on constrained rows "
+                        "(ngram, or off to skip)")
     args = parser.parse_args()
     engine = Engine(EngineConfig(model_path=str(args.model), speculative="off")).start()
     try:
@@ -113,9 +117,49 @@ def main() -> None:
     for r in rows:
         print(f"| {r['concurrency']} | {r['free_tok_s']:.1f} | {r['constrained_tok_s']:.1f} | {r['ratio']:.2f}x "
               f"| {r['constrained_valid']} |")
+    speculative = [] if args.speculative == "off" else speculation_rows(args)
+    if speculative:
+        print(f"\nconstrained rows, speculative={args.speculative} vs off (greedy; answers equal: "
+              f"{all(r['equal'] for r in speculative)})")
+        print("| concurrency | off tok/s | speculative tok/s | speedup | proposals accepted |")
+        print("|---|---|---|---|---|")
+        for r in speculative:
+            print(f"| {r['concurrency']} | {r['off_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x "
+                  f"| {r['accepted']} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"setup_s": setup, "compile_cold_s": cold, "compile_cached_s": cached,
-                                    "rows": rows}, indent=2))
+                                    "rows": rows, "speculative": speculative}, indent=2))
+
+
+def speculation_rows(args) -> list[dict]:
+    """Constrained batches on a plain engine and on one with ``args.speculative``, one after the other."""
+    results: dict[str, dict] = {}
+    for mode in ("off", args.speculative):
+        engine = Engine(EngineConfig(model_path=str(args.model), speculative=mode)).start()
+        try:
+            service = ChatService(engine, args.model.name)
+            for c in args.concurrency:
+                asyncio.run(batch(service, c, True))  # warm-up (and the controller's plain-step measure)
+                runs = [asyncio.run(answers(service, c)) for _ in range(args.repeats)]
+                wall, tokens, texts = min(runs, key=lambda r: r[0] / max(r[1], 1))
+                results.setdefault(mode, {})[c] = (tokens / wall, texts)
+            speculator = engine.parts.speculator
+            accepted = "-" if speculator is None else f"{speculator.num_accepted}/{speculator.num_proposed}"
+            results[mode]["accepted"] = accepted
+        finally:
+            engine.stop()
+    off, spec = results["off"], results[args.speculative]
+    return [{"concurrency": c, "off_tok_s": off[c][0], "spec_tok_s": spec[c][0], "speedup": spec[c][0] / off[c][0],
+             "equal": off[c][1] == spec[c][1], "accepted": spec["accepted"]} for c in args.concurrency]
+
+
+async def answers(service: ChatService, concurrency: int) -> tuple[float, int, list[str]]:
+    """(wall seconds, completion tokens, answers) of ``concurrency`` constrained requests sent together."""
+    start = time.perf_counter()
+    responses = await asyncio.gather(*(service.invoke({}, json.dumps(body(i, True))) for i in range(concurrency)))
+    wall = time.perf_counter() - start
+    return (wall, sum(r.body["usage"]["completion_tokens"] for r in responses),
+            [r.body["choices"][0]["message"]["content"] for r in responses])
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ A backend started with RESIDENT_SESSION_ID_TAG=<tag> creates session ids ``<uuid
   ``X-Resident-Endpoint: completions`` as the front marks it (a ``map`` on the request's URI, so that
   the search of a moved session carries it too);
 - abuse is bounded as at the front: our control headers (``X-Resident-Cancel``,
-  ``X-Resident-Admin-Token``, ``X-Resident-Request-Id``, a client's ``X-Resident-Endpoint``) never
-  reach a backend (the engine names the request itself), request heads and bodies have deadlines,
-  header buffers are small, a body past
-  64 KiB waits on disk rather than in memory, and each client address holds at most
-  ``max_requests_per_client`` connections (``limit_conn``, 429 past it).
+  ``X-Resident-Admin-Token``, ``X-Resident-Request-Id``, a client's ``X-Resident-Endpoint`` and
+  ``X-Resident-Tenant``) never reach a backend (the engine names the request itself; the tenant is
+  the client's address, ``addr:<ip>``, as at a front with no key file or tenant header), request
+  heads and bodies have deadlines, header buffers are small, a body past 64 KiB waits on disk rather
+  than in memory, and each client address holds at most ``max_requests_per_client`` connections
+  (``limit_conn``, 429 past it).
 
 The aiohttp front (``make cluster``) stays for what nginx cannot do: the SageMaker runtime paths
 (AWS event stream for boto3), ``/backends/{i}/drain``, ``/adapters``, and 410 for a session whose
@@ -130,6 +131,8 @@ def _server(site: NginxSite) -> str:
     proxy_set_header X-Resident-Cancel "";
     proxy_set_header X-Resident-Admin-Token "";
     proxy_set_header X-Resident-Request-Id "";
+    # The tenant: nginx knows only the client's address (a client's own X-Resident-Tenant is replaced).
+    proxy_set_header X-Resident-Tenant "addr:$remote_addr";
     proxy_set_header X-Resident-Endpoint $resident_endpoint;
     proxy_buffering off;  # server-sent events go out as they come
     proxy_connect_timeout {connect};

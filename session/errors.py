@@ -1,7 +1,8 @@
 """The small exception family of the runtime, mapped to HTTP status in one place.
 
 Every error a caller can fix is a ``ResidentError`` with a 4xx status; the
-handler turns it into ``{"error": {"type", "message"}}``. Anything else that
+handler turns it into ``{"error": {"type", "message", "code"}}`` (``code`` repeats the type, where
+OpenAI's clients read it: ``openai.APIError.code``). Anything else that
 escapes is our fault and answers 500.
 """
 
@@ -20,7 +21,7 @@ class ResidentError(Exception):
         self.headers = headers or {}
 
     def to_body(self) -> dict:
-        return {"error": {"type": self.type, "message": self.message}}
+        return {"error": {"type": self.type, "message": self.message, "code": self.type}}
 
 
 class BadRequest(ResidentError):
@@ -202,3 +203,13 @@ class TooManyRequests(RetryLater):
 
     status = 429
     type = "too_many_requests"
+
+
+class Unauthorized(ResidentError):
+    """A request without a valid API key, when the front has a key file (RESIDENT_FRONT_API_KEYS_FILE)."""
+
+    status = 401
+    type = "authentication_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})

@@ -10,9 +10,12 @@ from typing import Any
 
 from session.config import coerce
 from session.errors import ConfigError
+from session.front.tenants import TENANT_RE, read_api_keys
+from session.serving.protocol import TENANT_HEADER
 
 ENV_PREFIX = "RESIDENT_FRONT_"
 TAG_RE = re.compile(r"^[A-Za-z0-9]+\*?$")
+HEADER_NAME_RE = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,16 @@ class FrontConfig:
     body_timeout_s: float = 30.0  # a request's body must arrive within this of its head (else: 408)
     idle_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
     max_connections: int = 1024  # open connections; one more is answered 503 and closed
-    # Requests in flight per client address (429 past it); 0: no limit. Behind a load balancer every
-    # request has its address: raise it or set 0 there (docs/DEPLOY.md).
+    # Requests in flight per client, that is per tenant (429 past it); 0: no limit. Without a key file or a
+    # trusted header the tenant is the peer address, which behind a load balancer all share (docs/DEPLOY.md).
     max_requests_per_client: int = 64
+    # Who a request is for (session/front/tenants.py), first that applies: a file of "<tenant> <key>" lines
+    # (clients send "Authorization: Bearer <key>"; without a valid one, 401); a header trusted to name the
+    # tenant (its whole value, or with tenant_attribute its "<attribute>=<tenant>" pair, as in SageMaker's
+    # X-Amzn-SageMaker-Custom-Attributes); else the peer address. Only one of the file and the header.
+    api_keys_file: str = ""
+    tenant_header: str = ""
+    tenant_attribute: str = ""
     health_interval_s: float = 5.0  # between health probes of every backend
     health_timeout_s: float = 5.0  # for one probe, and for connecting to a backend
     unhealthy_after: int = 3  # failed probes in a row before a backend is taken out
@@ -88,10 +98,29 @@ class FrontConfig:
         if self.max_requests_per_client < 0:
             raise ConfigError(f"{ENV_PREFIX}MAX_REQUESTS_PER_CLIENT must be >= 0 (0: no limit), got "
                               f"{self.max_requests_per_client}")
+        self._validate_tenants()
         if self.max_model_len < 0:
             raise ConfigError(f"{ENV_PREFIX}MAX_MODEL_LEN must be >= 0 (0: unknown), got {self.max_model_len}")
         if self.drain_s < 0:
             raise ConfigError(f"{ENV_PREFIX}DRAIN_S must be >= 0, got {self.drain_s}")
+
+    def _validate_tenants(self) -> None:
+        if self.api_keys_file and self.tenant_header:
+            raise ConfigError(f"set {ENV_PREFIX}API_KEYS_FILE or {ENV_PREFIX}TENANT_HEADER, not both: with a key "
+                              "file every request needs a key, and the key names its tenant")
+        if self.tenant_attribute and not self.tenant_header:
+            raise ConfigError(f"{ENV_PREFIX}TENANT_ATTRIBUTE names a pair in {ENV_PREFIX}TENANT_HEADER: set that "
+                              "too (X-Amzn-SageMaker-Custom-Attributes on SageMaker)")
+        if self.tenant_header and not HEADER_NAME_RE.fullmatch(self.tenant_header):
+            raise ConfigError(f"{ENV_PREFIX}TENANT_HEADER={self.tenant_header!r} is not a header name")
+        if self.tenant_header.lower() in ("authorization", TENANT_HEADER.lower()):
+            raise ConfigError(f"{ENV_PREFIX}TENANT_HEADER cannot be {self.tenant_header}: name the header your "
+                              "proxy sets, e.g. X-Amzn-SageMaker-Custom-Attributes or X-Tenant-Id")
+        if self.tenant_attribute and not TENANT_RE.fullmatch(self.tenant_attribute):
+            raise ConfigError(f"{ENV_PREFIX}TENANT_ATTRIBUTE={self.tenant_attribute!r}: use letters, digits "
+                              "and -_.")
+        if self.api_keys_file:
+            read_api_keys(self.api_keys_file)  # now, with the setting named, not at the first request
 
     @property
     def listed_model_name(self) -> str:

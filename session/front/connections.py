@@ -14,9 +14,9 @@ it is offered. ``GuardedSite`` listens like ``web.TCPSite``, but wraps each conn
   (``keepalive_timeout``, the front's ``idle_timeout_s``); the body has its own deadline, where the
   front reads it (``Front._read_body``).
 
-``ClientLimiter`` counts each client's (peer address's) requests in flight for the front's middleware,
-which answers 429 past ``max_requests_per_client``. Behind a load balancer every request has the
-balancer's address: there the limit is the balancer's share, so set it high or to 0 (off).
+``ClientLimiter`` counts each client's requests in flight for the front's middleware, which answers
+429 past ``max_requests_per_client``. A client is a tenant (``tenants``): the API key's or the
+trusted header's, else the peer address, which behind a load balancer every tenant shares.
 
 Who calls this: ``Front.start`` (the site) and the front's middleware (the limiter), on the event loop.
 """
@@ -175,24 +175,23 @@ class GuardedSite(web.BaseSite):
 
 
 class ClientLimiter:
-    """Requests in flight per client address; ``admit`` raises TooManyRequests (429) past the limit (0: none)."""
+    """Requests in flight per tenant; ``admit`` raises TooManyRequests (429) past the limit (0: none)."""
 
     def __init__(self, max_per_client: int):
         self.max_per_client = max_per_client
-        self.in_flight: Counter[str] = Counter()
+        self.in_flight: Counter[str] = Counter()  # tenant -> its requests in flight
         self.num_refused = 0
 
     @contextmanager
-    def admit(self, client: str | None):
-        key = client or "-"
-        if self.max_per_client and self.in_flight[key] >= self.max_per_client:
+    def admit(self, tenant: str):
+        if self.max_per_client and self.in_flight[tenant] >= self.max_per_client:
             self.num_refused += 1
-            raise TooManyRequests(f"this client has {self.in_flight[key]} requests in flight, as many as the front "
-                                  "allows one client (RESIDENT_FRONT_MAX_REQUESTS_PER_CLIENT); wait for one to end")
-        self.in_flight[key] += 1
+            raise TooManyRequests(f"tenant {tenant} has {self.in_flight[tenant]} requests in flight, as many as the "
+                                  "front allows one (RESIDENT_FRONT_MAX_REQUESTS_PER_CLIENT); wait for one to end")
+        self.in_flight[tenant] += 1
         try:
             yield
         finally:
-            self.in_flight[key] -= 1
-            if not self.in_flight[key]:
-                del self.in_flight[key]
+            self.in_flight[tenant] -= 1
+            if not self.in_flight[tenant]:
+                del self.in_flight[tenant]

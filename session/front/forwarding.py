@@ -8,7 +8,7 @@ front keeps state another needs. A session whose backend is down gets 410
 ``session_backend_unavailable`` (open a new session).
 
 Every forwarded invocation carries ``X-Resident-Request-Id``, the front's own fresh id (never the
-client's). TorchServe's async mode does not tell the backend when a client goes away, so when the
+client's), and ``X-Resident-Tenant``, the tenant the front resolved (``tenants``; never the client's). TorchServe's async mode does not tell the backend when a client goes away, so when the
 client disconnects before its answer is complete the front sends the backend a cancel for that id
 (``session/front/backend_client.py``), best effort: the engine stops the request and rolls its
 session's turn back.
@@ -48,7 +48,7 @@ from session.front.health import Health
 from session.front.locator import SessionLocator
 from session.front.migration import Migrator
 from session.front.router import Backend, Router
-from session.serving.protocol import ENDPOINT_HEADER, NEW_SESSION, REQUEST_ID_HEADER, sse
+from session.serving.protocol import ENDPOINT_HEADER, NEW_SESSION, REQUEST_ID_HEADER, TENANT_HEADER, sse
 from session.types import redact
 
 logger = logging.getLogger(__name__)
@@ -60,22 +60,24 @@ class Call:
 
     path: str  # on the backend: /invocations or /predictions/<model>
     body: bytes
-    headers: dict[str, str]  # X-Amzn-SageMaker-*, Content-Type, X-Resident-Request-Id, X-Resident-Endpoint
+    # X-Amzn-SageMaker-*, Content-Type, X-Resident-Request-Id, X-Resident-Tenant, X-Resident-Endpoint
+    headers: dict[str, str]
     session_id: str | None  # None (stateless), NEW_SESSION or an id
     request_id: str
     events: bool  # answer as AWS event-stream PayloadParts (the response-stream path)
 
     @classmethod
     def of(cls, request: web.Request, body: bytes, path: str, session_id: str | None, request_id: str,
-           events: bool, endpoint: str | None = None) -> Call:
+           tenant: str, events: bool, endpoint: str | None = None) -> Call:
         """Only the client's X-Amzn-SageMaker-* headers pass; ours are set here, so no client sets
-        X-Resident-Request-Id or X-Resident-Endpoint (``endpoint``: which OpenAI body the backend
-        parses; None for a chat, the default)."""
+        X-Resident-Request-Id, X-Resident-Tenant (``tenant``: the one the front resolved) or
+        X-Resident-Endpoint (``endpoint``: which OpenAI body the backend parses; None for a chat)."""
         headers = {k: v for k, v in request.headers.items() if k.lower().startswith("x-amzn-sagemaker-")}
         # The body is JSON whatever the client's Content-Type says (SageMaker clients send all sorts, curl -d
         # says form): forwarded as a form, TorchServe would decode it into fields and lose it.
         headers["Content-Type"] = JSON_CONTENT_TYPE
         headers[REQUEST_ID_HEADER] = request_id
+        headers[TENANT_HEADER] = tenant
         if endpoint is not None:
             headers[ENDPOINT_HEADER] = endpoint
         return cls(path=path, body=body, headers=headers, session_id=session_id, request_id=request_id,

@@ -25,10 +25,15 @@ The jobs live beside this file: forwarding and relaying (``forwarding``), the ad
 headers pass both ways; answers carry ``X-Resident-Backend: <backend index>`` and
 ``X-Resident-Request-Id``: the front's own id for the request (a client's is never forwarded, so no
 client can name, and cancel, another's request on a backend). No other client header reaches a
-backend (``forwarding.Call``): ``X-Resident-Cancel``, ``X-Resident-Admin-Token`` and
-``X-Resident-Endpoint`` (set by the front alone, on ``/v1/completions``) stop here.
+backend (``forwarding.Call``): ``X-Resident-Cancel``, ``X-Resident-Admin-Token``,
+``X-Resident-Endpoint`` (set by the front alone, on ``/v1/completions``) and ``X-Resident-Tenant``
+stop here.
 
-Abuse: connections are capped, each request's head and body have deadlines and each client's
+Tenants: the middleware resolves each request's tenant once (``tenants``: an API key, a trusted
+header, else the peer address; with a key file every route but ``/ping`` needs a key, else 401),
+keys the per-client limits on it, logs it and forwards it as ``X-Resident-Tenant``.
+
+Abuse: connections are capped, each request's head and body have deadlines and each tenant's
 requests in flight are capped (``connections``); ``/ping`` is the only route that needs no body.
 """
 
@@ -57,6 +62,7 @@ from session.front.health import Health
 from session.front.locator import SessionLocator
 from session.front.migration import Migrator
 from session.front.router import Backend, Router
+from session.front.tenants import TENANT, Tenants, peer_tenant
 from session.serving.protocol import (
     COMPLETIONS_ENDPOINT,
     NEW_SESSION,
@@ -93,6 +99,7 @@ class Front:
         self.app = web.Application(client_max_size=config.max_request_bytes + 1, middlewares=[self._errors])
         self.guard = ConnectionGuard(max_connections=config.max_connections, header_timeout_s=config.header_timeout_s)
         self.limiter = ClientLimiter(config.max_requests_per_client)
+        self.tenants = Tenants.from_config(config)  # reads the API-key file, if any, once
         add = self.app.router
         add.add_get("/ping", self.ping)
         add.add_get("/backends", self.describe_backends)
@@ -267,7 +274,7 @@ class Front:
     async def _forward(self, request: web.Request, body: bytes, path: str, *, events: bool,
                        endpoint: str | None = None) -> web.StreamResponse:
         call = Call.of(request, body, path, session_id=_session_id(request), request_id=_request_id(request),
-                       events=events, endpoint=endpoint)
+                       tenant=request[TENANT], events=events, endpoint=endpoint)
         return await self.forwarder.forward(request, call)
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -291,7 +298,8 @@ class Front:
         try:
             if request.path == "/ping":  # health checks come from the platform, at its own pace
                 return await handler(request)
-            with self.limiter.admit(request.remote):
+            request[TENANT] = tenant = self.tenants.identify(request)
+            with self.limiter.admit(tenant):
                 return await handler(request)
         except ResidentError as exc:
             return error_response(request, exc.status, exc.to_body(), CIMultiDict(exc.headers))
@@ -304,8 +312,8 @@ class Front:
         except ConnectionResetError:  # the client went away mid-answer
             raise
         except Exception:
-            logger.exception("front: %s %s (session %s) failed", request.method, request.path,
-                             redact(header(request.headers, SESSION_HEADER)))
+            logger.exception("front: %s %s (tenant %s, session %s) failed", request.method, request.path,
+                             request.get(TENANT, "-"), redact(header(request.headers, SESSION_HEADER)))
             body = {"error": {"type": "internal_error", "message": "internal error in the front"}}
             return error_response(request, 500, body, CIMultiDict())
         finally:
@@ -313,15 +321,17 @@ class Front:
 
 
 class AccessLogger(AbstractAccessLogger):
-    """One line per request, with the session id (for an open: the new id; shortened, ``redact``) and the backend."""
+    """One line per request: the peer, the tenant (the peer's ``addr:`` where none was resolved: ``/ping``,
+    a 401 or 400), the session id (for an open: the new id; shortened, ``redact``) and the backend."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         session_id = header(request.headers, SESSION_HEADER)
         opened = response.headers.get(NEW_SESSION_HEADER)
         if opened:
             session_id = opened.split(";", 1)[0]
-        self.logger.info('%s "%s %s" %d %d %.3fs session=%s backend=%s', request.remote, request.method,
-                         request.path, response.status, response.body_length, time, redact(session_id),
+        self.logger.info('%s "%s %s" %d %d %.3fs tenant=%s session=%s backend=%s', request.remote,
+                         request.method, request.path, response.status, response.body_length, time,
+                         request.get(TENANT) or peer_tenant(request), redact(session_id),
                          response.headers.get(BACKEND_HEADER, "-"))
 
 

@@ -584,10 +584,13 @@ class ToolSupport:
         return None if text is None else Constraint("lark", text, "tools")
 
     def answer(self, text: str, choice: ToolChoice) -> tuple[str | None, list[ToolCall]]:
-        """A finished answer -> (content, calls); all content when tools are off ("none")."""
+        """A finished answer -> (content, calls); all content when tools are off ("none"). A forced
+        answer ("required", a named function) is calls only: one cut by max_tokens keeps its whole
+        calls and no content (not the markup of the call it was cut in)."""
         if choice.mode == "none":
             return text, []
-        return parse_tool_calls(text, self.fmt)
+        content, calls = parse_tool_calls(text, self.fmt)
+        return (None, calls) if choice.mode in ("required", "function") else (content, calls)
 
 
 def finish_reason(reason: str, calls: list[ToolCall], choice: ToolChoice) -> str:

@@ -110,7 +110,8 @@ def test_deeply_nested_json_is_a_400(server):
                            timeout=30)
     assert answer.status_code == 400
     assert answer.json()["error"] == {"type": "invalid_request_error",
-                                      "message": "request body is not valid JSON: nested too deeply"}
+                                      "message": "request body is not valid JSON: nested too deeply",
+                                      "code": "invalid_request_error"}
     assert invoke(server, chat("hello")).status_code == 200
 
 
@@ -191,7 +192,8 @@ def test_a_bad_request_id_is_a_400_and_a_reused_live_one_is_replaced(server):
     bad = invoke(server, chat("hi"), headers={REQUEST_ID: "spaces are not allowed"})
     assert bad.status_code == 400
     assert bad.json()["error"] == {"type": "invalid_request_error",
-                                   "message": "X-Resident-Request-Id must match [A-Za-z0-9][A-Za-z0-9-]{0,63}"}
+                                   "message": "X-Resident-Request-Id must match [A-Za-z0-9][A-Za-z0-9-]{0,63}",
+                                   "code": "invalid_request_error"}
     session, _ = open_session(server)
     response, lines = running_stream(server, session, "twice-1")
     # Reusing a live id neither fails nor tells the caller it is live: the second request runs under

@@ -33,6 +33,7 @@ from session.serving.protocol import (
     NEW_SESSION_HEADER,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
+    TENANT_HEADER,
 )
 from tests.conftest import free_port
 from tests.fake_backend import TOKEN, LoopThread, SessionBackend
@@ -219,10 +220,11 @@ def test_control_headers_never_reach_a_backend(proxy):
     url, backends, _ = proxy
     answer = requests.post(url + "/invocations", json=chat("hi"), timeout=TIMEOUT,
                            headers={CANCEL_HEADER: "victim-1", ADMIN_TOKEN_HEADER: TOKEN, REQUEST_ID_HEADER: "victim-1",
-                                    ENDPOINT_HEADER: COMPLETIONS_ENDPOINT})
+                                    ENDPOINT_HEADER: COMPLETIONS_ENDPOINT, TENANT_HEADER: "acme"})
     assert answer.status_code == 200, answer.text  # an ordinary turn: the cancel never got through
     [sent] = [r["headers"] for b in backends for r in b.requests]
     assert not {CANCEL_HEADER, ADMIN_TOKEN_HEADER, REQUEST_ID_HEADER, ENDPOINT_HEADER} & set(sent)
+    assert sent[TENANT_HEADER] == "addr:127.0.0.1"  # the client's address, never the tenant it claims
     assert all(b.cancels == [] and b.admin_bodies == [] for b in backends)
 
 

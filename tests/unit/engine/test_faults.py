@@ -61,7 +61,8 @@ def test_out_of_memory_is_a_503_with_retry_after_and_keeps_no_traceback():
     assert error.headers == {"Retry-After": "1"}
     assert error.__cause__ is None and error.__traceback__ is None  # the failed pass's tensors can be freed
     assert error.to_body() == {"error": {"type": "capacity_exceeded",
-                                         "message": "the accelerator ran out of memory for this request; retry later"}}
+                                         "message": "the accelerator ran out of memory for this request; retry later",
+                                         "code": "capacity_exceeded"}}
 
 
 def test_device_failed_is_a_500_naming_the_cuda_error():

@@ -416,7 +416,8 @@ def test_unknown_request_type(request_type):
 def test_error_body_shape():
     error = bad(b"[]")
     assert error.to_body() == {"error": {"type": "invalid_request_error",
-                                         "message": "request body must be a JSON object"}}
+                                         "message": "request body must be a JSON object",
+                                         "code": "invalid_request_error"}}
 
 
 @pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens", "stream", "n"])

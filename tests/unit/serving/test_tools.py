@@ -522,6 +522,10 @@ def test_support_grammar_answer_and_finish_reason():
     assert support.answer(text, ToolChoice("none")) == (text, [])
     content, [call] = support.answer(text, ToolChoice("auto"))
     assert content is None and (call.name, json.loads(call.arguments)) == ("set_alarm", {"hour": 7})
+    cut = text + '\n<tool_call>\n{"name": "set_al'
+    content, calls = support.answer(cut, REQUIRED)  # a forced answer cut by max_tokens: its whole calls only
+    assert content is None and [c.name for c in calls] == ["set_alarm"]
+    assert support.answer(cut, ToolChoice("auto"))[0] == '<tool_call>\n{"name": "set_al'  # auto: the rest is content
     assert finish_reason("stop", [call], ToolChoice("auto")) == "tool_calls"
     assert finish_reason("stop", [call], ToolChoice("function", "set_alarm")) == "stop"  # OpenAI's, for a named call
     assert finish_reason("length", [call], REQUIRED) == "length"
