@@ -72,7 +72,7 @@ class Executor:
         if self.speculator is not None and seq.request.speculative and seq.request.sampling.speculable:
             k = self.config.num_speculative_tokens
             seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
-            self.speculator.sync_draft(session.token_ids, session.draft_kv)
+            self.speculator.sync_draft(session.token_ids, session.draft_kv, self.sessions.salt(session))
         [token] = self._sample([seq], logits[None])
         if isinstance(token, ResidentError):
             raise token

@@ -8,6 +8,7 @@ answer and the SageMaker session headers. Errors become JSON bodies here, in one
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import socket
@@ -259,7 +260,8 @@ class ChatService:
             images=prepared, image_digests=tuple(d.digest for d in decoded),
             image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=adapter,
             speculative=request.speculative, rendered=rendered, grammar=grammar,
-            keep_special=tools is not None and request.tool_choice.mode != "none")
+            keep_special=tools is not None and request.tool_choice.mode != "none",
+            cache_salt=cache_salt(request.tenant, request.cache_salt))
         if request.prompt is None:
             answer = _ChatAnswer(request, tools)
         else:
@@ -526,6 +528,14 @@ class _TextAnswer:
             choice.num_text_sent += len(event.text)
             return [text_completion_body(ids, [text_choice(choice.index, event.text, None, logprobs)], None)]
         return [text_completion_body(ids, [text_choice(choice.index, "", event.finish_reason, logprobs)], None)]
+
+
+def cache_salt(tenant: str | None, salt: str) -> str:
+    """The prefix-cache salt of a request: a digest of the tenant the front named (``X-Resident-Tenant``)
+    and the request's ``cache_salt``; "" when neither is given (blocks shared with every unsalted request)."""
+    if not tenant and not salt:
+        return ""
+    return hashlib.sha256(f"{tenant or ''}\0{salt}".encode()).hexdigest()
 
 
 def _endpoint(headers: Mapping[str, str]) -> str | None:

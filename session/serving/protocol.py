@@ -99,6 +99,8 @@ class ChatRequest:
     # /v1/completions: the prompt as text or token ids (no chat template), and whether to echo it
     prompt: str | tuple[int, ...] | None = None
     echo: bool = False
+    cache_salt: str = ""  # vLLM's: only requests with the same salt share cached prompt blocks
+    tenant: str | None = None  # TENANT_HEADER, as the front set it
 
     @property
     def opens_session(self) -> bool:
@@ -113,7 +115,8 @@ _ALLOWED_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperatu
                    "seed", "requestType", "model", "n", "stream_options", "user", "speculative",
                    "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
                    "response_format", "top_k", "min_tokens", "ignore_eos", "repetition_penalty",
-                   "guided_regex", "guided_grammar", "guided_json", "tools", "tool_choice", "parallel_tool_calls"}
+                   "guided_regex", "guided_grammar", "guided_json", "tools", "tool_choice", "parallel_tool_calls",
+                   "cache_salt"}
 # OpenAI chat-completions fields we do not implement: refused by name, so a client knows what to drop.
 _NOT_SUPPORTED = {"functions", "function_call", "audio",
                   "modalities", "prediction", "reasoning_effort", "service_tier", "store", "metadata",
@@ -179,13 +182,14 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
     return ChatRequest(messages=messages, sampling=sampling, stream=stream, session_id=session_id,
                        request_type=request_type, model=model, adapter=adapter.strip() if adapter else None,
                        speculative=speculative, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
-                       parallel_tool_calls=parallel, n=n)
+                       parallel_tool_calls=parallel, n=n, cache_salt=_cache_salt(data),
+                       tenant=header(headers, TENANT_HEADER))
 
 
 _COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
                       "logprobs", "echo", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
                       "user", "best_of", "top_k", "min_tokens", "ignore_eos", "repetition_penalty",
-                      "response_format", "guided_json", "guided_regex", "guided_grammar", "speculative"}
+                      "response_format", "guided_json", "guided_regex", "guided_grammar", "speculative", "cache_salt"}
 _COMPLETION_NOT_SUPPORTED = {"suffix"}
 
 
@@ -218,7 +222,21 @@ def parse_completion_request(body: bytes | str | Mapping[str, Any] | None, heade
     return ChatRequest(messages=(), sampling=sampling, stream=stream, model=model, n=n,
                        adapter=adapter.strip() if adapter else None, include_usage=_include_usage(data, stream),
                        speculative=_typed(_get(data, "speculative", True), bool, "speculative"),
-                       prompt=_prompt(data.get("prompt"), limits), echo=echo)
+                       prompt=_prompt(data.get("prompt"), limits), echo=echo, cache_salt=_cache_salt(data),
+                       tenant=header(headers, TENANT_HEADER))
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _cache_salt(data: dict) -> str:
+    salt = data.get("cache_salt")
+    if salt is None:
+        return ""
+    salt = _text(salt, "cache_salt")
+    if not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise BadRequest(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters")
+    return salt
 
 
 def _prompt(raw: Any, limits: PromptLimits) -> str | tuple[int, ...]:

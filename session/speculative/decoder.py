@@ -146,8 +146,8 @@ class SpeculativeDecoder:
         self.num_draft_synced_tokens = 0  # draft prefill of tokens it had not seen (new turns, after plain steps)
         self.num_draft_shared_tokens = 0  # text the draft took from published blocks instead of prefilling it
         # Shared KV blocks in the draft's own pool (session/model/prefix_cache.py): block size, 0 = off.
-        # Set by the engine's assembly when sharing is on. The draft reads text only and no adapter, so
-        # its keys are its text's, unsalted.
+        # Set by the engine's assembly when sharing is on. The draft reads text only and no adapter; its
+        # keys are salted as the session's target blocks are (``sync_draft``'s salt), tenants kept apart.
         self.share_block_tokens = 0
 
     def new_draft_kv(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache | None:
@@ -164,18 +164,19 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------ steps
 
-    def sync_draft(self, token_ids: list[int], draft_kv: KVCache | None) -> int:
+    def sync_draft(self, token_ids: list[int], draft_kv: KVCache | None, salt: bytes = b"") -> int:
         """Prefill the draft with the text tokens it has not seen, all but the last. Returns how many.
 
         Who calls this: the engine after a turn's prefill, so the new turn's text is prefilled in the draft
         with the target's (and timed as prefill). Optional: ``step_batch`` feeds whatever the draft lacks anyway.
+        ``salt``: the session's block-key salt (``Sessions.salt``), so drafts share blocks within a tenant only.
         """
         if draft_kv is None:
             return 0
         keys = []
         if self.share_block_tokens:
             text = self.text_ids(token_ids)
-            keys = block_keys(text, self.share_block_tokens)
+            keys = block_keys(text, self.share_block_tokens, salt=salt)
             if draft_kv.length == 0:  # new, stateless or dropped: start from the longest published prefix
                 draft_kv.release()  # what the turn reserved; the prefill takes what it needs
                 self.num_draft_shared_tokens += draft_kv.share_prefix(keys[:(len(text) - 1) // self.share_block_tokens])

@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 DIGEST_RE = re.compile(r"[0-9a-f]{64}")  # hashlib.sha256(raw).hexdigest(), as session/families/image_decode.py makes it
 MAX_ADAPTER_NAME_LEN = 256
+MAX_CACHE_SALT_LEN = 64  # a sha256 hex digest (the chat service hashes the tenant and cache_salt)
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})  # a power loss empties them: an fsync there buys nothing
 CORRUPT_SUFFIX = ".corrupt"  # an entry moved aside
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -84,6 +85,7 @@ class JournalEntry:
     created_at: float
     expires_at: float  # wall clock (epoch seconds)
     adapter: str | None = None
+    cache_salt: str = ""  # SessionState.cache_salt
 
 
 class JournalFull(OSError):
@@ -141,6 +143,8 @@ def check_entry(fields: object) -> JournalEntry:
              "created_at and expires_at must be finite numbers (epoch seconds)")
     _require(entry.adapter is None or (isinstance(entry.adapter, str) and 0 < len(entry.adapter) <= MAX_ADAPTER_NAME_LEN),
              f"adapter must be null or a name of at most {MAX_ADAPTER_NAME_LEN} characters")
+    _require(isinstance(entry.cache_salt, str) and len(entry.cache_salt) <= MAX_CACHE_SALT_LEN,
+             f"cache_salt must be a string of at most {MAX_CACHE_SALT_LEN} characters")
     return entry
 
 

@@ -28,6 +28,9 @@ class SessionState:
     tier: Tier
     ephemeral: bool = False  # a stateless request's session: freed when its request ends
     adapter: str | None = None  # the LoRA adapter it was opened with; its KV is never reused under another
+    # Keys its shared KV blocks apart from other tenants' (the front's tenant, the request's cache_salt):
+    # only a request with the same salt finds them in the prefix cache. "": shared with every unsalted one.
+    cache_salt: str = ""
     token_ids: list[int] = field(default_factory=list)  # the transcript; kv.length <= len(token_ids)
     image_digests: list[str] = field(default_factory=list)  # one per image occurrence, in order (EmbeddingCache keys)
     ended_with_eos: bool = False  # did the last answer end with EOS (template end-of-turn already present)

@@ -91,13 +91,13 @@ class Sessions:
     # ------------------------------------------------------------------ open, get, forget
 
     def open(self, session_id: str, *, now: float, ttl_s: float, ephemeral: bool, adapter: str | None,
-             tier: Tier = Tier.DEVICE) -> SessionState:
+             tier: Tier = Tier.DEVICE, cache_salt: str = "") -> SessionState:
         kv = self.caches.new_kv()
         if tier is not Tier.DEVICE:
             kv.release()
         session = self.store.open(SessionState(
             session_id=session_id, kv=kv, created_at=now, last_used_at=now, expires_at=now + ttl_s,
-            ephemeral=ephemeral, tier=tier, adapter=adapter,
+            ephemeral=ephemeral, tier=tier, adapter=adapter, cache_salt=cache_salt,
         ))
         session.draft_kv = self.caches.new_draft_kv()
         return session
@@ -192,13 +192,18 @@ class Sessions:
             raise
 
     def block_keys(self, session: SessionState, token_ids: list[int], digests: list[str]) -> list[bytes]:
-        """The content keys of the full blocks of ``token_ids`` under the session's adapter
+        """The content keys of the full blocks of ``token_ids`` under the session's adapter and cache salt
         (session/model/prefix_cache.py); [] when an image's placeholder count is not known here."""
         counts = [self.embeddings.get(d).num_tokens if d in self.embeddings else None for d in digests]
         if None in counts:
             return []
-        return block_keys(token_ids, self.share_block_tokens, salt=self.prefix_salt(session.adapter),
+        return block_keys(token_ids, self.share_block_tokens, salt=self.salt(session),
                           image_token_id=self.runner.info.image_token_id, image_digests=digests, image_counts=counts)
+
+    def salt(self, session: SessionState) -> bytes:
+        """What keys the session's shared blocks apart: its adapter's salt, and its cache salt if any."""
+        salt = self.prefix_salt(session.adapter)
+        return salt + b"\0" + session.cache_salt.encode() if session.cache_salt else salt
 
     def publish(self, session: SessionState) -> int:
         """Publish the full blocks the session's KV has written of its transcript, for other
@@ -379,7 +384,7 @@ class Sessions:
         entry = JournalEntry(
             session_id=session.session_id, token_ids=session.token_ids, image_digests=session.image_digests,
             ended_with_eos=session.ended_with_eos, num_turns=session.num_turns, created_at=session.created_at,
-            expires_at=session.expires_at, adapter=session.adapter,
+            expires_at=session.expires_at, adapter=session.adapter, cache_salt=session.cache_salt,
         )
         known = ChainMap(image_bytes, self._image_bytes)  # this turn's images, and those kept before
         session.recoverable = self._journal_io(session, lambda: journal.write_session(entry, known))
@@ -424,7 +429,7 @@ class Sessions:
 
     def _adopt(self, entry: JournalEntry, now: float) -> SessionState:
         session = self.open(entry.session_id, now=now, ttl_s=0, ephemeral=False, adapter=entry.adapter,
-                            tier=Tier.DROPPED)
+                            tier=Tier.DROPPED, cache_salt=entry.cache_salt)
         session.created_at, session.expires_at = entry.created_at, entry.expires_at
         session.token_ids, session.image_digests = list(entry.token_ids), list(entry.image_digests)
         session.ended_with_eos, session.num_turns = entry.ended_with_eos, entry.num_turns
@@ -444,7 +449,8 @@ class Sessions:
         exported = {"session_id": session.session_id, "token_ids": list(session.token_ids),
                     "image_digests": list(session.image_digests), "ended_with_eos": session.ended_with_eos,
                     "num_turns": session.num_turns, "created_at": session.created_at,
-                    "expires_at": session.expires_at, "adapter": session.adapter, "images": images}
+                    "expires_at": session.expires_at, "adapter": session.adapter,
+                    "cache_salt": session.cache_salt, "images": images}
         self._moving[session.session_id] = now + self.move_timeout_s
         return exported
 
