@@ -41,6 +41,8 @@ class EngineConfig:
     session_ttl_s: float = 1200.0  # idle sessions expire after this many seconds
     reaper_interval_s: float = 1.0  # how often the engine looks for expired sessions
     max_sessions: int = 1024  # live sessions per worker; opening one more answers 503
+    # One tenant's share of them (the front's X-Resident-Tenant): one more answers 429, others unaffected; 0: none
+    max_sessions_per_tenant: int = 256
     max_context_tokens: int = 0  # 0 -> the model's max_position_embeddings
     max_new_tokens: int = 1024  # the largest max_tokens a request may ask for
     default_max_tokens: int = 128  # when a request does not say
@@ -60,6 +62,7 @@ class EngineConfig:
     max_images_per_request: int = 4
     max_prompt_chars: int = 1_000_000  # characters of message text per request; more answers 400 in parsing
     max_messages: int = 1024  # messages per request; more answers 400 in parsing
+    max_content_parts: int = 1024  # content parts of all messages together; more answers 400 in parsing
     max_image_decodes: int = 2  # images decoded at once per worker (the rest wait): bounds their memory
     max_cached_grammars: int = 256  # compiled response_format / tool grammars kept, least recently used dropped
     max_choices: int = 8  # the largest ``n`` a request may ask for
@@ -135,14 +138,14 @@ class EngineConfig:
         for name in ("session_ttl_s", "reaper_interval_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
-        for name in ("max_context_tokens", "threads", "device_budget_bytes", "host_budget_bytes",
+        for name in ("max_context_tokens", "threads", "max_sessions_per_tenant", "device_budget_bytes", "host_budget_bytes",
                      "max_session_tokens", "max_device_adapters", "max_host_adapters", "journal_max_bytes",
                      "journal_session_max_bytes", "max_embedding_bytes", "prefix_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",
                     "max_batch_size", "step_token_budget", "max_passed_over", "max_queue", "kv_block_tokens", "max_image_bytes", "max_image_pixels",
-                    "max_images_per_request", "max_prompt_chars", "max_messages", "max_image_decodes", "max_lora_rank",
+                    "max_images_per_request", "max_prompt_chars", "max_messages", "max_content_parts", "max_image_decodes", "max_lora_rank",
                     "max_cached_grammars", "max_choices",
                     "num_speculative_tokens", "speculative_max_batch"]
         for name in positive:

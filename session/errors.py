@@ -199,7 +199,8 @@ class RequestTimeout(ResidentError):
 
 
 class TooManyRequests(RetryLater):
-    """One client has more requests in flight than the front allows it (RESIDENT_FRONT_MAX_REQUESTS_PER_CLIENT)."""
+    """One client has more requests in flight than the front allows it (RESIDENT_FRONT_MAX_REQUESTS_PER_CLIENT),
+    or one tenant holds its share of a worker's sessions (RESIDENT_MAX_SESSIONS_PER_TENANT)."""
 
     status = 429
     type = "too_many_requests"

@@ -85,6 +85,7 @@ class Message:
         return extras
 
 
+MAX_TENANT_LEN = 128  # a tenant as the front names it: an id of at most 64 characters, or addr:<IPv6 address>
 MIN_SAMPLING_TEMPERATURE = 1e-4
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 

@@ -91,7 +91,8 @@ class Admission:
         if request.open_session or request.session_id is None:
             session = self.sessions.open(request.session_id or new_session_id(), now=self.clock(),
                                          ttl_s=self.session_ttl_s, ephemeral=not request.open_session,
-                                         adapter=request.adapter, cache_salt=request.cache_salt)
+                                         adapter=request.adapter, cache_salt=request.cache_salt,
+                                         tenant=request.tenant)
         else:
             session = self.sessions.get(request.session_id)
             if request.adapter is not None and request.adapter != session.adapter:

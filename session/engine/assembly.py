@@ -80,7 +80,8 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     formatter = ChatFormatter(
         tokenizer, image_token=getattr(tokenizer, "image_token", None) if info.image_token_id else None,
         image_token_id=info.image_token_id, eos_token_ids=info.eos_token_ids)
-    store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time)
+    store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time,
+                         max_per_tenant=config.max_sessions_per_tenant)
     embeddings = EmbeddingCache(max_bytes=config.max_embedding_bytes)
     journal = Journal(config.journal_dir, config.journal_max_bytes,
                       config.journal_session_max_bytes) if config.journal_dir else None

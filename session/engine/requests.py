@@ -43,6 +43,7 @@ class GenerationRequest:
     grammar: Grammar | None = None  # sampling.constraint compiled by the caller (``Engine.compile_grammar``)
     keep_special: bool = False  # the answer's text keeps special tokens (a tool-call parser reads their text)
     cache_salt: str = ""  # a new session's SessionState.cache_salt (a follow-up keeps its session's)
+    tenant: str = ""  # a new session's SessionState.tenant (the front's X-Resident-Tenant)
 
 
 @dataclass

@@ -8,6 +8,7 @@ answer and the SageMaker session headers. Errors become JSON bodies here, in one
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import os
@@ -55,6 +56,7 @@ from session.types import SEED_RANGE, ImagePart, Usage, redact
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
+OFF_LOOP_BYTES = 64 * 1024  # request bodies this large or larger are parsed on an executor thread
 EVENT_STREAM = "text/event-stream"
 
 
@@ -96,7 +98,8 @@ class ChatService:
         self.served_name = engine.config.model_name  # what answers name and /v1/models lists
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         config = engine.config
-        self.limits = PromptLimits(max_chars=config.max_prompt_chars, max_messages=config.max_messages)
+        self.limits = PromptLimits(max_chars=config.max_prompt_chars, max_messages=config.max_messages,
+                                   max_parts=config.max_content_parts)
         self._image_decodes = asyncio.Semaphore(config.max_image_decodes)
         self._live_ids: set[str] = set()  # request ids of this worker's generations not yet answered
         self._tools: ToolSupport | None = None  # the model's tool format, found on first use
@@ -120,14 +123,22 @@ class ChatService:
             if token is not None:
                 return await self._admin(token, body, request_id)
             parse = parse_completion_request if _endpoint(headers) == COMPLETIONS_ENDPOINT else parse_request
-            request = parse(body, headers, default_max_tokens=config.default_max_tokens,
-                            max_new_tokens=config.max_new_tokens, limits=self.limits, max_choices=config.max_choices)
+            request = await self._off_loop(functools.partial(
+                parse, body, headers, default_max_tokens=config.default_max_tokens,
+                max_new_tokens=config.max_new_tokens, limits=self.limits, max_choices=config.max_choices), body)
             session_id = request.session_id
             if request.closes_session:
                 return await self._close(request, request_id)
             return await self._generate(request, request_id)
         except Exception as exc:
             return error_response(exc, request_id, session_id)
+
+    async def _off_loop(self, work, body):
+        """Parse a large body on an executor thread: decoding and walking it must not stall the loop every
+        other request's events go through (a small one is parsed here, cheaper than the hand-off)."""
+        if isinstance(body, (bytes, str)) and len(body) < OFF_LOOP_BYTES:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(None, work)
 
     def _check_token(self, token: str | None) -> None:
         if not tokens_match(token, self.engine.config.admin_token):
@@ -261,7 +272,7 @@ class ChatService:
             image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=adapter,
             speculative=request.speculative, rendered=rendered, grammar=grammar,
             keep_special=tools is not None and request.tool_choice.mode != "none",
-            cache_salt=cache_salt(request.tenant, request.cache_salt))
+            cache_salt=cache_salt(request.tenant, request.cache_salt), tenant=request.tenant or "")
         if request.prompt is None:
             answer = _ChatAnswer(request, tools)
         else:

@@ -18,6 +18,7 @@ from typing import Any
 from session.errors import BadRequest
 from session.serving.tools import Tool, ToolChoice, parse_tool_choice, parse_tools
 from session.types import (
+    MAX_TENANT_LEN,
     SEED_RANGE,
     Constraint,
     ImagePart,
@@ -132,6 +133,7 @@ class PromptLimits:
 
     max_chars: int = 1_000_000  # message text, all messages together (RESIDENT_MAX_PROMPT_CHARS)
     max_messages: int = 1024  # RESIDENT_MAX_MESSAGES
+    max_parts: int = 1024  # content parts, all messages together (RESIDENT_MAX_CONTENT_PARTS)
 
 
 def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping[str, str], *,
@@ -183,7 +185,7 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
                        request_type=request_type, model=model, adapter=adapter.strip() if adapter else None,
                        speculative=speculative, include_usage=include_usage, tools=tools, tool_choice=tool_choice,
                        parallel_tool_calls=parallel, n=n, cache_salt=_cache_salt(data),
-                       tenant=header(headers, TENANT_HEADER))
+                       tenant=_tenant(headers))
 
 
 _COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
@@ -223,10 +225,17 @@ def parse_completion_request(body: bytes | str | Mapping[str, Any] | None, heade
                        adapter=adapter.strip() if adapter else None, include_usage=_include_usage(data, stream),
                        speculative=_typed(_get(data, "speculative", True), bool, "speculative"),
                        prompt=_prompt(data.get("prompt"), limits), echo=echo, cache_salt=_cache_salt(data),
-                       tenant=header(headers, TENANT_HEADER))
+                       tenant=_tenant(headers))
 
 
 MAX_CACHE_SALT_CHARS = 256
+
+
+def _tenant(headers: Mapping[str, str]) -> str | None:
+    tenant = header(headers, TENANT_HEADER)
+    if tenant is not None and not 0 < len(tenant) <= MAX_TENANT_LEN:
+        raise BadRequest(f"{TENANT_HEADER} must be 1 to {MAX_TENANT_LEN} characters")
+    return tenant
 
 
 def _cache_salt(data: dict) -> str:
@@ -506,6 +515,10 @@ def _parse_messages(raw: Any, limits: PromptLimits) -> tuple[Message, ...]:
         raise BadRequest("'messages' must be a non-empty list")
     if len(raw) > limits.max_messages:
         raise BadRequest(f"{len(raw)} messages; at most {limits.max_messages} per request (RESIDENT_MAX_MESSAGES)")
+    num_parts = sum(len(m["content"]) for m in raw if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if num_parts > limits.max_parts:
+        raise BadRequest(f"the messages have {num_parts} content parts; at most {limits.max_parts} per request "
+                         "(RESIDENT_MAX_CONTENT_PARTS)")
     messages = tuple(_parse_message(m, i) for i, m in enumerate(raw))
     num_chars = sum(len(p.text) for m in messages for p in m.parts if isinstance(p, TextPart))
     num_chars += sum(len(json.dumps(call)) for m in messages for call in m.tool_calls)

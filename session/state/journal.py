@@ -61,7 +61,7 @@ from hashlib import sha256
 from pathlib import Path
 
 from session.errors import BadRequest, ConfigError
-from session.types import redact, validate_session_id
+from session.types import MAX_TENANT_LEN, redact, validate_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class JournalEntry:
     expires_at: float  # wall clock (epoch seconds)
     adapter: str | None = None
     cache_salt: str = ""  # SessionState.cache_salt
+    tenant: str = ""  # SessionState.tenant
 
 
 class JournalFull(OSError):
@@ -145,6 +146,8 @@ def check_entry(fields: object) -> JournalEntry:
              f"adapter must be null or a name of at most {MAX_ADAPTER_NAME_LEN} characters")
     _require(isinstance(entry.cache_salt, str) and len(entry.cache_salt) <= MAX_CACHE_SALT_LEN,
              f"cache_salt must be a string of at most {MAX_CACHE_SALT_LEN} characters")
+    _require(isinstance(entry.tenant, str) and len(entry.tenant) <= MAX_TENANT_LEN,
+             f"tenant must be a string of at most {MAX_TENANT_LEN} characters")
     return entry
 
 

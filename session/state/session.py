@@ -31,6 +31,7 @@ class SessionState:
     # Keys its shared KV blocks apart from other tenants' (the front's tenant, the request's cache_salt):
     # only a request with the same salt finds them in the prefix cache. "": shared with every unsalted one.
     cache_salt: str = ""
+    tenant: str = ""  # who opened it (the front's X-Resident-Tenant): its sessions count against its share
     token_ids: list[int] = field(default_factory=list)  # the transcript; kv.length <= len(token_ids)
     image_digests: list[str] = field(default_factory=list)  # one per image occurrence, in order (EmbeddingCache keys)
     ended_with_eos: bool = False  # did the last answer end with EOS (template end-of-turn already present)

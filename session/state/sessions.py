@@ -91,13 +91,13 @@ class Sessions:
     # ------------------------------------------------------------------ open, get, forget
 
     def open(self, session_id: str, *, now: float, ttl_s: float, ephemeral: bool, adapter: str | None,
-             tier: Tier = Tier.DEVICE, cache_salt: str = "") -> SessionState:
+             tier: Tier = Tier.DEVICE, cache_salt: str = "", tenant: str = "") -> SessionState:
         kv = self.caches.new_kv()
         if tier is not Tier.DEVICE:
             kv.release()
         session = self.store.open(SessionState(
             session_id=session_id, kv=kv, created_at=now, last_used_at=now, expires_at=now + ttl_s,
-            ephemeral=ephemeral, tier=tier, adapter=adapter, cache_salt=cache_salt,
+            ephemeral=ephemeral, tier=tier, adapter=adapter, cache_salt=cache_salt, tenant=tenant,
         ))
         session.draft_kv = self.caches.new_draft_kv()
         return session
@@ -385,6 +385,7 @@ class Sessions:
             session_id=session.session_id, token_ids=session.token_ids, image_digests=session.image_digests,
             ended_with_eos=session.ended_with_eos, num_turns=session.num_turns, created_at=session.created_at,
             expires_at=session.expires_at, adapter=session.adapter, cache_salt=session.cache_salt,
+            tenant=session.tenant,
         )
         known = ChainMap(image_bytes, self._image_bytes)  # this turn's images, and those kept before
         session.recoverable = self._journal_io(session, lambda: journal.write_session(entry, known))
@@ -429,7 +430,7 @@ class Sessions:
 
     def _adopt(self, entry: JournalEntry, now: float) -> SessionState:
         session = self.open(entry.session_id, now=now, ttl_s=0, ephemeral=False, adapter=entry.adapter,
-                            tier=Tier.DROPPED, cache_salt=entry.cache_salt)
+                            tier=Tier.DROPPED, cache_salt=entry.cache_salt, tenant=entry.tenant)
         session.created_at, session.expires_at = entry.created_at, entry.expires_at
         session.token_ids, session.image_digests = list(entry.token_ids), list(entry.image_digests)
         session.ended_with_eos, session.num_turns = entry.ended_with_eos, entry.num_turns
@@ -450,7 +451,7 @@ class Sessions:
                     "image_digests": list(session.image_digests), "ended_with_eos": session.ended_with_eos,
                     "num_turns": session.num_turns, "created_at": session.created_at,
                     "expires_at": session.expires_at, "adapter": session.adapter,
-                    "cache_salt": session.cache_salt, "images": images}
+                    "cache_salt": session.cache_salt, "tenant": session.tenant, "images": images}
         self._moving[session.session_id] = now + self.move_timeout_s
         return exported
 

@@ -6,18 +6,21 @@ read-only counters, which are safe to read from any thread.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from cachetools import LRUCache
 
-from session.errors import CapacityExceeded, SessionNotFound
+from session.errors import CapacityExceeded, SessionNotFound, TooManyRequests
 from session.state.session import SessionState
 
 
 class SessionStore:
-    def __init__(self, *, ttl_s: float, max_sessions: int, clock: Callable[[], float]):
+    def __init__(self, *, ttl_s: float, max_sessions: int, clock: Callable[[], float], max_per_tenant: int = 0):
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
+        self.max_per_tenant = max_per_tenant  # 0: no share
+        self.per_tenant: Counter[str] = Counter()  # live sessions (not ephemeral) by tenant
         self.clock = clock
         self._sessions: dict[str, SessionState] = {}  # session_id -> state
         self._ended: LRUCache = LRUCache(maxsize=100_000)  # session_id -> "closed" | "expired", for messages
@@ -38,10 +41,16 @@ class SessionStore:
         return len(self._sessions) < self.max_sessions
 
     def open(self, state: SessionState) -> SessionState:
+        if not state.ephemeral and self.max_per_tenant and self.per_tenant[state.tenant] >= self.max_per_tenant:
+            raise TooManyRequests(f"this tenant has {self.per_tenant[state.tenant]} sessions open on this worker, its "
+                                  "share (RESIDENT_MAX_SESSIONS_PER_TENANT); close one (requestType CLOSE) or let one "
+                                  "expire", retry_after_s=5)
         if not state.ephemeral and not self.can_open():
             raise CapacityExceeded(f"this worker holds its maximum of {self.max_sessions} sessions", retry_after_s=5)
         self._sessions[state.session_id] = state
-        self.num_opened += 0 if state.ephemeral else 1
+        if not state.ephemeral:
+            self.num_opened += 1
+            self.per_tenant[state.tenant] += 1
         return state
 
     def get(self, session_id: str) -> SessionState:
@@ -64,6 +73,9 @@ class SessionStore:
         state = self._sessions.pop(session_id)
         state.release_tensors()
         if not state.ephemeral:
+            self.per_tenant[state.tenant] -= 1
+            if not self.per_tenant[state.tenant]:
+                del self.per_tenant[state.tenant]
             self._ended[session_id] = reason
             if reason == "expired":
                 self.num_expired += 1

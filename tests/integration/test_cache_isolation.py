@@ -1,6 +1,7 @@
-"""The shared prefix cache between tenants: a request finds (and ``cached_tokens`` reports) only the
-blocks that requests of its own tenant and ``cache_salt`` published; within one tenant the sharing
-stays. The tenant is what the front names in ``X-Resident-Tenant``."""
+"""Tenants on one worker. The shared prefix cache: a request finds (and ``cached_tokens`` reports) only
+the blocks that requests of its own tenant and ``cache_salt`` published; within one tenant the sharing
+stays. Sessions: a tenant at its share gets 429, the others open on. The tenant is what the front names
+in ``X-Resident-Tenant``."""
 
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ SECRET = "The PIN of the vault is 4417. " + " ".join(f"Clause {i}: the tenant ke
 
 
 @pytest.fixture(scope="module")
-def service():
-    engine = Engine(EngineConfig(model_path=str(build(REPO / "models")), speculative="off",
-                                 check_invariants=True)).start()
+def checkpoint_path():
+    return build(REPO / "models")
+
+
+@pytest.fixture(scope="module")
+def service(checkpoint_path):
+    engine = Engine(EngineConfig(model_path=str(checkpoint_path), speculative="off", check_invariants=True)).start()
     yield ChatService(engine, "smollm2")
     engine.stop()
 
@@ -60,3 +65,28 @@ def test_a_closed_sessions_blocks_stay_its_tenants(service):
     assert cached(service, "hooli")["cached"] == 0
     assert cached(service, "umbrella")["cached"] >= 256
     assert service.engine.parts.store.peek(session_id) is None
+
+
+def test_a_tenant_at_its_session_share_gets_429_and_others_open_on(checkpoint_path):
+    engine = Engine(EngineConfig(model_path=str(checkpoint_path), speculative="off", max_sessions_per_tenant=2,
+                                 check_invariants=True)).start()
+    service = ChatService(engine, "smollm2")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+    def open_as(tenant: str):
+        return call(service, body, {TENANT_HEADER: tenant, SESSION: "NEW_SESSION"})
+    try:
+        first, second = open_as("acme"), open_as("acme")
+        assert (first[0], second[0]) == (200, 200)
+        status, refused, headers = open_as("acme")
+        assert status == 429 and refused["error"]["type"] == "too_many_requests", refused
+        assert refused["error"]["message"].startswith("this tenant has 2 sessions open on this worker, its share")
+        assert headers["Retry-After"] == "5"
+        assert open_as("globex")[0] == 200  # another tenant is not held back by acme's sessions
+        assert call(service, body, {TENANT_HEADER: "acme"})[0] == 200  # nor are acme's stateless requests
+        closed = first[2][NEW].split(";")[0]
+        assert call(service, {"requestType": "CLOSE"}, {SESSION: closed})[0] == 200
+        assert open_as("acme")[0] == 200  # a closed session frees its place in the share
+        assert dict(engine.parts.store.per_tenant) == {"acme": 2, "globex": 1}
+    finally:
+        engine.stop()

@@ -16,6 +16,7 @@ from session.serving.protocol import (
     SESSION_HEADER,
     ChatRequest,
     CompletionIds,
+    PromptLimits,
     chunk_body,
     completion_body,
     format_expiry,
@@ -487,3 +488,15 @@ def test_sse_framing():
     assert sse({"a": 1, "b": [1, 2]}) == 'data: {"a":1,"b":[1,2]}\n\n'
     assert sse("[DONE]") == "data: [DONE]\n\n"
     assert sse({"t": "é"}) == 'data: {"t":"\\u00e9"}\n\n'
+
+
+def test_content_parts_are_capped_before_they_are_walked():
+    parts = [{"type": "text", "text": "a"}] * 3
+    body = {"messages": [{"role": "user", "content": parts}, {"role": "user", "content": parts}]}
+    limits = PromptLimits(max_parts=5)
+    with pytest.raises(BadRequest) as info:
+        parse_request(json.dumps(body), {}, default_max_tokens=8, max_new_tokens=8, limits=limits)
+    assert info.value.message == ("the messages have 6 content parts; at most 5 per request "
+                                  "(RESIDENT_MAX_CONTENT_PARTS)")
+    assert len(parse_request(json.dumps({"messages": body["messages"][:1]}), {}, default_max_tokens=8,
+                             max_new_tokens=8, limits=limits).messages[0].parts) == 3

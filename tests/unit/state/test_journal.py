@@ -394,3 +394,13 @@ def test_a_journal_under_dev_shm_does_not_fsync():
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
         assert Journal(Path(directory) / "journal").fsync is False
+
+
+def test_an_entry_keeps_its_tenant_and_cache_salt(tmp_path):
+    journal = Journal(tmp_path / "journal")
+    salted = entry("s1", tenant="acme", cache_salt=hashlib.sha256(b"acme").hexdigest())
+    journal.write_session(salted, {})
+    [back] = journal.entries()
+    assert (back.tenant, back.cache_salt) == ("acme", salted.cache_salt)
+    with pytest.raises(BadRequest, match="tenant must be a string of at most 128 characters"):
+        journal.write_session(entry("s2", tenant="x" * 129), {})
