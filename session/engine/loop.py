@@ -154,14 +154,16 @@ class Engine:
         if isinstance(event, Failed):
             raise event.error
 
-    def precheck(self, *, session_id: str | None, open_session: bool, adapter: str | None) -> None:
+    def precheck(self, *, session_id: str | None, open_session: bool, adapter: str | None, waiting: int = 0) -> None:
         """Refuse early, from the caller's thread, what the loop would refuse anyway, before the caller
         spends work on the request (decoding its images): a full queue, an unknown adapter, a session
         this worker does not hold. Reads without locks, so it may let through what the loop then
-        refuses (the loop's checks stay the authority); it never refuses what the loop would take."""
+        refuses (the loop's checks stay the authority); it never refuses what the loop would take.
+        ``waiting``: the caller's requests not yet submitted (waiting to decode images): they count
+        in the queue."""
         if self._stop.is_set():
             raise ServiceStopping()
-        if self._num_submitted + self._num_waiting >= self.config.max_queue:
+        if self._num_submitted + self._num_waiting + waiting >= self.config.max_queue:
             raise CapacityExceeded(f"{self.config.max_queue} requests are already waiting", retry_after_s=1)
         if adapter is not None:
             registry_or_404(self.parts.adapters, adapter).get(adapter)
@@ -205,6 +207,12 @@ class Engine:
     def decode(self, token_ids: list[int]) -> str:
         """Token ids as text (special tokens kept: a prompt echoed as it was given). Any thread."""
         return self.parts.tokenizer.decode(token_ids)
+
+    def image_size_check(self):
+        """The model's check of an image's (height, width), run on its header before the pixels are
+        decoded (``ImagePreprocessor.check_size``); None for a text-only model."""
+        vision = self.parts.vision
+        return None if vision is None else vision.check_size
 
     def preprocess_images(self, images: list) -> Images:
         """PIL images -> Images (pixels, original sizes, token counts). Runs in the caller's thread

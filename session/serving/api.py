@@ -22,6 +22,7 @@ from session.engine.events import AdminResult, Cancelled, Closed, EventStream, F
 from session.errors import BadRequest, Forbidden, ModelNotFound, RequestCancelled, ResidentError
 from session.families.image_decode import decode_data_url
 from session.families.vision import NO_IMAGES
+from session.serving.fairness import FairSlots
 from session.serving.protocol import (
     ADMIN_TOKEN_HEADER,
     CANCEL_HEADER,
@@ -100,7 +101,9 @@ class ChatService:
         config = engine.config
         self.limits = PromptLimits(max_chars=config.max_prompt_chars, max_messages=config.max_messages,
                                    max_parts=config.max_content_parts)
-        self._image_decodes = asyncio.Semaphore(config.max_image_decodes)
+        # Image decodes at once, and one tenant's share of them (half, at least one): a tenant's big images
+        # never hold every slot while another's small one waits.
+        self._image_decodes = FairSlots(config.max_image_decodes, max(1, config.max_image_decodes // 2))
         self._live_ids: set[str] = set()  # request ids of this worker's generations not yet answered
         self._tools: ToolSupport | None = None  # the model's tool format, found on first use
 
@@ -245,11 +248,12 @@ class ChatService:
             raise BadRequest(f"at most {config.max_images_per_request} images per request")
         opens, adapter = request.opens_session, self._adapter(request)
         if images:  # the costly part: refuse what the engine would refuse before paying for it
-            self.engine.precheck(session_id=request.session_id, open_session=opens, adapter=adapter)
-            async with self._image_decodes:
-                decoded, prepared = await loop.run_in_executor(None, self._prepare_images, images)
+            self.engine.precheck(session_id=request.session_id, open_session=opens, adapter=adapter,
+                                 waiting=self._image_decodes.num_waiting)
+            async with self._image_decodes.hold(request.tenant or ""):
+                encoded, prepared = await loop.run_in_executor(None, self._prepare_images, images)
         else:
-            decoded, prepared = [], NO_IMAGES
+            encoded, prepared = [], NO_IMAGES
         first_turn = opens or request.session_id is None
         tools = self.tool_support() if request.tools or _has_tool_messages(request) else None
         messages, template_tools, sampling = request.messages, None, request.sampling
@@ -268,8 +272,8 @@ class ChatService:
         base = GenerationRequest(
             messages=messages, sampling=sampling, stream=None,
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
-            images=prepared, image_digests=tuple(d.digest for d in decoded),
-            image_bytes=tuple(d.raw for d in decoded), request_id=request_id, adapter=adapter,
+            images=prepared, image_digests=tuple(digest for digest, _ in encoded),
+            image_bytes=tuple(raw for _, raw in encoded), request_id=request_id, adapter=adapter,
             speculative=request.speculative, rendered=rendered, grammar=grammar,
             keep_special=tools is not None and request.tool_choice.mode != "none",
             cache_salt=cache_salt(request.tenant, request.cache_salt), tenant=request.tenant or "")
@@ -357,11 +361,15 @@ class ChatService:
             self._tools = ToolSupport.of(self.engine.chat_template, self.engine.special_token_ids(MARKERS))
         return self._tools
 
-    def _prepare_images(self, images: list[ImagePart]):
-        config = self.engine.config
-        decoded = [decode_data_url(p.url, max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels)
-                   for p in images]
-        return decoded, self.engine.preprocess_images([d.image for d in decoded])
+    def _prepare_images(self, images: list[ImagePart]) -> tuple[list[tuple[str, bytes]], object]:
+        """Decode (each size judged from its header first) and preprocess; returns each image's (digest,
+        encoded bytes) and the model's inputs. The full-size decoded images are dropped here, not held
+        until the answer."""
+        config, check_size = self.engine.config, self.engine.image_size_check()
+        decoded = [decode_data_url(p.url, max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels,
+                                   check_size=check_size) for p in images]
+        prepared = self.engine.preprocess_images([d.image for d in decoded])
+        return [(d.digest, d.raw) for d in decoded], prepared
 
     def _logprobs(self, entries) -> list[dict] | None:
         """The engine's TokenLogprob entries in OpenAI's shape (None when the request asked none)."""
