@@ -82,6 +82,9 @@ class EngineConfig:
     # One session's share of the journal: its entry and the images no other journaled session names.
     # A session past it serves on, not crash-recoverable (logged once, journal_write_errors); 0 = none.
     journal_session_max_bytes: int = 8 << 20
+    # One tenant's share of the journal (its sessions' entries and the images only they name); past it
+    # that tenant's new sessions serve on, not crash-recoverable, and no other tenant's are affected. 0: none.
+    journal_tenant_max_bytes: int = 16 << 20
     heartbeat_file: str = ""  # touched by the engine loop (at least every second) for the watchdog; "" = off
     check_invariants: bool = False  # check the engine's invariant after every step (tests, load benchmark)
     session_id_tag: str = ""  # letters/digits appended to every new session id ("<uuid4>-<tag>"): routing
@@ -140,7 +143,7 @@ class EngineConfig:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
         for name in ("max_context_tokens", "threads", "max_sessions_per_tenant", "device_budget_bytes", "host_budget_bytes",
                      "max_session_tokens", "max_device_adapters", "max_host_adapters", "journal_max_bytes",
-                     "journal_session_max_bytes", "max_embedding_bytes", "prefix_cache_bytes"):
+                     "journal_session_max_bytes", "journal_tenant_max_bytes", "max_embedding_bytes", "prefix_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be >= 0, got {getattr(self, name)}")
         positive = ["session_ttl_s", "reaper_interval_s", "max_sessions", "max_new_tokens", "default_max_tokens",

@@ -83,8 +83,8 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions, clock=clock or time.time,
                          max_per_tenant=config.max_sessions_per_tenant)
     embeddings = EmbeddingCache(max_bytes=config.max_embedding_bytes)
-    journal = Journal(config.journal_dir, config.journal_max_bytes,
-                      config.journal_session_max_bytes) if config.journal_dir else None
+    journal = Journal(config.journal_dir, config.journal_max_bytes, config.journal_session_max_bytes,
+                      config.journal_tenant_max_bytes) if config.journal_dir else None
     adapters = admin.build_adapter_registry(config, runner, journal)
     speculator = _speculator(config, runner, tokenizer)
     if adapters is not None and runner.device.type != "cpu":

@@ -29,9 +29,10 @@ made it first, is not used: it picks a fresh private one, launch/torchserve.py.)
 Images are verified on read: the bytes must hash to the sha256 that names them. An image that does
 not is removed and not restored; the sessions naming it are not crash-recoverable, with a log line.
 
-Bounds: the journal holds at most ``max_bytes``, and one session at most ``session_max_bytes``
-(its entry and the images no other journaled session names), so one client's few large images
-cannot take the room every other session's crash recovery needs. A write past either raises
+Bounds: the journal holds at most ``max_bytes``, one session at most ``session_max_bytes`` (its entry
+and the images no other journaled session names), and one tenant's sessions together at most
+``tenant_max_bytes``, so one client's few large images, or one tenant's many sessions, cannot take
+the room every other session's crash recovery needs. A write past either raises
 ``JournalFull`` (an OSError, ENOSPC; ``JournalSessionFull`` for the quota, EDQUOT) before anything
 is written, like a full disk would, and the caller treats both the same way (docs/ENGINE.md,
 "durability faults").
@@ -99,6 +100,14 @@ class JournalImageCorrupt(OSError):
 
     def __init__(self, digest: str):
         super().__init__(errno.EIO, f"image {digest[:12]} in the journal does not match its sha256; removed")
+
+
+class JournalTenantFull(JournalFull):
+    """One tenant's sessions would take more of the journal than its share (RESIDENT_JOURNAL_TENANT_MAX_BYTES)."""
+
+    def __init__(self, need: int, max_bytes: int):
+        OSError.__init__(self, errno.EDQUOT, f"this tenant's sessions would take {need} bytes of the journal; its "
+                                             f"share is {max_bytes} (RESIDENT_JOURNAL_TENANT_MAX_BYTES)")
 
 
 class JournalSessionFull(JournalFull):
@@ -170,12 +179,16 @@ class Journal:
     ``directory``, ``sessions_dir`` and ``images_dir`` are for messages and tests: every access goes
     through the directories opened at construction (``close`` releases them)."""
 
-    def __init__(self, directory: str | Path, max_bytes: int = 0, session_max_bytes: int = 0):
+    def __init__(self, directory: str | Path, max_bytes: int = 0, session_max_bytes: int = 0,
+                 tenant_max_bytes: int = 0):
         self.directory = Path(directory)
         self.sessions_dir = self.directory / "sessions"
         self.images_dir = self.directory / "images"
         self.max_bytes = max_bytes  # 0: no cap
         self.session_max_bytes = session_max_bytes  # 0: no quota per session
+        self.tenant_max_bytes = tenant_max_bytes  # 0: no share per tenant
+        self._charged: dict[str, tuple[str, int]] = {}  # session_id -> (tenant, the bytes counted against it)
+        self._tenant_bytes: Counter[str] = Counter()
         self._dir_fd = open_journal_directory(self.directory)
         fds = [self._dir_fd]
         self._close = weakref.finalize(self, _close_all, fds)
@@ -224,13 +237,15 @@ class Journal:
         """The session's entry alone; the images it names must be here already (``write_session``)."""
         check_entry(asdict(entry))
         data = _encode(entry)
-        self._check_quota(entry, len(data), {})
+        own = self._check_quota(entry, len(data), {})
         self._write(self._sessions_fd, _entry_name(entry.session_id), data)
         self._note_refs(entry.session_id, entry.image_digests)
+        self._charge(entry.session_id, entry.tenant, own)
 
     def remove(self, session_id: str) -> None:
         self._remove(self._sessions_fd, _entry_name(session_id))
         self._note_refs(session_id, ())
+        self._charge(session_id, "", 0)
 
     def entries(self) -> list[JournalEntry]:
         """Every readable, valid entry whose images are here and intact; corrupt, partial or unsafe ones
@@ -253,6 +268,10 @@ class Journal:
                 continue
             self._note_refs(entry.session_id, entry.image_digests)
             out.append(entry)
+        self._charged.clear()
+        self._tenant_bytes.clear()
+        for entry in out:
+            self._charge(entry.session_id, entry.tenant, self._own_bytes(entry, len(_encode(entry)), {}))
         return out
 
     def _read_entry(self, name: str, intact: set[str]) -> JournalEntry:
@@ -320,20 +339,39 @@ class Journal:
 
     # ------------------------------------------------------------------ files and bytes
 
-    def _check_quota(self, entry: JournalEntry, entry_bytes: int, new_images: dict[str, int]) -> None:
+    def _check_quota(self, entry: JournalEntry, entry_bytes: int, new_images: dict[str, int]) -> int:
         """Raise JournalSessionFull when the session's entry and the images only it names (``new_images``:
-        digest -> bytes of those not written yet) pass its quota. An image another journaled entry
-        names is not counted: dropping this session would not free it."""
-        if not self.session_max_bytes:
-            return
+        digest -> bytes of those not written yet) pass its quota, JournalTenantFull when they would take
+        its tenant past its share. Returns those bytes."""
+        total = self._own_bytes(entry, entry_bytes, new_images)
+        if self.session_max_bytes and total > self.session_max_bytes:
+            raise JournalSessionFull(entry.session_id, total, self.session_max_bytes)
+        if self.tenant_max_bytes:
+            before = self._charged.get(entry.session_id, ("", 0))
+            after = self._tenant_bytes[entry.tenant] - (before[1] if before[0] == entry.tenant else 0) + total
+            if after > self.tenant_max_bytes:
+                raise JournalTenantFull(after, self.tenant_max_bytes)
+        return total
+
+    def _own_bytes(self, entry: JournalEntry, entry_bytes: int, new_images: dict[str, int]) -> int:
+        """The session's entry and the images no other journaled entry names (dropping it would free them)."""
         own = self._digests_of.get(entry.session_id, frozenset())
         total = entry_bytes
         for digest in set(entry.image_digests):
             if self._num_refs[digest] - (digest in own) > 0:
                 continue
             total += new_images[digest] if digest in new_images else _size(self._images_fd, validate_digest(digest))
-        if total > self.session_max_bytes:
-            raise JournalSessionFull(entry.session_id, total, self.session_max_bytes)
+        return total
+
+    def _charge(self, session_id: str, tenant: str, nbytes: int) -> None:
+        """Count ``nbytes`` of the journal against ``tenant`` for this session (0: the session left)."""
+        old_tenant, old = self._charged.pop(session_id, ("", 0))
+        self._tenant_bytes[old_tenant] -= old
+        if self._tenant_bytes[old_tenant] <= 0:
+            del self._tenant_bytes[old_tenant]
+        if nbytes:
+            self._charged[session_id] = (tenant, nbytes)
+            self._tenant_bytes[tenant] += nbytes
 
     def _note_refs(self, session_id: str, digests) -> None:
         old = self._digests_of.pop(session_id, frozenset())

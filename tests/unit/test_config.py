@@ -43,7 +43,7 @@ def test_defaults(model_dir):
             "device_budget_bytes": 0, "device_budget_fraction": 0.0,
         "host_budget_bytes": 2 << 30, "max_embedding_bytes": 1 << 30, "prefix_cache_bytes": 1 << 30,
         "max_session_tokens": 0, "journal_dir": "",
-        "journal_max_bytes": 32 << 20, "journal_session_max_bytes": 8 << 20,
+        "journal_max_bytes": 32 << 20, "journal_session_max_bytes": 8 << 20, "journal_tenant_max_bytes": 16 << 20,
             "heartbeat_file": "", "check_invariants": False, "session_id_tag": "", "adapters_dir": "",
         "max_device_adapters": 8, "max_host_adapters": 32, "max_lora_rank": 64, "pinned_adapters": "",
         "admin_token": "", "speculative": "auto", "draft_model_path": "", "num_speculative_tokens": 4,

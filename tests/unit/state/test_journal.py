@@ -404,3 +404,20 @@ def test_an_entry_keeps_its_tenant_and_cache_salt(tmp_path):
     assert (back.tenant, back.cache_salt) == ("acme", salted.cache_salt)
     with pytest.raises(BadRequest, match="tenant must be a string of at most 128 characters"):
         journal.write_session(entry("s2", tenant="x" * 129), {})
+
+
+def test_a_tenant_past_its_share_is_refused_and_others_are_not(tmp_path):
+    one = len(json.dumps({"version": 1, **entry("s1", tenant="acme").__dict__}).encode())
+    journal = Journal(tmp_path / "journal", tenant_max_bytes=2 * one + 50)
+    journal.write_session(entry("s1", tenant="acme"), {})
+    journal.write_session(entry("s2", tenant="acme"), {})
+    with pytest.raises(JournalFull, match=r"this tenant's sessions would take \d+ bytes of the journal; its share is \d+"):
+        journal.write_session(entry("s3", tenant="acme"), {})
+    journal.write_session(entry("s4", tenant="globex"), {})  # another tenant's room is its own
+    journal.write_session(entry("s2", tenant="acme", num_turns=2), {})  # rewriting one's own entry fits
+    journal.remove("s1")
+    journal.write_session(entry("s3", tenant="acme"), {})  # a removed session frees its tenant's room
+    reopened = Journal(tmp_path / "journal", tenant_max_bytes=2 * one + 50)
+    assert sorted(e.session_id for e in reopened.entries()) == ["s2", "s3", "s4"]
+    with pytest.raises(JournalFull):
+        reopened.write_session(entry("s5", tenant="acme"), {})  # the shares are counted again at start-up
