@@ -35,6 +35,8 @@ keys the per-client limits on it, logs it and forwards it as ``X-Resident-Tenant
 
 Abuse: connections are capped, each request's head and body have deadlines and each tenant's
 requests in flight are capped (``connections``); ``/ping`` is the only route that needs no body.
+Nothing is forwarded unchecked (``request_checks``): a routing header sent twice is 400 before any
+routing, and ``/predictions/{model}`` forwards only a plain model name in the raw path (else 404).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from session.front.forwarding import Call, Forwarder
 from session.front.health import Health
 from session.front.locator import SessionLocator
 from session.front.migration import Migrator
+from session.front.request_checks import check_single_headers, predictions_path
 from session.front.router import Backend, Router
 from session.front.tenants import TENANT, Tenants, peer_tenant
 from session.serving.protocol import (
@@ -223,8 +226,10 @@ class Front:
     async def invoke(self, request: web.Request) -> web.StreamResponse:
         """``/invocations``, ``/predictions/{model}``, ``/v1/chat/completions`` and InvokeEndpoint: one body,
         the same OpenAI chat shape, forwarded to the backend's ``/invocations`` (or the named model)."""
+        path = "/invocations"
+        if "model" in request.match_info:  # /predictions/{model}: only a plain name (request_checks), else 404
+            path = predictions_path(request.raw_path, self.config.model_name)
         body = await self._read_body(request)
-        path = request.path if request.path.startswith("/predictions/") else "/invocations"
         return await self._forward(request, body, path, events=False)
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
@@ -298,6 +303,7 @@ class Front:
         try:
             if request.path == "/ping":  # health checks come from the platform, at its own pace
                 return await handler(request)
+            check_single_headers(name for name, _ in request.headers.items())  # before routing: one copy of each routing header
             request[TENANT] = tenant = self.tenants.identify(request)
             with self.limiter.admit(tenant):
                 return await handler(request)
