@@ -22,7 +22,8 @@ import enum
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+import string
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from session.errors import BadRequest
@@ -86,6 +87,15 @@ class ToolCall:
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+MISTRAL_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates refuse a call id that is not 9 letters and digits (the id comes back with the
+    tool's result)."""
+    return "".join(secrets.choice(MISTRAL_ID_ALPHABET) for _ in range(9))
 
 
 def parse_tools(raw: Any) -> tuple[Tool, ...]:
@@ -315,7 +325,7 @@ def _parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
         calls, rest = _mistral_args_form(body)
     if not calls:
         return _content(text), []
-    return _content(head + rest), calls
+    return _content(head + rest), [replace(call, id=mistral_call_id()) for call in calls]
 
 
 def _mistral_list(body: str) -> tuple[list[ToolCall], str]:

@@ -9,6 +9,7 @@ transformers' ``generate`` with llguidance's mask, token for token."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import llguidance
@@ -57,15 +58,20 @@ def service(checkpoint):
     chat.engine.stop()
 
 
-@pytest.fixture(scope="module")
-def qwen_service(checkpoint, tmp_path_factory):
-    """The same weights and vocabulary with Qwen2.5's chat template (tools rendered by the template)."""
-    folder = tmp_path_factory.mktemp("smollm2-qwen-template")
+def with_template(checkpoint, folder, template):
+    """The same weights and vocabulary in ``folder``, with another family's chat template."""
+    folder.mkdir(exist_ok=True)
     for path in checkpoint.iterdir():
         if path.name != "chat_template.jinja":
             (folder / path.name).symlink_to(path)
-    (folder / "chat_template.jinja").write_text(QWEN_TEMPLATE.read_text())
-    chat = start(folder)
+    (folder / "chat_template.jinja").write_text(template.read_text())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen_service(checkpoint, tmp_path_factory):
+    """SmolLM2 with Qwen2.5's chat template (tools rendered by the template)."""
+    chat = start(with_template(checkpoint, tmp_path_factory.mktemp("smollm2-qwen-template"), QWEN_TEMPLATE))
     yield chat
     chat.engine.stop()
 
@@ -73,7 +79,7 @@ def qwen_service(checkpoint, tmp_path_factory):
 def calls_of(body: dict) -> list[dict]:
     message = body["choices"][0]["message"]
     for entry in message.get("tool_calls", []):
-        assert entry["type"] == "function" and entry["id"].startswith("call_")
+        assert entry["type"] == "function" and re.fullmatch(r"call_[0-9a-f]{24}|[A-Za-z0-9]{9}", entry["id"])
         jsonschema.validate(json.loads(entry["function"]["arguments"]), SCHEMAS[entry["function"]["name"]])
     return message.get("tool_calls", [])
 
@@ -233,3 +239,30 @@ def test_n_rows_share_a_long_prompts_prefill(service):
 def test_n_in_a_session_is_a_400(service):
     status, body, _ = call(service, {"messages": ASK, "n": 2}, {SESSION: "NEW_SESSION"})
     assert status == 400 and body["error"]["message"].startswith("n > 1 cannot be used in a session")
+
+
+@pytest.mark.parametrize("template, fmt, marker", [("llama-3.1-instruct.jinja", "llama3_json", '"parameters": '),
+                                                   ("mistral-7b-instruct-v0.3.jinja", "mistral", "[TOOL_CALLS]")])
+def test_llama3_and_mistral_templates_render_tools_and_their_calls_parse(checkpoint, tmp_path, template, fmt, marker):
+    folder = with_template(checkpoint, tmp_path / "model", QWEN_TEMPLATE.parent / template)
+    chat = start(folder)
+    try:
+        support = chat.tool_support()
+        assert (support.fmt.value, support.renders_tools) == (fmt, True)
+        body = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 80,
+                "parallel_tool_calls": False}
+        status, answer, headers = call(chat, body, {SESSION: "NEW_SESSION"})
+        assert status == 200, answer
+        [made] = calls_of(answer)
+        assert answer["choices"][0]["finish_reason"] == "tool_calls"
+        prompt, generated = session_tokens(chat, headers[NEW].split(";")[0], answer["usage"])
+        tokenizer = chat.engine.parts.tokenizer
+        assert '"name": "get_weather"' in tokenizer.decode(prompt)  # the template rendered the tools
+        assert marker in tokenizer.decode(generated) or fmt == "llama3_json"
+        history = ASK + [{"role": "assistant", "content": None, "tool_calls": [made]},
+                         {"role": "tool", "tool_call_id": made["id"], "name": made["function"]["name"],
+                          "content": "18 C"}]
+        status, follow, _ = call(chat, {"messages": history, "tools": [WEATHER, TIME], "max_tokens": 8})
+        assert status == 200, follow
+    finally:
+        chat.engine.stop()

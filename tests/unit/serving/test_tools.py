@@ -37,6 +37,7 @@ from session.types import Message, TextPart
 MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "smollm2-135m-instruct"
 TEMPLATES = Path(__file__).parent / "templates"
 CALL_ID_RE = re.compile(r"call_[0-9a-f]{24}")
+MISTRAL_ID_RE = re.compile(r"[A-Za-z0-9]{9}")
 WEATHER_PARAMETERS = {
     "type": "object",
     "properties": {
@@ -75,7 +76,8 @@ def bad_request(call) -> str:
 
 def only_call(text: str, fmt: ToolFormat) -> tuple[str | None, list[tuple[str, str]]]:
     content, calls = parse_tool_calls(text, fmt)
-    assert all(CALL_ID_RE.fullmatch(call.id) for call in calls)
+    ids = MISTRAL_ID_RE if fmt is ToolFormat.MISTRAL else CALL_ID_RE  # Mistral's templates take 9 alphanumerics
+    assert all(ids.fullmatch(call.id) for call in calls)
     return content, [(call.name, call.arguments) for call in calls]
 
 
