@@ -31,8 +31,19 @@ class FrontConfig:
     max_request_bytes: int = 6 * 1024 * 1024  # SageMaker's payload limit; larger requests get 413
     header_timeout_s: float = 10.0  # a request's head must arrive within this of its first byte (else: closed)
     body_timeout_s: float = 30.0  # a request's body must arrive within this of its head (else: 408)
-    idle_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
-    max_connections: int = 1024  # open connections; one more is answered 503 and closed
+    # An idle kept-alive connection is closed after this. Above the 60 s idle timeout of the load balancers
+    # before us (ELB's guidance: the target's keep-alive must outlast the balancer's, or a request sent on a
+    # connection the target is closing fails); idle connections never lock others out (max_connections).
+    idle_timeout_s: float = 75.0
+    # Open connections. One more closes the longest idle one (between requests, nothing left to send) to make
+    # room, or, with every one in a request, is answered 503 and closed.
+    max_connections: int = 1024
+    # The same per peer address (its own idle ones closed first); 0: no cap. Behind a load balancer, or on
+    # SageMaker, every client comes from its few addresses: set 0 there, or its concurrency.
+    max_connections_per_address: int = 64
+    # An answer whose client reads none of it (the socket's buffer stays full) for this long is cut: the
+    # connection aborted and the request cancelled on its backend.
+    write_timeout_s: float = 30.0
     # Requests in flight per client, that is per tenant (429 past it); 0: no limit. Without a key file or a
     # trusted header the tenant is the peer address, which behind a load balancer all share (docs/DEPLOY.md).
     max_requests_per_client: int = 64
@@ -92,9 +103,12 @@ class FrontConfig:
                                   "optionally ending in * (a prefix)")
         for name in ("timeout_s", "max_request_bytes", "health_interval_s", "health_timeout_s", "unhealthy_after",
                      "default_session_ttl_s", "cancel_timeout_s", "header_timeout_s", "body_timeout_s",
-                     "idle_timeout_s", "max_connections"):
+                     "idle_timeout_s", "max_connections", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be > 0, got {getattr(self, name)}")
+        if self.max_connections_per_address < 0:
+            raise ConfigError(f"{ENV_PREFIX}MAX_CONNECTIONS_PER_ADDRESS must be >= 0 (0: no cap), got "
+                              f"{self.max_connections_per_address}")
         if self.max_requests_per_client < 0:
             raise ConfigError(f"{ENV_PREFIX}MAX_REQUESTS_PER_CLIENT must be >= 0 (0: no limit), got "
                               f"{self.max_requests_per_client}")

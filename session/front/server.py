@@ -33,8 +33,9 @@ Tenants: the middleware resolves each request's tenant once (``tenants``: an API
 header, else the peer address; with a key file every route but ``/ping`` needs a key, else 401),
 keys the per-client limits on it, logs it and forwards it as ``X-Resident-Tenant``.
 
-Abuse: connections are capped, each request's head and body have deadlines and each tenant's
-requests in flight are capped (``connections``); ``/ping`` is the only route that needs no body.
+Abuse: connections are capped (in all and per address; idle ones make room), each request's head and
+body and each answer's writes have deadlines, and each tenant's requests in flight are capped
+(``connections``); ``/ping`` is the only route that needs no body.
 Nothing is forwarded unchecked (``request_checks``): a routing header sent twice is 400 before any
 routing, and ``/predictions/{model}`` forwards only a plain model name in the raw path (else 404).
 """
@@ -100,7 +101,9 @@ class Front:
                              unhealthy_after=config.unhealthy_after, default_ttl_s=config.default_session_ttl_s)
         # aiohttp refuses a body of client_max_size bytes or more; we allow exactly max_request_bytes.
         self.app = web.Application(client_max_size=config.max_request_bytes + 1, middlewares=[self._errors])
-        self.guard = ConnectionGuard(max_connections=config.max_connections, header_timeout_s=config.header_timeout_s)
+        self.guard = ConnectionGuard(max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
+                                     max_per_address=config.max_connections_per_address,
+                                     write_timeout_s=config.write_timeout_s)
         self.limiter = ClientLimiter(config.max_requests_per_client)
         self.tenants = Tenants.from_config(config)  # reads the API-key file, if any, once
         add = self.app.router
@@ -220,7 +223,9 @@ class Front:
                                   "num_lookups": self.locator.num_lookups,
                                   "num_lookup_fan_outs": self.locator.num_fan_outs,
                                   "connections": {"open": self.guard.num_open, "refused": self.guard.num_refused,
-                                                  "head_timeouts": self.guard.num_timed_out},
+                                                  "idle_closed": self.guard.num_evicted,
+                                                  "head_timeouts": self.guard.num_timed_out,
+                                                  "write_timeouts": self.guard.num_write_timeouts},
                                   "num_client_limit_refusals": self.limiter.num_refused})
 
     async def invoke(self, request: web.Request) -> web.StreamResponse:
