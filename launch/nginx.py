@@ -15,6 +15,9 @@ A backend started with RESIDENT_SESSION_ID_TAG=<tag> creates session ids ``<uuid
   backends' ``/invocations`` (the same OpenAI body), and so is ``/v1/completions``, marked
   ``X-Resident-Endpoint: completions`` as the front marks it (a ``map`` on the request's URI, so that
   the search of a moved session carries it too);
+- only a raw path (before percent-decoding) as plain as the location it matched is forwarded (404 else):
+  nginx matches locations on the decoded, resolved path but forwards the raw one, so
+  ``/predictions/..%2Fping`` would otherwise match ``/ping`` and reach TorchServe's route of that name;
 - abuse is bounded as at the front: our control headers (``X-Resident-Cancel``,
   ``X-Resident-Admin-Token``, ``X-Resident-Request-Id``, a client's ``X-Resident-Endpoint`` and
   ``X-Resident-Tenant``) never reach a backend (the engine names the request itself; the tenant is
@@ -50,6 +53,8 @@ from session.front.config import FrontConfig
 
 # The session id a tag follows: a uuid4 (36 characters of hex digits and dashes).
 _UUID_PATTERN = "[0-9a-fA-F-]{36}"
+# The raw paths forwarded: a model name as the front allows one (session/front/request_checks.py).
+PLAIN_PATHS = "ping|invocations|v1/chat/completions|v1/completions|predictions/[A-Za-z0-9_-]+(\\.[A-Za-z0-9_-]+)*"
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,12 @@ def render_http(site: NginxSite) -> str:
     lines += ["}", "", "# X-Resident-Endpoint: completions on /v1/completions; on any other path empty (not sent), whatever a",
               "# client sent.",
               "map $request_uri $resident_endpoint {", '    default "";', '    "~^/v1/completions(\\?|$)" completions;',
+              "}", "",
+              "# 1 for a raw request path (before decoding) as plain as the location it matches. nginx matches on the",
+              "# decoded, resolved path but forwards the raw one: /predictions/..%2Fping would match /ping here and",
+              "# reach the backend as a path TorchServe resolves to another of its routes.",
+              "map $request_uri $resident_plain_path {", "    default 0;",
+              f'    "~^/({PLAIN_PATHS})(\\?|$)" 1;',
               "}", "", "upstream resident_any {",
               "    zone resident_any 64k;  # least_conn counts shared by every worker", "    least_conn;"]
     lines += [f"    server {server} max_fails=1 fail_timeout=5s;" for server in site.servers]
@@ -139,6 +150,11 @@ def _server(site: NginxSite) -> str:
     proxy_read_timeout {timeout};
     proxy_send_timeout {timeout};
     add_header X-Resident-Upstream $upstream_addr always;
+    default_type application/json;
+
+    if ($resident_plain_path = 0) {{
+        return 404 '{{"error": {{"type": "not_found", "message": "no such path on this proxy"}}}}';
+    }}
 
     location = /ping {{
         proxy_pass http://resident_any;

@@ -4,8 +4,9 @@
   like a model name to the front could be another of the backend's routes to TorchServe
   (``/predictions/..%2Fping`` is ``/ping`` once decoded and resolved; ``/wfpredict`` likewise). So
   the front forwards only a raw path (before percent-decoding) that is exactly
-  ``/predictions/<name>``, the name being the served model's or letters, digits and ``._-`` without
-  ``..`` nor a leading dot; anything else is 404.
+  ``/predictions/<name>``, the name being the served model's or letters, digits and ``_-`` with
+  single dots between them (no ``..``, no leading or trailing dot); anything else is 404. The
+  generated nginx allows the same paths (``launch/nginx.py``).
 - Headers that route, name or authorise a request (``Authorization`` and every
   ``X-Amzn-SageMaker-*``, which the front forwards) must come at most once, in any case: with two,
   the front would route by one copy and a backend act on another (a session opened on a path
@@ -24,7 +25,7 @@ from aiohttp import web
 from session.errors import BadRequest
 
 PREDICTIONS_PREFIX = "/predictions/"
-MODEL_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")  # dots only between: no "..", none leading
 FORWARDED_PREFIX = "x-amzn-sagemaker-"  # the client headers the front forwards (forwarding.Call)
 
 
@@ -33,7 +34,7 @@ def predictions_path(raw_path: str, model_name: str) -> str:
     when it names a model plainly; else HTTPNotFound."""
     path = raw_path.partition("?")[0]
     name = path[len(PREDICTIONS_PREFIX):] if path.startswith(PREDICTIONS_PREFIX) else ""
-    if name == model_name or (MODEL_NAME_RE.fullmatch(name) and ".." not in name):
+    if name == model_name or MODEL_NAME_RE.fullmatch(name):
         return PREDICTIONS_PREFIX + name
     raise web.HTTPNotFound()
 

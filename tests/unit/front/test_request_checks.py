@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from launch.nginx import PLAIN_PATHS
 from session.front.config import FrontConfig
+from session.front.request_checks import PREDICTIONS_PREFIX, predictions_path
 from session.front.server import Front
 from session.serving.protocol import NEW_SESSION_HEADER, SESSION_HEADER
 from tests.fake_backend import TOKEN, SessionBackend
@@ -79,7 +82,8 @@ async def raw_post(port: int, target: str, headers: list[tuple[str, str]] = ()) 
 @pytest.mark.parametrize("target", [
     "/predictions/..%2Fping", "/predictions/..%2fping", "/predictions/%2e%2e/ping", "/predictions/%2E%2E%2Fping",
     "/predictions/llava/../ping", "/predictions/..%2Fwfpredict%2Fx", "/predictions/..", "/predictions/.",
-    "/predictions/llava%2F..%2F..%2Fping", "/predictions/ll%61va", "/predictions/a..b",
+    "/predictions/llava%2F..%2F..%2Fping", "/predictions/ll%61va", "/predictions/a..b", "/predictions/.llava",
+    "/predictions/llava.",
 ])
 async def test_a_predictions_path_that_is_not_a_plain_model_name_is_404_and_reaches_no_backend(target):
     recorder = await Recorder().start()
@@ -138,3 +142,21 @@ async def test_the_session_header_once_is_routed_as_before():
                 assert answer.status == 200
                 assert answer.headers[NEW_SESSION_HEADER].endswith("Z")
         assert [r["session"] for r in backend.requests] == ["NEW_SESSION"]
+
+
+@pytest.mark.parametrize("target", [
+    "/predictions/llava", "/predictions/llava.v1?x=1", "/invocations", "/ping", "/v1/completions",
+    "/predictions/..%2Fping", "/predictions/%2e%2e/ping", "/predictions/llava/../ping", "/predictions/a..b",
+    "/predictions/.llava", "/predictions/llava.", "/invocations/", "/predictions/ll%61va", "/wfpredict/x",
+])
+async def test_the_generated_nginx_forwards_the_raw_paths_the_front_does(target):
+    """launch/nginx.py's map on $request_uri (real nginx: tests/e2e/test_nginx.py) and the front agree."""
+    nginx_allows = re.fullmatch(f"/({PLAIN_PATHS})(\\?.*)?", target) is not None
+    if target.startswith(PREDICTIONS_PREFIX):
+        try:
+            front_allows = bool(predictions_path(target, "llava"))
+        except web.HTTPNotFound:
+            front_allows = False
+        assert nginx_allows == front_allows
+    assert nginx_allows == (target.partition("?")[0] in (
+        "/predictions/llava", "/predictions/llava.v1", "/invocations", "/ping", "/v1/completions"))
