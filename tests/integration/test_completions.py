@@ -9,27 +9,22 @@ import json
 import pytest
 import torch
 
-from model_store.build_smollm2 import build
-from session.config import EngineConfig
-from session.engine import Engine
-from session.serving.api import ChatService
 from session.serving.protocol import COMPLETIONS_ENDPOINT, ENDPOINT_HEADER
-from tests.conftest import REPO
+from tests.conftest import chat_service
 from tests.integration.test_structured_output import call
 
 PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    return build(REPO / "models")
+def checkpoint(smollm2_path):
+    return smollm2_path
 
 
 @pytest.fixture(scope="module")
 def service(checkpoint):
-    engine = Engine(EngineConfig(model_path=str(checkpoint), speculative="off", check_invariants=True)).start()
-    yield ChatService(engine, "llava")
-    engine.stop()
+    with chat_service(checkpoint) as chat:
+        yield chat
 
 
 def complete(service, body: dict, headers: dict | None = None):

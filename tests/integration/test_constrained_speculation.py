@@ -11,11 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from model_store.build_smollm2 import build
-from session.config import EngineConfig
-from session.engine import Engine
-from session.serving.api import ChatService
-from tests.conftest import REPO
+from tests.conftest import chat_service
 from tests.integration.test_structured_output import PERSON, schema_format
 from tests.integration.test_tool_calls import SCHEMAS, TIME, WEATHER
 
@@ -24,24 +20,18 @@ QUESTIONS = ["Invent a person who lives in Paris. Reply in JSON.", "Describe som
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    return build(REPO / "models")
+def checkpoint(smollm2_path):
+    return smollm2_path
 
 
 def answers(checkpoint, bodies: list[dict], **config) -> tuple[list[dict], int]:
     """Every body answered by one engine, all at once; and how many proposals its speculator made."""
-    engine = Engine(EngineConfig(model_path=str(checkpoint), check_invariants=True, **config)).start()
-    service = ChatService(engine, "smollm2")
-
-    async def go():
+    async def go(service):
         responses = await asyncio.gather(*(service.invoke({}, json.dumps(b)) for b in bodies))
         return [r.body for r in responses]
-    try:
-        out = asyncio.run(go())
-        speculator = engine.parts.speculator
-        return out, 0 if speculator is None else speculator.num_proposed
-    finally:
-        engine.stop()
+    with chat_service(checkpoint, **config) as service:
+        speculator = service.engine.parts.speculator
+        return asyncio.run(go(service)), 0 if speculator is None else speculator.num_proposed
 
 
 def without_ids(choice: dict) -> dict:

@@ -16,12 +16,8 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from model_store.build_smollm2 import build
-from session.config import EngineConfig
-from session.engine import Engine
-from session.serving.api import ChatService
 from session.serving.protocol import parse_request
-from tests.conftest import REPO
+from tests.conftest import chat_service
 
 NEW = "X-Amzn-SageMaker-New-Session-Id"
 SESSION = "X-Amzn-SageMaker-Session-Id"
@@ -35,15 +31,14 @@ CITIES = {"type": "object", "properties": {"cities": {"type": "array", "items": 
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    return build(REPO / "models")
+def checkpoint(smollm2_path):
+    return smollm2_path
 
 
 @pytest.fixture(scope="module")
 def service(checkpoint):
-    engine = Engine(EngineConfig(model_path=str(checkpoint), speculative="off", check_invariants=True)).start()
-    yield ChatService(engine, "smollm2")
-    engine.stop()
+    with chat_service(checkpoint) as chat:
+        yield chat
 
 
 @pytest.fixture(scope="module")

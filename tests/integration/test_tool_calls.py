@@ -18,13 +18,9 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from model_store.build_smollm2 import build
-from session.config import EngineConfig
-from session.engine import Engine
 from session.families.vision import NO_IMAGES
-from session.serving.api import ChatService
 from session.serving.protocol import parse_request
-from tests.conftest import REPO
+from tests.conftest import REPO, chat_service
 from tests.integration.test_structured_output import NEW, SESSION, GrammarProcessor, call, session_tokens
 
 WEATHER = {"type": "function", "function": {
@@ -42,20 +38,14 @@ QWEN_TEMPLATE = REPO / "tests" / "unit" / "serving" / "templates" / "qwen2.5-ins
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    return build(REPO / "models")
-
-
-def start(path) -> ChatService:
-    engine = Engine(EngineConfig(model_path=str(path), speculative="off", check_invariants=True)).start()
-    return ChatService(engine, "smollm2")
+def checkpoint(smollm2_path):
+    return smollm2_path
 
 
 @pytest.fixture(scope="module")
 def service(checkpoint):
-    chat = start(checkpoint)
-    yield chat
-    chat.engine.stop()
+    with chat_service(checkpoint) as chat:
+        yield chat
 
 
 def with_template(checkpoint, folder, template):
@@ -71,9 +61,8 @@ def with_template(checkpoint, folder, template):
 @pytest.fixture(scope="module")
 def qwen_service(checkpoint, tmp_path_factory):
     """SmolLM2 with Qwen2.5's chat template (tools rendered by the template)."""
-    chat = start(with_template(checkpoint, tmp_path_factory.mktemp("smollm2-qwen-template"), QWEN_TEMPLATE))
-    yield chat
-    chat.engine.stop()
+    with chat_service(with_template(checkpoint, tmp_path_factory.mktemp("smollm2-qwen-template"), QWEN_TEMPLATE)) as chat:
+        yield chat
 
 
 def calls_of(body: dict) -> list[dict]:
@@ -244,9 +233,7 @@ def test_n_in_a_session_is_a_400(service):
 @pytest.mark.parametrize("template, fmt, marker", [("llama-3.1-instruct.jinja", "llama3_json", '"parameters": '),
                                                    ("mistral-7b-instruct-v0.3.jinja", "mistral", "[TOOL_CALLS]")])
 def test_llama3_and_mistral_templates_render_tools_and_their_calls_parse(checkpoint, tmp_path, template, fmt, marker):
-    folder = with_template(checkpoint, tmp_path / "model", QWEN_TEMPLATE.parent / template)
-    chat = start(folder)
-    try:
+    with chat_service(with_template(checkpoint, tmp_path / "model", QWEN_TEMPLATE.parent / template)) as chat:
         support = chat.tool_support()
         assert (support.fmt.value, support.renders_tools) == (fmt, True)
         body = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 80,
@@ -264,5 +251,3 @@ def test_llama3_and_mistral_templates_render_tools_and_their_calls_parse(checkpo
                           "content": "18 C"}]
         status, follow, _ = call(chat, {"messages": history, "tools": [WEATHER, TIME], "max_tokens": 8})
         assert status == 200, follow
-    finally:
-        chat.engine.stop()
