@@ -74,7 +74,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     info = runner.info
     max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
     tokenizer, image_processor = _load_processing(locate(config.model_path), runner)  # a valid config's
-    vision = ImagePreprocessor.for_runner(runner, image_processor) if image_processor is not None else None
+    vision = ImagePreprocessor.for_runner(runner, image_processor, config.max_image_pixels) if image_processor is not None else None
     if vision is not None:  # what one image may cost the KV budget (anyres, dynamic resolution: up to this)
         logger.info("images: up to %d tokens each", vision.max_tokens_per_image)
     formatter = ChatFormatter(
