@@ -57,8 +57,9 @@ def passes_back(name: str) -> bool:
 
 
 def error_of(payload: bytes) -> dict:
-    """An error answer's ``{"type", "message"}``: ours (``{"error": {...}}``), TorchServe's own
-    (``{"code", "type", "message"}``), or, for anything else, the text as a ``backend_error``."""
+    """An error answer's ``{"type", "message", "code"}`` (``code`` the type, as ``ResidentError`` writes
+    it): ours (``{"error": {...}}``), TorchServe's own (``{"code", "type", "message"}``), or, for
+    anything else, the text as a ``backend_error``."""
     try:
         data = json.loads(payload)
     except (UnicodeDecodeError, ValueError):
@@ -66,5 +67,5 @@ def error_of(payload: bytes) -> dict:
     if isinstance(data, dict):
         error = data.get("error", data)
         if isinstance(error, dict) and isinstance(error.get("type"), str) and isinstance(error.get("message"), str):
-            return {"type": error["type"], "message": error["message"]}
-    return {"type": BackendError.type, "message": payload[:1000].decode("utf-8", "replace")}
+            return {"type": error["type"], "message": error["message"], "code": error["type"]}
+    return {"type": BackendError.type, "message": payload[:1000].decode("utf-8", "replace"), "code": BackendError.type}

@@ -8,13 +8,7 @@ One server start."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from typing import Literal
 
 import httpx
@@ -23,12 +17,11 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
+from tests.e2e.serving import launched_serve
 
 pytestmark = pytest.mark.e2e
 
-READY_S = 240.0  # SmolLM2 loads in seconds; generous for a loaded 2-core machine
-STOP_S = 30.0
 MAX_TOKENS = 96  # a forced answer here ends in under 80 tokens; a cut one would not parse
 
 PRODUCT_SCHEMA = {
@@ -91,31 +84,9 @@ def served_model() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def served(served_model, tmp_path_factory):
-    """The URL of a running ``python -m launch serve`` of SmolLM2; stopped by SIGTERM (exit 0 within
-    STOP_S asserted), else killed by PID."""
-    port = free_port(15)  # the front on port, its backend on port+10 .. +14
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "PORT", "SAGEMAKER_BIND_TO_PORT", "HOST", "MODEL", "BACKENDS", "RESIDENT_BACKEND_PORT",
-        "RESIDENT_SERVED_MODEL_NAME", "RESIDENT_MAX_CONTEXT_TOKENS")}
-    env.update(PORT=str(port), MODEL=served_model[0], RESIDENT_SPECULATIVE="off")
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log_path, "w") as log:  # a file, not a pipe: TorchServe's logs must never block on a reader
-        launcher = subprocess.Popen([sys.executable, "-m", "launch", "serve"], cwd=REPO, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + READY_S
-        while "serving " not in log_path.read_text():
-            assert launcher.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "not ready in time: " + log_path.read_text()[-3000:]
-            time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}/v1"
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(STOP_S) == 0
-    finally:
-        if launcher.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait(10)
+    """The /v1 URL of a running ``python -m launch serve`` of SmolLM2."""
+    with launched_serve(tmp_path_factory.mktemp("serve"), MODEL=served_model[0], RESIDENT_SPECULATIVE="off") as url:
+        yield url + "/v1"
 
 
 @pytest.fixture(scope="module")

@@ -4,54 +4,23 @@ OpenAI paths answer as well as the SageMaker ones, and ``/v1/models`` names the 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import requests
 
-from tests.conftest import REPO, free_port
+from tests.e2e.serving import launched_serve
 
 pytestmark = pytest.mark.e2e
 
-READY_S = 180.0  # the demo model loads in seconds; generous for a loaded 2-core machine
-STOP_S = 30.0
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_path, tmp_path_factory):
-    """The URL of a running ``python -m launch serve`` of the demo model; stopped by SIGTERM (exit 0
-    within STOP_S asserted), else killed by PID."""
-    port = free_port(15)  # the front on port, its backend on port+10 .. +14
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "PORT", "SAGEMAKER_BIND_TO_PORT", "HOST", "MODEL", "BACKENDS", "RESIDENT_BACKEND_PORT",
-        "RESIDENT_SERVED_MODEL_NAME", "RESIDENT_MAX_CONTEXT_TOKENS")}
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log_path, "w") as log:  # a file, not a pipe: TorchServe's logs must never block on a reader
-        launcher = subprocess.Popen([sys.executable, "-m", "launch", "serve"], cwd=REPO,
-                                    env={**env, "PORT": str(port)}, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_S
-        while "serving " not in log_path.read_text():
-            assert launcher.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "not ready in time: " + log_path.read_text()[-3000:]
-            time.sleep(0.3)
+    """The URL of a running ``python -m launch serve`` of the demo model."""
+    with launched_serve(tmp_path_factory.mktemp("serve")) as url:
         yield url
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(STOP_S) == 0
-    finally:
-        if launcher.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait(10)
 
 
 def test_models_name_the_checkpoint_with_its_context_length(served, tiny_model_path):

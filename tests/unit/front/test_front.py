@@ -178,7 +178,8 @@ async def test_backend_errors_are_relayed_as_json():
     async with stack(html_500, torchserve_404) as (front, backends, client):
         first = await client.post("/invocations", json=CHAT)
         assert first.status == 500
-        assert await first.json() == {"error": {"type": "backend_error", "message": "<html>oops</html>"}}
+        assert await first.json() == {"error": {"type": "backend_error", "message": "<html>oops</html>",
+                                                "code": "backend_error"}}
         front.router.acquire(front.router.backends[0])  # make backend 1 the least loaded
         third = await client.post("/endpoints/x/invocations", json=CHAT)
         assert third.status == 404
