@@ -254,19 +254,8 @@ class ChatService:
                 encoded, prepared = await loop.run_in_executor(None, self._prepare_images, images)
         else:
             encoded, prepared = [], NO_IMAGES
-        first_turn = opens or request.session_id is None
         tools = self.tool_support() if request.tools or _has_tool_messages(request) else None
-        messages, template_tools, sampling = request.messages, None, request.sampling
-        if tools is not None:
-            offered = request.tools if request.tool_choice.mode != "none" else ()
-            messages, template_tools = tools.prompt(request.messages, offered, first_turn)
-            forced = tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
-            sampling = sampling if forced is None else replace(sampling, constraint=forced)
-        if request.prompt is None:
-            rendered = await loop.run_in_executor(None, self.engine.render_turn, messages, prepared, first_turn,
-                                                  template_tools)
-        else:
-            rendered = await loop.run_in_executor(None, self.engine.render_prompt, request.prompt)
+        messages, rendered, sampling = await self._render(request, prepared, opens or request.session_id is None, tools)
         grammar = None if sampling.constraint is None else await loop.run_in_executor(
             None, self.engine.compile_grammar, sampling.constraint)
         base = GenerationRequest(
@@ -277,12 +266,7 @@ class ChatService:
             speculative=request.speculative, rendered=rendered, grammar=grammar,
             keep_special=tools is not None and request.tool_choice.mode != "none",
             cache_salt=cache_salt(request.tenant, request.cache_salt), tenant=request.tenant or "")
-        if request.prompt is None:
-            answer = _ChatAnswer(request, tools)
-        else:
-            echo = "" if not request.echo else request.prompt if isinstance(request.prompt, str) else \
-                await loop.run_in_executor(None, self.engine.decode, list(request.prompt))
-            answer = _TextAnswer(request, echo)
+        answer = await self._answer(request, tools)
         choices = await self._submit_all(base, request, rendered, answer)
         started = choices[0].started
         headers = {}
@@ -301,6 +285,34 @@ class ChatService:
         body = answer.body(ids, [answer.choice(c.index, f, self._logprobs) for c, f in zip(choices, finished)],
                            _total_usage([f.usage for f in finished]), finished[0].session_id)
         return ApiResponse(status=200, body=body, headers=headers, kind=kind)
+
+    async def _render(self, request: ChatRequest, prepared, first_turn: bool, tools: ToolSupport | None):
+        """(the messages the turn renders, its rendered prompt, its sampling) on an executor thread: the
+        chat template's rendering (tools described or handed to the template, a forced call's grammar
+        as the constraint), or a /v1/completions prompt as it is."""
+        loop = asyncio.get_running_loop()
+        if request.prompt is not None:
+            return (), await loop.run_in_executor(None, self.engine.render_prompt, request.prompt), request.sampling
+        messages, template_tools, sampling = request.messages, None, request.sampling
+        if tools is not None:
+            offered = request.tools if request.tool_choice.mode != "none" else ()
+            messages, template_tools = tools.prompt(request.messages, offered, first_turn)
+            forced = tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+            sampling = sampling if forced is None else replace(sampling, constraint=forced)
+        rendered = await loop.run_in_executor(None, self.engine.render_turn, messages, prepared, first_turn,
+                                              template_tools)
+        return messages, rendered, sampling
+
+    async def _answer(self, request: ChatRequest, tools: ToolSupport | None) -> _ChatAnswer | _TextAnswer:
+        """How the request's answers are shaped: a chat completion, or a text completion (its echo)."""
+        if request.prompt is None:
+            return _ChatAnswer(request, tools)
+        if not request.echo:
+            return _TextAnswer(request, "")
+        if isinstance(request.prompt, str):
+            return _TextAnswer(request, request.prompt)
+        loop = asyncio.get_running_loop()
+        return _TextAnswer(request, await loop.run_in_executor(None, self.engine.decode, list(request.prompt)))
 
     async def _submit_all(self, base: GenerationRequest, request: ChatRequest, rendered,
                           answer: _ChatAnswer | _TextAnswer) -> list[_Choice]:
