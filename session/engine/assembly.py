@@ -24,6 +24,7 @@ from session.errors import BadRequest, ConfigError
 from session.families.vision import NO_IMAGES, ImagePreprocessor, Images
 from session.model.attention import describe_backend
 from session.model.backend import ModelBackend, Stepper
+from session.model.blocks import blocks_for
 from session.model.kv_cache import PoolAccounts
 from session.model.runner import ModelRunner, select_device
 from session.state.embeddings import EmbeddingCache
@@ -214,7 +215,7 @@ def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget
     if budget <= 0:
         return
     token_nbytes = sum(pool.token_nbytes for pool in pools)
-    most_blocks = config.max_sessions * -(-max_context // config.kv_block_tokens)
+    most_blocks = config.max_sessions * blocks_for(max_context, config.kv_block_tokens)
     for pool in pools:
         share = budget * pool.token_nbytes // token_nbytes
         pool.reserve(1 + min(share // pool.block_nbytes, most_blocks))  # + the padding block

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from session.model.blocks import blocks_for
 from session.model.kv_cache import PAD_BLOCK, BlockPool, PagedKVCache
 
 FLASH_BLOCK_MULTIPLE = 256  # flash_attn_with_kvcache refuses paged blocks of other sizes
@@ -51,7 +52,7 @@ class PagedBatch:
 def plan_rows(kvs: list[PagedKVCache], num_new: int, num_blocks: int | None = None) -> list[list[int]]:
     """Host-side plan of a step, one row per cache: [seq_len, *slots(T), *block_table(NB)].
     ``num_blocks`` pads every block table to that width (CUDA graph buckets); default: the widest row."""
-    width = num_blocks or max(-(-(kv.length + num_new) // kv.block_tokens) for kv in kvs)
+    width = num_blocks or max(blocks_for(kv.length + num_new, kv.block_tokens) for kv in kvs)
     rows = []
     for kv in kvs:
         start, end = kv.length, kv.length + num_new

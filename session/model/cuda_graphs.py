@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from session.model.attention import columns, pad_row, plan_rows, to_batch
+from session.model.blocks import blocks_for
 from session.model.buckets import bucket_for, power_buckets
 from session.model.kv_cache import BlockPool, PagedKVCache
 
@@ -63,8 +64,8 @@ def graph_key(kvs: list[PagedKVCache], batch_buckets: tuple[int, ...], num_new: 
     if rows is None or any(kv.length + num_new > kv.max_tokens for kv in kvs):
         return None
     block_tokens = kvs[0].block_tokens
-    most = max(-(-kv.max_tokens // block_tokens) for kv in kvs)  # widest table a session can have
-    needed = max(-(-(kv.length + num_new) // block_tokens) for kv in kvs)
+    most = max(blocks_for(kv.max_tokens, block_tokens) for kv in kvs)  # widest table a session can have
+    needed = max(blocks_for(kv.length + num_new, block_tokens) for kv in kvs)
     blocks = bucket_for(needed, power_buckets(most))
     return (rows, blocks) if worth_a_graph(rows, blocks, kvs[0].pool) else None
 
@@ -123,7 +124,7 @@ class DecodeGraphs:
         ``ModelRunner.capture_decode_graphs``, from ``assemble``, after the pool is reserved (a pool that
         moves later is captured again)."""
         self._forget(pool)
-        block_buckets = power_buckets(-(-max_tokens // pool.block_tokens))
+        block_buckets = power_buckets(blocks_for(max_tokens, pool.block_tokens))
         kinds = [(rows, 1, False) for rows in self.batch_buckets]
         kinds += [(rows, self.verify_tokens, False) for rows in self.verify_buckets]
         kinds += [(rows, 1, True) for rows in self.batch_buckets if self.adapters]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from session.model.attention import attend_runs, causal_masks, choose_backend, columns, plan_rows, to_batch
 from session.model.backend import ModelInfo
+from session.model.blocks import blocks_for, blocks_missing
 from session.model.cpu import attention as cpu_attention, fused_layer
 from session.model.kv_cache import PAD_BLOCK, KVCache, PagedKVCache
 
@@ -314,7 +315,7 @@ def gathers_past_the_pool(kvs: list[PagedKVCache], num_new: int) -> bool:
     pool = kvs[0].pool
     if not pool.fixed or choose_backend(pool) != "sdpa":
         return False  # a pool without a budget (CPU default), or FlashAttention reading the pool in place
-    widest = max(-(-(kv.length + num_new) // pool.block_tokens) for kv in kvs)
+    widest = max(blocks_for(kv.length + num_new, pool.block_tokens) for kv in kvs)
     return len(kvs) * widest > pool.num_blocks
 
 
@@ -322,7 +323,7 @@ def padding_fits(kvs: list[PagedKVCache], lengths: list[int], width: int) -> boo
     """Can every row hold ``width`` positions from its length (padding included) without a fixed pool
     growing? Rows padded past what their turn reserved take blocks the memory manager did not count."""
     pool = kvs[0].pool
-    missing = sum(max(0, -(-(length + width) // pool.block_tokens) - len(kv.block_ids))
+    missing = sum(blocks_missing(length + width, pool.block_tokens, len(kv.block_ids))
                   for kv, length in zip(kvs, lengths))
     return not pool.fixed or missing <= pool.available
 

@@ -40,6 +40,7 @@ import logging
 import torch
 
 from session.errors import CapacityExceeded
+from session.model.blocks import blocks_for
 from session.model.prefix_cache import PrefixTable
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class BlockPool:
     def evict_idle_bytes(self, num_bytes: int) -> int:
         """Evict idle blocks, least recently used first, until ``num_bytes`` are freed or none is left
         idle; the bytes freed."""
-        return len(self._free_evicted(-(-num_bytes // self.block_nbytes))) * self.block_nbytes
+        return len(self._free_evicted(blocks_for(num_bytes, self.block_nbytes))) * self.block_nbytes
 
     def _free_evicted(self, num_blocks: int) -> list[int]:
         evicted = self.prefix.evict(num_blocks)
@@ -329,7 +330,7 @@ class BlockPool:
         """The keys (or ``values``) of positions 0 .. end-1 of a block table, [KVH, end, hd]: a view
         when the blocks are consecutive, else a gather."""
         pool = self.v if values else self.k
-        used = block_ids[: -(-end // self.block_tokens)]
+        used = block_ids[: blocks_for(end, self.block_tokens)]
         first = used[0] if used else 0
         if used == list(range(first, first + len(used))):
             return self._run_of(pool, first, len(used), 0, end)[layer]
@@ -351,7 +352,7 @@ class BlockPool:
             side = torch.cuda.stream(self.copy_stream)
         shape = (self.num_layers, self.num_kv_heads, length, self.head_dim)
         out = tuple(torch.empty(shape, dtype=self.dtype, pin_memory=cuda) for _ in range(2))
-        size, used = self.block_tokens, block_ids[: -(-length // self.block_tokens)]
+        size, used = self.block_tokens, block_ids[: blocks_for(length, self.block_tokens)]
         with side:
             self._copy_runs(out, used, size, length, cuda)
         if cuda:
@@ -474,7 +475,7 @@ class PagedKVCache:
 
     def capacity_for(self, num_tokens: int) -> int:
         """The capacity ``ensure_capacity(num_tokens)`` would leave (never less than today's)."""
-        blocks = -(-num_tokens // self.block_tokens)
+        blocks = blocks_for(num_tokens, self.block_tokens)
         return max(self.capacity, blocks * self.block_tokens)
 
     def ensure_capacity(self, num_tokens: int) -> None:
@@ -482,7 +483,7 @@ class PagedKVCache:
         blocks from the pool; what the session holds stays where it is."""
         if num_tokens > self.max_tokens:
             raise ValueError(f"KV cache cannot hold {num_tokens} tokens (max {self.max_tokens})")
-        missing = -(-num_tokens // self.block_tokens) - len(self.block_ids)
+        missing = blocks_for(num_tokens, self.block_tokens) - len(self.block_ids)
         if missing > 0:
             self.block_ids += self.pool.allocate(missing)
 
@@ -495,7 +496,7 @@ class PagedKVCache:
         from pinned memory without blocking; keyed by the blocks they name, so a table changed since
         (a crop, copy-on-write) gets new ones."""
         end = start + k.shape[1]
-        key = (start, end, tuple(self.block_ids[start // self.block_tokens: -(-end // self.block_tokens)]))
+        key = (start, end, tuple(self.block_ids[start // self.block_tokens: blocks_for(end, self.block_tokens)]))
         if self._slots is None or self._slots[0] != key:
             self._slots = key, to_device(self.slots(start, end), self.device)
         self.pool.write(layer, self._slots[1], k, v)

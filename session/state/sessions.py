@@ -36,6 +36,7 @@ from session.errors import BadRequest, CapacityExceeded, InvalidSessionId, Resid
 from session.families.mrope import segment_positions
 from session.families.vision import Images
 from session.model.backend import ModelBackend
+from session.model.blocks import blocks_missing
 from session.model.kv_cache import KVCache, PagedKVCache
 from session.model.prefix_cache import block_keys
 from session.state.embeddings import EmbeddingCache
@@ -578,4 +579,4 @@ def missing_blocks(kv: KVCache, num_tokens: int) -> tuple | None:
     what the memory manager makes room for in that pool; None for a static one."""
     if not isinstance(kv, PagedKVCache):
         return None
-    return kv.pool, max(0, -(-num_tokens // kv.block_tokens) - len(kv.block_ids))
+    return kv.pool, blocks_missing(num_tokens, kv.block_tokens, len(kv.block_ids))
