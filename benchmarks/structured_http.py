@@ -8,8 +8,11 @@ json_schema strict (benchmarks.structured's schema), 64 new tokens at most; then
 free, run (``ignore_eos``, which vLLM takes too) to the length of their constrained twin, so both decode
 the same tokens after the same prompt. Each kind runs once unmeasured, then ``--repeats`` times; the
 best run is kept. Reported: completion tokens/s over the batch's wall time, constrained / free, and
-how many constrained answers validate. Run it against each server in turn on the same machine
-(nothing else running), then ``--compare`` the result files.
+how many constrained answers validate. Then two validity rates: the schema suite (tests/schema_suite.py,
+74 schemas as strict ``response_format``, 16 at a time, greedy): answers that validate, answers cut at
+``max_tokens``, answers finished but invalid, schemas refused; and tool calls (``tool_choice``
+"required", 16 questions): answers whose calls all parse and validate against the function's schema.
+Run it against each server in turn on the same machine (nothing else running), then ``--compare``.
 """
 
 from __future__ import annotations
@@ -68,6 +71,58 @@ async def measure(url: str, model: str, concurrency: list[int], repeats: int) ->
     return rows
 
 
+async def suite_validity(session: aiohttp.ClientSession, url: str, model: str, max_tokens: int = 400) -> dict:
+    from tests.schema_suite import SCHEMAS, format_checker
+
+    async def one(i: int, name: str, schema: dict) -> str:
+        request = {"model": model, "temperature": 0, "max_tokens": max_tokens,
+                   "messages": [{"role": "user", "content": f"Answer {i} in JSON."}],
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                                              "strict": True}}}
+        async with session.post(f"{url}/chat/completions", json=request) as response:
+            answer = await response.json()
+        if response.status != 200:
+            return "refused"
+        choice = answer["choices"][0]
+        try:
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema, format_checker=format_checker())
+            return "valid"
+        except (ValueError, jsonschema.ValidationError):
+            return "cut" if choice["finish_reason"] == "length" else "invalid"
+    outcomes = []
+    for start in range(0, len(SCHEMAS), 16):
+        outcomes += await asyncio.gather(*(one(start + i, name, schema)
+                                           for i, (name, schema) in enumerate(SCHEMAS[start:start + 16])))
+    return {kind: outcomes.count(kind) for kind in ("valid", "cut", "invalid", "refused")} | {"total": len(outcomes)}
+
+
+async def tool_validity(session: aiohttp.ClientSession, url: str, model: str) -> dict:
+    from benchmarks.api_compat import WEATHER
+
+    cities = ["Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Accra", "Perth", "Dakar", "Hanoi",
+              "Bern", "Riga", "Doha", "Kyiv", "Sofia"]
+
+    async def one(city: str) -> bool:
+        request = {"model": model, "temperature": 0, "max_tokens": 96, "tools": [WEATHER], "tool_choice": "required",
+                   "messages": [{"role": "user", "content": f"What is the weather in {city}?"}]}
+        async with session.post(f"{url}/chat/completions", json=request) as response:
+            answer = await response.json()
+        calls = (answer["choices"][0]["message"].get("tool_calls") or []) if response.status == 200 else []
+        try:
+            for call in calls:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return bool(calls)
+    results = await asyncio.gather(*(one(city) for city in cities))
+    return {"valid": sum(results), "total": len(results)}
+
+
+async def validity(url: str, model: str) -> dict:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1200)) as session:
+        return {"suite": await suite_validity(session, url, model), "tools": await tool_validity(session, url, model)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
@@ -85,11 +140,20 @@ def main() -> None:
             for r in run["rows"]:
                 print(f"| {run['label']} | {r['concurrency']} | {r['free_tok_s']:.1f} | {r['constrained_tok_s']:.1f} "
                       f"| {r['ratio']:.2f}x | {r['constrained_valid']} |")
+        print("\n| server | schema suite: valid | cut at max_tokens | finished invalid | refused | forced tool calls valid |")
+        print("|---|---|---|---|---|---|")
+        for run in runs:
+            suite, tools = run["validity"]["suite"], run["validity"]["tools"]
+            print(f"| {run['label']} | {suite['valid']} / {suite['total']} | {suite['cut']} | {suite['invalid']} "
+                  f"| {suite['refused']} | {tools['valid']} / {tools['total']} |")
         return
     rows = asyncio.run(measure(args.base_url, args.model, args.concurrency, args.repeats))
+    valid = asyncio.run(validity(args.base_url, args.model))
     out = REPO / "benchmarks" / "results" / f"structured_http-{args.label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "base_url": args.base_url, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"label": args.label, "base_url": args.base_url, "rows": rows, "validity": valid},
+                              indent=2))
+    print(f"{args.label}: schema suite {valid['suite']}, forced tool calls {valid['tools']}")
     for r in rows:
         print(f"{args.label} @{r['concurrency']}: free {r['free_tok_s']:.1f} tok/s, constrained "
               f"{r['constrained_tok_s']:.1f} tok/s ({r['ratio']:.2f}x), valid {r['constrained_valid']}")
