@@ -128,7 +128,9 @@ def test_journal_is_private(server):
 
 def test_saturated_instance_is_never_restarted(tiny_model_path, tmp_path_factory):
     server = start(tmp_path_factory, "busy", RESIDENT_MAX_NEW_TOKENS=2000, RESIDENT_MAX_BATCH_SIZE=2)
-    watchdog = Watchdog(server, interval_s=0.5, failures_to_restart=2, stall_s=1.5).start()
+    # stall_s: a loaded 2-core CI machine has stalled the loop for over 1.5 s once (a KV pool growth
+    # while the test's 40 client threads, TorchServe and pytest share the cores), which is no hang.
+    watchdog = Watchdog(server, interval_s=0.5, failures_to_restart=2, stall_s=3.0).start()
     journal = Path(server.journal_dir)
     try:
         ping_ms, stop = [], threading.Event()
@@ -143,15 +145,15 @@ def test_saturated_instance_is_never_restarted(tiny_model_path, tmp_path_factory
         pinger = threading.Thread(target=ping)
         pinger.start()
         began = time.monotonic()
-        with ThreadPoolExecutor(24) as pool:  # 24 long answers, 2 decode at a time: a deep queue
+        with ThreadPoolExecutor(40) as pool:  # 40 long answers, 2 decode at a time: a deep queue
             answers = list(pool.map(lambda i: invoke(server, chat(f"story {i}", max_tokens=900), timeout=300),
-                                    range(24)))
+                                    range(40)))
         busy_s = time.monotonic() - began
         stop.set()
         pinger.join()
         # Saturated for longer than the watchdog's whole failure window, twice over.
         assert busy_s > 2 * (watchdog.stall_s + watchdog.failures_to_restart * watchdog.interval_s), busy_s
-        assert [a.status_code for a in answers] == [200] * 24
+        assert [a.status_code for a in answers] == [200] * 40
         assert server.num_restarts == 0 and watchdog.num_failures == 0
         ping_ms.sort()
         print(f"saturated {busy_s:.1f} s: {len(ping_ms)} pings, p50 {ping_ms[len(ping_ms) // 2]:.1f} ms, "
