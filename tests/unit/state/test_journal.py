@@ -12,15 +12,10 @@ from pathlib import Path
 import pytest
 
 from session.errors import BadRequest, ConfigError, InvalidSessionId
-from session.state.journal import (
-    Journal,
-    JournalEntry,
-    JournalFull,
-    JournalImageCorrupt,
-    JournalSessionFull,
-    filesystem_type,
-    mount_type,
-)
+from session.state.journal import Journal, JournalImageCorrupt
+from session.state.journal_entry import JournalEntry
+from session.state.journal_files import filesystem_type, mount_type
+from session.state.journal_quota import JournalFull, JournalSessionFull
 
 OTHER_UID = 12345
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
