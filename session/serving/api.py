@@ -2,7 +2,9 @@
 
 Shared by every front door (the TorchServe handler, tests): parse, decode images off the
 event loop, hand the turn to the engine, wait for its events, shape the OpenAI-style
-answer and the SageMaker session headers. Errors become JSON bodies here, in one place.
+answer and the SageMaker session headers. Errors become JSON bodies in one place
+(``api_response.error_response``); the rows' events are followed by ``row_streams`` and
+shaped into answers by ``answers``.
 """
 
 from __future__ import annotations
@@ -10,18 +12,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import logging
 import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from session.engine import AdapterRequest, CancelRequest, CloseRequest, Engine, GenerationRequest, SessionAdminRequest
-from session.engine.events import AdminResult, Cancelled, Closed, EventStream, Failed, Finished, Started, TextDelta
-from session.errors import BadRequest, Forbidden, ModelNotFound, RequestCancelled, ResidentError
+from session.engine.events import AdminResult, Closed, EventStream, Failed
+from session.errors import BadRequest, Forbidden, ModelNotFound
 from session.families.image_decode import decode_data_url
 from session.families.vision import NO_IMAGES
+from session.serving.answers import _ChatAnswer, _TextAnswer, _total_usage
+from session.serving.api_response import ApiResponse, error_response
+from session.serving.chat_request import ChatRequest, PromptLimits, parse_request
+from session.serving.completion_request import parse_completion_request
 from session.serving.fairness import FairSlots
 from session.serving.protocol import (
     ADMIN_TOKEN_HEADER,
@@ -34,44 +39,17 @@ from session.serving.protocol import (
     REQUEST_ID_RE,
     SESSION_HEADER,
     WORKER_HEADER,
-    ChatRequest,
-    CompletionIds,
-    PromptLimits,
-    chunk_body,
-    completion_body,
     header,
-    legacy_logprobs,
     load_json_object,
-    message_choice,
     new_session_header_value,
-    parse_completion_request,
-    parse_request,
-    sse,
-    text_choice,
-    text_completion_body,
     tokens_match,
 )
-from session.serving.tools import MARKERS, ToolCall, ToolSupport, finish_reason, streamable_prefix
-from session.types import SEED_RANGE, ImagePart, Usage, redact
+from session.serving.row_streams import RowStreams
+from session.serving.tool_format import MARKERS
+from session.serving.tools import ToolSupport
+from session.types import ImagePart
 
-logger = logging.getLogger(__name__)
-
-JSON = "application/json"
 OFF_LOOP_BYTES = 64 * 1024  # request bodies this large or larger are parsed on an executor thread
-EVENT_STREAM = "text/event-stream"
-
-
-@dataclass
-class ApiResponse:
-    status: int
-    body: dict | None = None  # a JSON body, or None when ``chunks`` streams the answer
-    headers: dict[str, str] = field(default_factory=dict)
-    chunks: AsyncIterator[str] | None = None  # server-sent events, for "stream": true
-    kind: str = "error"  # first | followup | stateless | close | error: for latency metrics
-
-    @property
-    def content_type(self) -> str:
-        return EVENT_STREAM if self.chunks is not None else JSON
 
 
 def _request_id(headers: Mapping[str, str]) -> str | None:
@@ -82,14 +60,6 @@ def _request_id(headers: Mapping[str, str]) -> str | None:
     if not REQUEST_ID_RE.fullmatch(value.strip()):
         raise BadRequest(f"{REQUEST_ID_HEADER} must match {REQUEST_ID_RE.pattern}")
     return value.strip()
-
-
-def error_response(exc: Exception, request_id: str = "", session_id: str | None = None) -> ApiResponse:
-    if isinstance(exc, ResidentError):
-        return ApiResponse(status=exc.status, body=exc.to_body(), headers=dict(exc.headers))
-    logger.error("request %s (session %s) failed", request_id, redact(session_id), exc_info=exc)
-    return ApiResponse(status=500, body={"error": {"type": "internal_error",
-                                                   "message": f"internal error; request id {request_id}"}})
 
 
 class ChatService:
@@ -106,6 +76,7 @@ class ChatService:
         self._image_decodes = FairSlots(config.max_image_decodes, max(1, config.max_image_decodes // 2))
         self._live_ids: set[str] = set()  # request ids of this worker's generations not yet answered
         self._tools: ToolSupport | None = None  # the model's tool format, found on first use
+        self._rows = RowStreams(engine)  # its requests' rows on the engine
 
     async def invoke(self, headers: Mapping[str, str], body) -> ApiResponse:
         """Called once per HTTP request by a front door, on its event loop."""
@@ -267,7 +238,7 @@ class ChatService:
             keep_special=tools is not None and request.tool_choice.mode != "none",
             cache_salt=cache_salt(request.tenant, request.cache_salt), tenant=request.tenant or "")
         answer = await self._answer(request, tools)
-        choices = await self._submit_all(base, request, rendered, answer)
+        choices = await self._rows.submit_all(base, request, rendered, answer)
         started = choices[0].started
         headers = {}
         if opens:
@@ -277,12 +248,12 @@ class ChatService:
         ids = answer.ids(request.model or self.served_name)
         kind = "first" if opens else ("followup" if started.session_id else "stateless")
         if request.stream:
-            return ApiResponse(status=200, headers=headers, chunks=self._chunks(choices, ids, answer), kind=kind)
+            return ApiResponse(status=200, headers=headers, chunks=self._rows.chunks(choices, ids, answer), kind=kind)
         try:
-            finished = [await self._finished(choice) for choice in choices]
+            finished = [await self._rows.finished(choice) for choice in choices]
         finally:
-            self._cancel_unfinished(choices)
-        body = answer.body(ids, [answer.choice(c.index, f, self._logprobs) for c, f in zip(choices, finished)],
+            self._rows.cancel_unfinished(choices)
+        body = answer.body(ids, [answer.choice(c.index, f, self._rows.shape_logprobs) for c, f in zip(choices, finished)],
                            _total_usage([f.usage for f in finished]), finished[0].session_id)
         return ApiResponse(status=200, body=body, headers=headers, kind=kind)
 
@@ -314,59 +285,6 @@ class ChatService:
         loop = asyncio.get_running_loop()
         return _TextAnswer(request, await loop.run_in_executor(None, self.engine.decode, list(request.prompt)))
 
-    async def _submit_all(self, base: GenerationRequest, request: ChatRequest, rendered,
-                          answer: _ChatAnswer | _TextAnswer) -> list[_Choice]:
-        """Submit the request's ``n`` rows and wait until each has started. The rows after the first wait
-        for its prefill when the prompt fills a KV block, so that they find its blocks in the prefix
-        cache; a shorter prompt has no block to share, and all rows are submitted at once."""
-        choices = [self._submit(base, 0, request.stream)]
-        shares_prefix = len(rendered.opening.token_ids) >= self.engine.config.kv_block_tokens if request.n > 1 else False
-        try:
-            if shares_prefix:
-                await self._wait_started(choices[0])
-            choices += [self._submit(base, i, request.stream) for i in range(1, request.n)]
-            for choice in choices:
-                await self._wait_started(choice)
-        except BaseException:
-            self._cancel_unfinished(choices)
-            raise
-        return choices
-
-    def _submit(self, base: GenerationRequest, index: int, deltas: bool) -> _Choice:
-        request_id = base.request_id if index == 0 else f"{base.request_id[:56]}-{index}"
-        sampling = base.sampling
-        if index and sampling.seed is not None:  # row i samples with seed + i (within the seed range)
-            seed = sampling.seed + index
-            sampling = replace(sampling, seed=seed if seed < SEED_RANGE[1] else sampling.seed - index)
-        stream = EventStream(asyncio.get_running_loop(), deltas=deltas)  # a plain request reads Finished's text
-        self.engine.submit(replace(base, stream=stream, request_id=request_id, sampling=sampling))
-        return _Choice(index=index, stream=stream, request_id=request_id)
-
-    async def _wait_started(self, choice: _Choice) -> None:
-        if choice.started is not None:
-            return
-        event = await self._next_event(choice.stream, choice.request_id)
-        if isinstance(event, Failed):
-            choice.done = True
-            raise event.error
-        assert isinstance(event, Started)
-        choice.started = event
-
-    async def _finished(self, choice: _Choice) -> Finished:
-        while True:
-            event = await self._next_event(choice.stream, choice.request_id)
-            if isinstance(event, (Finished, Failed)):
-                choice.done = True
-            if isinstance(event, Finished):
-                return event
-            if isinstance(event, Failed):
-                raise event.error
-
-    def _cancel_unfinished(self, choices: list[_Choice]) -> None:
-        for choice in choices:
-            if not choice.done:
-                self.engine.cancel(choice.request_id)
-
     def tool_support(self) -> ToolSupport:
         """The served model's tool format, found on first use (the vocabulary scan is the grammar compiler's)."""
         if self._tools is None:
@@ -382,183 +300,6 @@ class ChatService:
                                    check_size=check_size) for p in images]
         prepared = self.engine.preprocess_images([d.image for d in decoded])
         return [(d.digest, d.raw) for d in decoded], prepared
-
-    def _logprobs(self, entries) -> list[dict] | None:
-        """The engine's TokenLogprob entries in OpenAI's shape (None when the request asked none)."""
-        if entries is None:
-            return None
-        ids = sorted({e.token_id for e in entries} | {t for e in entries for t, _ in e.top})
-        texts = dict(zip(ids, self.engine.token_texts(ids)))
-
-        def one(token_id: int, logprob: float) -> dict:
-            text = texts[token_id]
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
-
-    async def _chunks(self, choices: list[_Choice], ids: CompletionIds, answer: _ChatAnswer | _TextAnswer) -> AsyncIterator[str]:
-        """The rows' events as one stream of chunks, each row's in order, rows interleaved as they come."""
-        pending: dict[asyncio.Future, _Choice] = {}
-        usages: list[Usage] = []
-        try:
-            for choice in choices:
-                for chunk in answer.first_chunks(ids, choice):
-                    yield sse(chunk)
-            pending = {self._next_of(choice): choice for choice in choices}
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for future in done:
-                    choice = pending.pop(future)
-                    event = future.result()
-                    if isinstance(event, Failed):
-                        choice.done = True
-                        yield sse(error_response(event.error).body)
-                        return
-                    for chunk in answer.chunks(choice, event, ids, self._logprobs):
-                        yield sse(chunk)
-                    if isinstance(event, Finished):
-                        choice.done = True
-                        usages.append(event.usage)
-                    else:
-                        pending[self._next_of(choice)] = choice
-            if answer.request.include_usage:  # as OpenAI sends it: a last chunk with no choices
-                yield sse(answer.usage_chunk(ids, _total_usage(usages)))
-            yield sse("[DONE]")
-        finally:
-            for future in pending:
-                future.cancel()
-            self._cancel_unfinished(choices)  # the consumer stopped reading (a disconnect): stop generating
-
-    def _next_of(self, choice: _Choice) -> asyncio.Future:
-        return asyncio.ensure_future(self._next_event(choice.stream, choice.request_id))
-
-    async def _next_event(self, stream: EventStream, request_id: str):
-        """The request's next event; Cancelled becomes Failed(RequestCancelled). If the caller's task is
-        cancelled (its client went away), the generation is cancelled too."""
-        try:
-            event = await stream.aget()
-        except asyncio.CancelledError:
-            self.engine.cancel(request_id)
-            raise
-        if isinstance(event, Cancelled):
-            return Failed(RequestCancelled(f"request {request_id} was cancelled ({event.reason}); "
-                                           "its turn was rolled back"))
-        return event
-
-
-@dataclass
-class _Choice:
-    """One of a request's ``n`` rows in flight."""
-
-    index: int
-    stream: EventStream
-    request_id: str
-    started: Started | None = None
-    done: bool = False  # Finished or Failed arrived
-    text: str = ""  # a stream's answer so far
-    num_text_sent: int = 0  # characters of ``text`` sent as content (tool calls hold some back)
-    logprobs: list = field(default_factory=list)  # a stream's TokenLogprob entries so far
-    num_logprobs_sent: int = 0
-
-
-class _ChatAnswer:
-    """A chat completion's answers: content, or content and tool calls parsed out of it."""
-
-    def __init__(self, request: ChatRequest, tools: ToolSupport | None):
-        self.request = request
-        self.choice_mode = request.tool_choice
-        self.tools = tools if request.tool_choice.mode != "none" else None
-
-    def ids(self, model: str) -> CompletionIds:
-        return CompletionIds(model=model)
-
-    def choice(self, index: int, finished: Finished, shape_logprobs) -> dict:
-        content, calls = self._parsed(finished.text)
-        return message_choice(index, content, finish_reason(finished.finish_reason, calls, self.choice_mode),
-                              shape_logprobs(finished.logprobs), [call.to_openai() for call in calls])
-
-    def body(self, ids: CompletionIds, choices: list[dict], usage: Usage, session_id: str | None) -> dict:
-        return completion_body(ids, choices, usage, session_id)
-
-    def first_chunks(self, ids: CompletionIds, choice: _Choice) -> list[dict]:
-        return [chunk_body(ids, {"role": "assistant", "content": ""}, index=choice.index)]
-
-    def usage_chunk(self, ids: CompletionIds, usage: Usage) -> dict:
-        return chunk_body(ids, None, usage=usage)
-
-    def _parsed(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return (text, []) if self.tools is None else self.tools.answer(text, self.choice_mode)
-
-    def chunks(self, choice: _Choice, event, ids: CompletionIds, shape_logprobs) -> list[dict]:
-        """The chunks one event of ``choice`` makes. Content goes out as it comes, but for what may be a
-        tool call (``streamable_prefix``), which is settled when the answer is finished: its calls as
-        ``delta.tool_calls``, one chunk each."""
-        wants_logprobs = self.request.sampling.logprobs is not None
-        out = []
-        if isinstance(event, TextDelta):
-            choice.text += event.text
-            choice.logprobs += event.logprobs
-            end = len(choice.text) if self.tools is None else self._streamable(choice.text)
-            if end > choice.num_text_sent:
-                logprobs = shape_logprobs(choice.logprobs[choice.num_logprobs_sent:]) if wants_logprobs else None
-                choice.num_logprobs_sent = len(choice.logprobs)
-                out.append(chunk_body(ids, {"content": choice.text[choice.num_text_sent:end]}, logprobs=logprobs,
-                                      index=choice.index))
-                choice.num_text_sent = end
-            return out
-        assert isinstance(event, Finished)
-        _, calls = self._parsed(event.text)
-        if calls:
-            out += [chunk_body(ids, {"tool_calls": [call.to_openai(k)]}, index=choice.index)
-                    for k, call in enumerate(calls)]
-        elif len(event.text) > choice.num_text_sent:
-            out.append(chunk_body(ids, {"content": event.text[choice.num_text_sent:]}, index=choice.index))
-        rest = shape_logprobs(list(event.logprobs[choice.num_logprobs_sent:])) if wants_logprobs else None
-        out.append(chunk_body(ids, {}, finish_reason=finish_reason(event.finish_reason, calls, self.choice_mode),
-                              logprobs=rest, index=choice.index))
-        return out
-
-    def _streamable(self, text: str) -> int:
-        if self.choice_mode.mode in ("required", "function"):
-            return 0  # the answer is calls, all of it
-        return streamable_prefix(text, self.tools.fmt)
-
-
-class _TextAnswer:
-    """A /v1/completions answer: the prompt's continuation as text (after the prompt, with ``echo``)."""
-
-    def __init__(self, request: ChatRequest, echo: str):
-        self.request = request
-        self.echo = echo
-
-    def ids(self, model: str) -> CompletionIds:
-        return CompletionIds.text(model)
-
-    def choice(self, index: int, finished: Finished, shape_logprobs) -> dict:
-        entries = shape_logprobs(finished.logprobs)
-        logprobs = None if entries is None else legacy_logprobs(entries, len(self.echo))
-        return text_choice(index, self.echo + finished.text, finished.finish_reason, logprobs)
-
-    def body(self, ids: CompletionIds, choices: list[dict], usage: Usage, session_id: str | None) -> dict:
-        return text_completion_body(ids, choices, usage)
-
-    def first_chunks(self, ids: CompletionIds, choice: _Choice) -> list[dict]:
-        choice.num_text_sent = len(self.echo)
-        return [text_completion_body(ids, [text_choice(choice.index, self.echo, None)], None)] if self.echo else []
-
-    def usage_chunk(self, ids: CompletionIds, usage: Usage) -> dict:
-        return text_completion_body(ids, [], usage)
-
-    def chunks(self, choice: _Choice, event, ids: CompletionIds, shape_logprobs) -> list[dict]:
-        wants_logprobs = self.request.sampling.logprobs is not None
-        entries = () if not wants_logprobs else event.logprobs if isinstance(event, TextDelta) else \
-            event.logprobs[choice.num_logprobs_sent:]
-        logprobs = legacy_logprobs(shape_logprobs(list(entries)), choice.num_text_sent) if wants_logprobs else None
-        choice.num_logprobs_sent += len(entries)
-        if isinstance(event, TextDelta):
-            choice.num_text_sent += len(event.text)
-            return [text_completion_body(ids, [text_choice(choice.index, event.text, None, logprobs)], None)]
-        return [text_completion_body(ids, [text_choice(choice.index, "", event.finish_reason, logprobs)], None)]
 
 
 def cache_salt(tenant: str | None, salt: str) -> str:
@@ -576,10 +317,3 @@ def _endpoint(headers: Mapping[str, str]) -> str | None:
 
 def _has_tool_messages(request: ChatRequest) -> bool:
     return any(m.role == "tool" or m.tool_calls for m in request.messages)
-
-
-def _total_usage(usages: list[Usage]) -> Usage:
-    """The n rows' usage: the prompt counted once (OpenAI's), the answers' tokens summed, and the most
-    prompt tokens any row found cached."""
-    return Usage(prompt_tokens=usages[0].prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages),
-                 cached_tokens=max(u.cached_tokens for u in usages))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from session.serving.protocol import parse_request
+from session.serving.chat_request import parse_request
 from tests.conftest import chat_service
 
 NEW = "X-Amzn-SageMaker-New-Session-Id"

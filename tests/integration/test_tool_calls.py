@@ -19,7 +19,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from session.families.vision import NO_IMAGES
-from session.serving.protocol import parse_request
+from session.serving.chat_request import parse_request
 from tests.conftest import REPO, chat_service
 from tests.integration.test_structured_output import NEW, SESSION, GrammarProcessor, call, session_tokens
 

@@ -8,7 +8,7 @@ import torch
 import session.model.sampling
 from session.errors import BadRequest, ResidentError
 from session.model.sampling import NOT_FINITE, make_generator, sample_one, sample_rows
-from session.serving.protocol import parse_request
+from session.serving.chat_request import parse_request
 from session.types import SamplingParams
 
 CPU = torch.device("cpu")

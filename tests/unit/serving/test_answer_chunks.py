@@ -4,8 +4,9 @@ until what may be a tool call, which is settled when the answer is finished."""
 from __future__ import annotations
 
 from session.engine.events import Finished, TextDelta
-from session.serving.api import _ChatAnswer, _Choice
-from session.serving.protocol import CompletionIds
+from session.serving.answer_bodies import CompletionIds
+from session.serving.answers import _ChatAnswer
+from session.serving.row_streams import _Choice
 from session.serving.tools import ToolSupport
 from session.types import Usage
 from tests.unit.serving.test_protocol import chat, parse

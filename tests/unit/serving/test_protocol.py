@@ -10,20 +10,15 @@ import uuid
 import pytest
 
 from session.errors import BadRequest, InvalidSessionId
+from session.serving.answer_bodies import CompletionIds, chunk_body, completion_body, message_choice
+from session.serving.chat_request import ChatRequest, PromptLimits, parse_request
 from session.serving.protocol import (
     CLOSE,
     NEW_SESSION,
     SESSION_HEADER,
-    ChatRequest,
-    CompletionIds,
-    PromptLimits,
-    chunk_body,
-    completion_body,
     format_expiry,
     header,
-    message_choice,
     new_session_header_value,
-    parse_request,
     sse,
 )
 from session.types import ImagePart, Message, TextPart, Usage, new_session_id, validate_session_id

@@ -14,24 +14,12 @@ import pytest
 import transformers
 
 from session.errors import BadRequest
-from session.serving.tools import (
-    MAX_TOOLS,
-    Tool,
-    ToolCall,
-    ToolChoice,
-    ToolFormat,
-    ToolSupport,
-    call_text,
-    detect_tool_format,
-    finish_reason,
-    parse_tool_calls,
-    parse_tool_choice,
-    parse_tools,
-    streamable_prefix,
-    template_renders_tools,
-    tool_call_grammar,
-    tools_system_prompt,
-)
+from session.serving.tool_calls import ToolCall, parse_tool_calls, streamable_prefix
+from session.serving.tool_fields import MAX_TOOLS, Tool, ToolChoice, parse_tool_choice, parse_tools
+from session.serving.tool_format import ToolFormat, detect_tool_format, template_renders_tools
+from session.serving.tool_grammar import tool_call_grammar
+from session.serving.tool_prompt import call_text, tools_system_prompt
+from session.serving.tools import ToolSupport, finish_reason
 from session.types import Message, TextPart
 
 MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "smollm2-135m-instruct"
