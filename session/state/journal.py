@@ -123,19 +123,22 @@ class Journal:
         absent = [d for d in missing if d not in image_bytes]
         if absent:
             raise FileNotFoundError(errno.ENOENT, f"image {absent[0][:12]} is neither in the journal nor given")
-        self._check_quota(entry, len(encode_entry(entry)), {d: len(image_bytes[d]) for d in missing})
+        own = self._check_quota(entry, len(encode_entry(entry)), {d: len(image_bytes[d]) for d in missing})
         for digest in missing:
             self.write_image(digest, image_bytes[digest])
-        self.write(entry)
+        self.write(entry, own_bytes=own)
 
-    def write(self, entry: JournalEntry) -> None:
-        """The session's entry alone; the images it names must be here already (``write_session``)."""
+    def write(self, entry: JournalEntry, *, own_bytes: int | None = None) -> None:
+        """The session's entry alone; the images it names must be here already (``write_session``).
+        ``own_bytes``: what ``write_session`` has just checked against the quotas (``_check_quota``), so
+        that a write checks them once; None: checked here."""
         check_entry(asdict(entry))
         data = encode_entry(entry)
-        own = self._check_quota(entry, len(data), {})
+        if own_bytes is None:
+            own_bytes = self._check_quota(entry, len(data), {})
         self._write(self._sessions_fd, entry_file_name(entry.session_id), data)
         self.quota.note_refs(entry.session_id, entry.image_digests)
-        self.quota.charge(entry.session_id, entry.tenant, own)
+        self.quota.charge(entry.session_id, entry.tenant, own_bytes)
 
     def remove(self, session_id: str) -> None:
         self._remove(self._sessions_fd, entry_file_name(session_id))
@@ -162,8 +165,9 @@ class Journal:
                 continue
             self.quota.note_refs(entry.session_id, entry.image_digests)
             out.append(entry)
-        for entry in out:
-            self.quota.charge(entry.session_id, entry.tenant, self._own_bytes(entry, len(encode_entry(entry)), {}))
+        if self.quota.enabled:  # what each tenant holds: only the quotas read it
+            for entry in out:
+                self.quota.charge(entry.session_id, entry.tenant, self._own_bytes(entry, len(encode_entry(entry)), {}))
         return out
 
     def _read_entry(self, name: str, intact: set[str]) -> JournalEntry:
@@ -230,7 +234,9 @@ class Journal:
     def _check_quota(self, entry: JournalEntry, entry_bytes: int, new_images: dict[str, int]) -> int:
         """Raise JournalSessionFull when the session's entry and the images only it names (``new_images``:
         digest -> bytes of those not written yet) pass its quota, JournalTenantFull when they would take
-        its tenant past its share. Returns those bytes."""
+        its tenant past its share. Returns those bytes (0 with neither quota: nothing is sized)."""
+        if not self.quota.enabled:
+            return 0
         total = self._own_bytes(entry, entry_bytes, new_images)
         self.quota.check(entry, total)
         return total

@@ -57,6 +57,11 @@ class JournalQuota:
         self._digests_of: dict[str, frozenset[str]] = {}  # session_id -> the digests its journaled entry names
         self._num_refs: Counter[str] = Counter()  # digest -> journaled entries naming it
 
+    @property
+    def enabled(self) -> bool:
+        """Whether there is a quota per session or a share per tenant: without, nothing needs counting."""
+        return bool(self.session_max_bytes or self.tenant_max_bytes)
+
     def check(self, entry: JournalEntry, total: int) -> None:
         """Raise JournalSessionFull when ``total`` (the bytes of the session's entry and of the images
         only it names: ``own_digests``) passes its quota, JournalTenantFull when it would take its

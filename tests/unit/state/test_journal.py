@@ -15,7 +15,7 @@ from session.errors import BadRequest, ConfigError, InvalidSessionId
 from session.state.journal import Journal, JournalImageCorrupt
 from session.state.journal_entry import JournalEntry
 from session.state.journal_files import filesystem_type, mount_type
-from session.state.journal_quota import JournalFull, JournalSessionFull
+from session.state.journal_quota import JournalFull, JournalQuota, JournalSessionFull
 
 OTHER_UID = 12345
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
@@ -331,6 +331,26 @@ def test_an_image_another_session_names_is_not_counted_against_a_session(tmp_pat
     journal.remove("s2")
     with pytest.raises(JournalSessionFull):
         journal.write(entry("s1", (DIGEST,), token_ids=[1, 2, 3, 4, 5]))
+
+
+def test_a_write_sizes_its_share_once_and_nothing_without_quotas(tmp_path, monkeypatch):
+    """write_session sizes the session's share once, with its images as given, and charges exactly
+    that to its tenant; with neither a quota nor a share nothing is sized."""
+    sized = []
+    own_digests = JournalQuota.own_digests
+    monkeypatch.setattr(JournalQuota, "own_digests", lambda quota, e: sized.append(e.session_id) or own_digests(quota, e))
+    share = entry_bytes(entry("s1", (DIGEST,), tenant="acme")) + len(RAW)
+    bounded = Journal(tmp_path / "bounded", tenant_max_bytes=share)
+    bounded.write_session(entry("s1", (DIGEST,), tenant="acme"), {DIGEST: RAW})  # exactly its tenant's share
+    assert sized == ["s1"] and bounded.nbytes == share
+    with pytest.raises(JournalFull):  # s1 was charged the whole share: no other entry of acme fits
+        bounded.write_session(entry("s2", tenant="acme", token_ids=[]), {})
+    sized.clear()
+    unbounded = Journal(tmp_path / "unbounded")
+    unbounded.write_session(entry("s1", (DIGEST,)), {DIGEST: RAW})
+    unbounded.write(entry("s1", (DIGEST,), num_turns=2))
+    assert [e.session_id for e in unbounded.entries()] == ["s1"]
+    assert sized == [] and unbounded.nbytes == entry_bytes(entry("s1", (DIGEST,), num_turns=2)) + len(RAW)
 
 
 def test_the_global_cap_still_holds(tmp_path):
