@@ -78,10 +78,10 @@ def measure(runner, num_rows: int, context: int, steps: int, block_tokens: int) 
 def measure_pool_layouts(runner, num_rows: int, context: int, steps: int, block_tokens: int) -> dict:
     """Median seconds per per-row decode step over a head-major and a token-major pool (the same
     contexts, consecutive blocks), measured round-robin; and whether both gave the same logits."""
-    from session.model.kv_cache import BlockPool
+    from session.model.kv_cache import KVPool
 
     info = runner.info
-    pools = {layout: BlockPool(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+    pools = {layout: KVPool(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                                dtype=runner.kv_dtype, device=runner.device, block_tokens=block_tokens,
                                head_major=layout == "head-major") for layout in POOL_LAYOUTS}
     caches = {layout: sessions(runner, num_rows, context, block_tokens, False, pool) for layout, pool in pools.items()}

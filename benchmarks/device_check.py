@@ -776,7 +776,7 @@ def memory_numbers(ctx: Context, pool=None) -> tuple[str, dict]:
         text = "device memory n/a (CPU)"
     if pool is not None:
         data |= {"pool": 2 * pool.k.numel() * pool.k.element_size(), "pool_blocks": pool.num_blocks,
-                 "held": pool.num_held * pool.block_nbytes}
+                 "held": pool.blocks.num_held * pool.block_nbytes}
         text += f"; KV pool {size(data['pool'])} ({pool.num_blocks} blocks), held {size(data['held'])}"
     return text, data
 

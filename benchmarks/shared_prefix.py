@@ -87,7 +87,7 @@ def ours(model: Path, seeds: list[int], block_tokens: int, threads: int) -> list
             opened = [ask(w2["system"] + q, SYSTEM_NEW, session_id=f"b{seed}-{i}", open_session=True)
                       for i, q in enumerate(w2["questions"])]
             pool = engine.parts.runner.kv_pool(block_tokens)
-            usage = {kind: blocks * pool.block_nbytes for kind, blocks in pool.usage().items()}
+            usage = {kind: blocks * pool.block_nbytes for kind, blocks in pool.blocks.usage().items()}
             private_copies = CONVERSATIONS * (SYSTEM // block_tokens) * pool.block_nbytes
             out.append({"seed": seed, "resend": {"turn1": one, "turn2": two}, "system": stateless,
                         "sessions": opened, "bytes": {"held": usage, "prefix_once": (SYSTEM // block_tokens)

@@ -22,7 +22,7 @@ import torch
 
 from session.families.registry import FAMILIES
 from session.model.backend import ModelInfo
-from session.model.kv_cache import BlockPool, KVCache
+from session.model.kv_cache import KVCache, KVPool
 
 
 class InjectedFault(RuntimeError):
@@ -96,7 +96,7 @@ class FakeRunner:
         self.num_calls = 0  # prefill, decode and extend calls, failed ones too
         self.num_decode_rows = 0
         self.bank = FakeBank()
-        self.pools: dict[int, BlockPool] = {}  # block_tokens -> pool
+        self.pools: dict[int, KVPool] = {}  # block_tokens -> pool
 
     def _maybe_fail(self, kind: str) -> None:
         if self.device_error is not None:
@@ -123,9 +123,9 @@ class FakeRunner:
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
         return self.kv_pool(block_tokens).new_cache(max_tokens)
 
-    def kv_pool(self, block_tokens: int) -> BlockPool:
+    def kv_pool(self, block_tokens: int) -> KVPool:
         if block_tokens not in self.pools:
-            self.pools[block_tokens] = BlockPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64,
+            self.pools[block_tokens] = KVPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64,
                                                  device=self.device, block_tokens=block_tokens)
         return self.pools[block_tokens]
 

@@ -211,7 +211,7 @@ def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget
         runner.configure_decode(config.attention, power_buckets(config.max_batch_size), verify_tokens, verify_buckets)
     pools = [runner.kv_pool(config.kv_block_tokens) for runner in runners]
     for pool in pools:  # idle shared blocks: at most prefix_cache_bytes (the budget may evict them sooner)
-        pool.prefix.max_idle_blocks = config.prefix_cache_bytes // pool.block_nbytes
+        pool.blocks.prefix.max_idle_blocks = config.prefix_cache_bytes // pool.block_nbytes
     if budget <= 0:
         return
     token_nbytes = sum(pool.token_nbytes for pool in pools)
@@ -219,7 +219,7 @@ def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget
     for pool in pools:
         share = budget * pool.token_nbytes // token_nbytes
         pool.reserve(1 + min(share // pool.block_nbytes, most_blocks))  # + the padding block
-        pool.fixed = True  # full: idle shared blocks are evicted, the pool never grows
+        pool.blocks.fixed = True  # full: idle shared blocks are evicted, the pool never grows
 
 
 def _speculator(config: EngineConfig, runner: ModelRunner, tokenizer):

@@ -1,7 +1,7 @@
 """Batched attention over the paged KV pool: one call per layer for every row of a step.
 
 A step feeds T new tokens to each of B rows (decode: T = 1; a multi-token verify: T > 1). Each
-row's keys live in blocks of the model's ``BlockPool`` (session/model/kv_cache.py), listed in its block
+row's keys live in blocks of the model's ``KVPool`` (session/model/kv_cache.py), listed in its block
 table. Per layer, the step writes the new keys and values into their pool slots (one indexed store
 for the batch; FlashAttention's kernel does it itself) and runs one attention call for the batch:
 - ``flash_attn``: FlashAttention's ``flash_attn_with_kvcache`` writes the new keys and values into
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from session.model.blocks import blocks_for
-from session.model.kv_cache import PAD_BLOCK, BlockPool, PagedKVCache
+from session.model.kv_cache import PAD_BLOCK, KVPool, PagedKVCache
 
 FLASH_BLOCK_MULTIPLE = 256  # flash_attn_with_kvcache refuses paged blocks of other sizes
 
@@ -90,7 +90,7 @@ KERNELS = {
 }
 
 
-def paged_flash_refusal(pool: BlockPool) -> str | None:
+def paged_flash_refusal(pool: KVPool) -> str | None:
     """Why neither FlashAttention kernel reads ``pool`` (None: they can); see the module docstring."""
     if pool.device.type != "cuda":
         return f"the pool is on {pool.device.type}"
@@ -129,7 +129,7 @@ def flash_attn_installed() -> bool:
     return True
 
 
-def choose_backend(pool: BlockPool) -> str:
+def choose_backend(pool: KVPool) -> str:
     """flash_attn, else varlen, where FlashAttention reads the pool; else sdpa (module docstring)."""
     if paged_flash_refusal(pool) is not None:
         return "sdpa"
@@ -138,7 +138,7 @@ def choose_backend(pool: BlockPool) -> str:
     return "varlen" if torch_paged_varlen() is not None else "sdpa"
 
 
-def describe_backend(pool: BlockPool, decode_path: str) -> str:
+def describe_backend(pool: KVPool, decode_path: str) -> str:
     """The start-up log line's words for the kernel that reads ``pool`` (``decode_path``: the runner's
     decode path's name), and why where it is SDPA over gathered blocks."""
     if pool.device.type == "cpu" and decode_path != "batched":  # ModelRunner.prefill, decode_paths.py
@@ -154,7 +154,7 @@ class PagedAttention:
     """One step's attention for every layer: built once per step (the SDPA masks are shared by the
     layers with the same window), called once per layer."""
 
-    def __init__(self, pool: BlockPool, batch: PagedBatch, windows: list[int | None], backend: str):
+    def __init__(self, pool: KVPool, batch: PagedBatch, windows: list[int | None], backend: str):
         self.pool = pool
         self.batch = batch
         self.backend = backend

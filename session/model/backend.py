@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from session.families.registry import Family
-from session.model.kv_cache import BlockPool, KVCache
+from session.model.kv_cache import KVCache, KVPool
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class ModelBackend(Stepper, Protocol):
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
         ...
 
-    def kv_pool(self, block_tokens: int) -> BlockPool:
+    def kv_pool(self, block_tokens: int) -> KVPool:
         ...
 
     def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = (), verify_tokens: int = 0,

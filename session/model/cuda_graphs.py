@@ -51,7 +51,7 @@ import torch
 from session.model.attention import columns, pad_row, plan_rows, to_batch
 from session.model.blocks import blocks_for
 from session.model.buckets import bucket_for, power_buckets
-from session.model.kv_cache import BlockPool, PagedKVCache
+from session.model.kv_cache import KVPool, PagedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def graph_key(kvs: list[PagedKVCache], batch_buckets: tuple[int, ...], num_new: 
     return (rows, blocks) if worth_a_graph(rows, blocks, kvs[0].pool) else None
 
 
-def worth_a_graph(num_rows: int, num_blocks: int, pool: BlockPool) -> bool:
+def worth_a_graph(num_rows: int, num_blocks: int, pool: KVPool) -> bool:
     """A graph gathers ``num_rows`` x ``num_blocks`` blocks of K and V per layer, and its memory is
     held for as long as the graphs live: none is captured past the pool's own size (a step that large,
     every row padded to a long one, is rare; it runs eagerly). With 256 rows and 4k-token contexts
@@ -115,7 +115,7 @@ class DecodeGraphs:
         bank = getattr(self.runner, "lora", None)
         return bank is not None and bool(bank.at)
 
-    def capture_all(self, pool: BlockPool, max_tokens: int) -> int:
+    def capture_all(self, pool: KVPool, max_tokens: int) -> int:
         """Capture every graph a step can need, at start-up: each batch bucket with each block-table bucket
         up to ``max_tokens`` (a session's context window), for plain decode steps, verifies and steps with
         adapter rows, largest first, so the shared memory pool is sized once by the largest graph and the
@@ -138,7 +138,7 @@ class DecodeGraphs:
     def _set(self, num_new: int, lora: bool) -> dict[tuple[int, int], Captured]:
         return self.lora_graphs if lora else self.graphs if num_new == 1 else self.verify_graphs
 
-    def _forget(self, pool: BlockPool) -> None:
+    def _forget(self, pool: KVPool) -> None:
         for graphs in (self.graphs, self.verify_graphs, self.lora_graphs):
             graphs.clear()
         self.pool_address = pool.k.data_ptr()
@@ -189,7 +189,7 @@ class DecodeGraphs:
         captured.graph.replay()
         return captured.logits[: len(kvs)].clone()
 
-    def _capture(self, pool: BlockPool, num_rows: int, num_blocks: int, num_new: int = 1,
+    def _capture(self, pool: KVPool, num_rows: int, num_blocks: int, num_new: int = 1,
                  lora: bool = False) -> Captured:
         what = "decode step" if num_new == 1 else f"{num_new}-token verify"
         logger.info("capturing the %s%s as a CUDA graph: %d rows, %d blocks of %d tokens", what,
@@ -241,7 +241,7 @@ def graph_rows(kvs: list[PagedKVCache], token_rows: list[list[int]], offsets: li
     return rows
 
 
-def graph_step(runner, pool: BlockPool, plan: torch.Tensor, with_offsets: bool, num_new: int = 1,
+def graph_step(runner, pool: KVPool, plan: torch.Tensor, with_offsets: bool, num_new: int = 1,
                with_adapters: bool = False) -> torch.Tensor:
     """The step a graph captures, over its ``plan`` (``graph_rows``) -> logits [rows, V] (a decode,
     ``num_new`` 1) or [rows, T, V] (a verify). With adapters, the LoRA bank takes each row's slot from

@@ -313,7 +313,7 @@ def gathers_past_the_pool(kvs: list[PagedKVCache], num_new: int) -> bool:
     copies are each row's own blocks, so a step never copies more than 1/layers of the pool at a
     time (what the memory plan sets aside: session/engine/assembly.py)."""
     pool = kvs[0].pool
-    if not pool.fixed or choose_backend(pool) != "sdpa":
+    if not pool.blocks.fixed or choose_backend(pool) != "sdpa":
         return False  # a pool without a budget (CPU default), or FlashAttention reading the pool in place
     widest = max(blocks_for(kv.length + num_new, pool.block_tokens) for kv in kvs)
     return len(kvs) * widest > pool.num_blocks
@@ -325,7 +325,7 @@ def padding_fits(kvs: list[PagedKVCache], lengths: list[int], width: int) -> boo
     pool = kvs[0].pool
     missing = sum(blocks_missing(length + width, pool.block_tokens, len(kv.block_ids))
                   for kv, length in zip(kvs, lengths))
-    return not pool.fixed or missing <= pool.available
+    return pool.blocks.can_take(missing)
 
 
 def step_inputs(runner: Layers, token_ids: list[int], lengths: list[int], offsets: list[int] | None):

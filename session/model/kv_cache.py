@@ -1,27 +1,18 @@
 """KV caches: sessions' keys and values, in blocks of a shared pool or in one fixed buffer.
 
-Paged (the dynamic path): one ``BlockPool`` per model and block size holds every session's keys
-and values. On accelerators they are token-major, ``[num_layers, num_blocks, block_tokens,
-num_kv_heads, head_dim]`` each, the layout FlashAttention's ``flash_attn_with_kvcache(block_table=...)``
-reads. On CPU they are head-major, ``[num_layers, num_kv_heads, num_blocks, block_tokens, head_dim]``:
-a head's keys over a run of consecutive blocks are then one contiguous stream, and torch's CPU flash
-kernel read them faster than the token-major view, with the same bits (benchmarks/attention_paths.py
---layouts; docs/MEASUREMENTS.md, "KV layout on CPU"). Only the pool's
-methods know the layout (and session/model/attention.py's FlashAttention call, token-major pools only).
-A ``PagedKVCache`` is one
-session's list of block ids (its block table). It grows by taking free blocks, so growth never
-copies what a session already holds, and a decode step for many sessions is one attention call per
-layer over the pool (session/model/attention.py). Block 0 is the pool's padding block: rows that pad a
-batch (CUDA graphs) write and read there; no session ever holds it.
+Paged (the dynamic path): one ``KVPool`` per model and block size (session/model/kv_pool.py: the
+tensors and their layout; its ``blocks``, session/model/block_pool.py: which block is free, held,
+shared or idle) holds every session's keys and values. A ``PagedKVCache`` is one session's list of
+block ids (its block table). It grows by taking free blocks, so growth never copies what a session
+already holds, and a decode step for many sessions is one attention call per layer over the pool
+(session/model/attention.py). Block 0 is the pool's padding block: rows that pad a batch (CUDA
+graphs) write and read there; no session ever holds it.
 
 Static (the fixed-shape path, session/model/static_shapes.py): ``StaticKVCache`` is one buffer
 ``[num_layers, num_kv_heads, max_tokens, head_dim]`` per K and V, allocated whole: the shape a
 static-shape compiler (NeuronCore, torch.compile without dynamic shapes) needs.
 
-Both answer the interface the engine uses: ``length``, ``nbytes``, ``capacity``, ``capacity_for``,
-``ensure_capacity``, ``write``, ``keys``, ``values``, ``crop``, ``release``, for the host tier
-(session/state/memory.py) ``to_host`` / ``load``, and for the shared prefix cache ``share_prefix`` /
-``publish`` (a static cache shares nothing).
+Both satisfy ``KVCache``, the interface the engine uses.
 
 Sharing (paged only): the pool counts each block's holders. A full block a cache has written can be
 published under its content key (session/model/prefix_cache.py); another cache then holds the same
@@ -34,385 +25,86 @@ evicts it.
 
 from __future__ import annotations
 
-import contextlib
-import logging
+from typing import Protocol
 
 import torch
 
-from session.errors import CapacityExceeded
-from session.model.blocks import blocks_for
-from session.model.prefix_cache import PrefixTable
+from session.model.block_pool import PAD_BLOCK
+from session.model.blocks import blocks_for, slot_ids
+from session.model.kv_pool import KVPool
 
-logger = logging.getLogger(__name__)
-
-PAD_BLOCK = 0  # the pool's padding block (see the module docstring)
+__all__ = ["PAD_BLOCK", "KVCache", "KVPool", "PagedKVCache", "PoolAccounts", "StaticKVCache", "to_device"]
 
 
-class BlockPool:
-    """Fixed-size KV blocks for every paged cache of one model (who calls this: ``ModelRunner``,
-    which owns it, and the caches it hands out; the engine loop thread only).
+class KVCache(Protocol):
+    """One session's keys and values, as the engine, the model runner and the memory manager use
+    them. Who calls this: the engine loop thread only."""
 
-    The pool is sized once where a device budget is known (``reserve``, from session/engine/assembly.py:
-    on CUDA the budget is never unlimited). Such a pool is ``fixed``: it never grows, so never holds
-    a second allocation of itself on a full card. The memory manager (session/state/memory.py) makes
-    room in it before a turn takes blocks (``available``), demoting sessions where its idle blocks do
-    not suffice; short all the same, ``allocate`` refuses (CapacityExceeded, 503) and ``crop`` gives
-    up a partly kept block rather than copy it. Where nothing was reserved (CPU, no budget) it doubles
-    when it runs out of free blocks: that copies the pool, at most log2(blocks) times in a worker's
-    life, and never on a session's own growth.
-    """
-
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, block_tokens: int, num_blocks: int = 1, head_major: bool | None = None):
-        self.head_major = device.type == "cpu" if head_major is None else head_major  # see the module docstring
-        self.block_dim = 2 if self.head_major else 1  # the blocks' dimension of k and v
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = device
-        self.block_tokens = block_tokens
-        self.k = self._empty(max(num_blocks, 1))
-        self.v = self._empty(max(num_blocks, 1))
-        self.free_ids = list(range(self.num_blocks - 1, PAD_BLOCK, -1))  # popped from the end: lowest id first
-        self.refs = [0] * self.num_blocks  # block -> caches holding it (the padding block: 0 forever)
-        self.num_held = 0  # blocks with refs > 0
-        self.num_shared = 0  # blocks with refs > 1
-        self.prefix = PrefixTable()  # published blocks by content key (session/model/prefix_cache.py)
-        self.fixed = False  # sized from a device budget: full means evict idle blocks, never grow
-        self.num_grows = 0  # pool copies so far (CUDA graphs captured over the old pool are stale after one)
-        # CUDA: host copies run on a side stream (``host_copy``); blocks freed while the latest may still
-        # read them wait in ``settling`` until its event is seen complete (``_give_back``)
-        self.copy_stream = None
-        self.copying = None  # the event after the latest host copy, until seen complete
-        self.settling: list[int] = []
-
-    def _empty(self, num_blocks: int) -> torch.Tensor:
-        # Zeroed: attention over a padded block table multiplies masked positions by 0, and 0 * NaN
-        # from uninitialised memory would still be NaN.
-        if self.head_major:
-            shape = (self.num_layers, self.num_kv_heads, num_blocks, self.block_tokens, self.head_dim)
-        else:
-            shape = (self.num_layers, num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    length: int  # tokens whose keys and values are stored
+    max_tokens: int
 
     @property
-    def num_blocks(self) -> int:
-        return self.k.shape[self.block_dim]
+    def capacity(self) -> int:
+        """Positions held now (a paged cache: its blocks, whole)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes this cache holds."""
 
     @property
     def token_nbytes(self) -> int:
         """Bytes one token's keys and values take in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
 
-    @property
-    def block_nbytes(self) -> int:
-        return self.block_tokens * self.token_nbytes
+    def capacity_for(self, num_tokens: int) -> int:
+        """The capacity ``ensure_capacity(num_tokens)`` would leave (never less than today's)."""
 
-    def new_cache(self, max_tokens: int) -> PagedKVCache:
-        return PagedKVCache(self, max_tokens=max_tokens)
+    def ensure_capacity(self, num_tokens: int) -> None:
+        """Hold room for ``num_tokens`` positions (before a prefill or decode run reaches them)."""
 
-    @property
-    def available(self) -> int:
-        """Blocks ``allocate`` can hand out without growing: the free ones (settling ones included) and
-        the idle published ones it would evict (a fixed pool's)."""
-        return len(self.free_ids) + len(self.settling) + (len(self.prefix.idle) if self.fixed else 0)
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_kv_heads, T, head_dim] for positions start .. start+T-1 of ``layer``."""
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        """``num_blocks`` free block ids, each now held once. Short of free blocks, a ``fixed`` pool
-        evicts idle published blocks (least recently used first), and past them refuses
-        (CapacityExceeded: the memory manager had not made room); any other grows."""
-        self._copy_pending()  # blocks a finished host copy held back are free again
-        if num_blocks > len(self.free_ids) + len(self.settling) and self.fixed:
-            if num_blocks > self.available:
-                raise CapacityExceeded(f"the KV block pool is full ({self.num_blocks - 1} blocks of {self.block_tokens} "
-                                       f"tokens, {num_blocks} more asked for); retry shortly", retry_after_s=1)
-            self._free_evicted(num_blocks - len(self.free_ids) - len(self.settling))
-        if num_blocks > len(self.free_ids) and self.settling:
-            self._settle()  # the host waits for the copy still reading them
-        if num_blocks > len(self.free_ids):
-            self.reserve(max(2 * self.num_blocks, self.num_blocks + num_blocks - len(self.free_ids)))
-        taken = self.free_ids[len(self.free_ids) - num_blocks:][::-1]
-        del self.free_ids[len(self.free_ids) - num_blocks:]
-        for block in taken:
-            self.refs[block] = 1
-        self.num_held += num_blocks
-        return taken
+    def keys(self, layer: int, end: int) -> torch.Tensor:
+        """[num_kv_heads, end, head_dim]."""
 
-    def free(self, block_ids: list[int]) -> None:
-        """Drop one hold on each block. A block no cache holds any more is free again, or, if it is
-        published, idle: kept for a later ``lookup`` until evicted. A table's tail goes idle before its
-        head, so eviction takes a chain's last blocks first (its head is what other requests share)."""
-        freed = []
-        for block in reversed(block_ids):
-            self.refs[block] -= 1
-            assert self.refs[block] >= 0, f"block {block} freed more often than it was held"
-            self.num_shared -= self.refs[block] == 1
-            if self.refs[block]:
-                continue
-            self.num_held -= 1
-            if block in self.prefix.key_of:
-                self.prefix.idle[block] = None
-                self.prefix.idle.move_to_end(block)
-            else:
-                freed.append(block)
-        self._give_back(freed)
-        cap = self.prefix.max_idle_blocks
-        if cap is not None and len(self.prefix.idle) > cap:
-            self._free_evicted(len(self.prefix.idle) - cap)
+    def values(self, layer: int, end: int) -> torch.Tensor:
+        """[num_kv_heads, end, head_dim]."""
 
-    # ---- sharing: blocks published by content key (session/model/prefix_cache.py)
+    def share_prefix(self, keys: list[bytes]) -> int:
+        """Hold published blocks of the longest prefix of ``keys``; the tokens they hold (0: none)."""
 
-    def lookup(self, keys: list[bytes]) -> list[int]:
-        """The published blocks of the longest prefix of ``keys``, each now held once more."""
-        found = []
-        for key in keys:
-            block = self.prefix.block_of.get(key)
-            if block is None:
-                break
-            if self.refs[block] == 0:
-                self.prefix.idle.pop(block)
-                self.num_held += 1
-            self.num_shared += self.refs[block] == 1
-            self.refs[block] += 1
-            found.append(block)
-        self.prefix.num_hit_blocks += len(found)
-        return found
+    def publish(self, keys: list[bytes]) -> int:
+        """Publish full written blocks under ``keys``; how many were newly published."""
 
-    def publish(self, block_ids: list[int], keys: list[bytes]) -> int:
-        """Publish full, written blocks under their keys (the ones not yet published); how many were."""
-        return sum(self.prefix.publish(block, key) for block, key in zip(block_ids, keys))
+    def crop(self, length: int) -> None:
+        """Forget positions from ``length`` on."""
 
-    def is_shared(self, block: int) -> bool:
-        """May another cache read this block (published, or held more than once)? Then no cache
-        writes into it: ``PagedKVCache.crop`` copies it first."""
-        return self.refs[block] > 1 or block in self.prefix.key_of
+    def release(self) -> None:
+        """Give back every position held; a later ``ensure_capacity`` takes room again."""
 
-    def copy_block(self, src: int, dst: int) -> None:
-        for pool in (self.k, self.v):
-            pool.select(self.block_dim, dst).copy_(pool.select(self.block_dim, src))
+    def to_host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact host copies, K and V [num_layers, num_kv_heads, length, head_dim]."""
 
-    def evict_idle_bytes(self, num_bytes: int) -> int:
-        """Evict idle blocks, least recently used first, until ``num_bytes`` are freed or none is left
-        idle; the bytes freed."""
-        return len(self._free_evicted(blocks_for(num_bytes, self.block_nbytes))) * self.block_nbytes
-
-    def _free_evicted(self, num_blocks: int) -> list[int]:
-        evicted = self.prefix.evict(num_blocks)
-        self._give_back(evicted)
-        return evicted
-
-    def _give_back(self, blocks: list[int]) -> None:
-        """Blocks no cache holds: free, or, while a host copy on the side stream may still read them,
-        settling (a block written before the copy read it would reach the host with the new keys)."""
-        if self._copy_pending():
-            self.settling.extend(blocks)
-        else:
-            self.free_ids.extend(sorted(blocks, reverse=True))
-
-    def _copy_pending(self) -> bool:
-        """Is the latest host copy still running? When it is seen done, the settling blocks are free."""
-        if self.copying is not None and self.copying.query():
-            self.copying = None
-            self.free_ids.extend(sorted(self.settling, reverse=True))
-            self.settling = []
-        return self.copying is not None
-
-    def _settle(self) -> None:
-        """Wait (on the host) for the latest host copy, then free what it held back."""
-        if self.copying is not None:
-            self.copying.synchronize()
-        self.copying = None
-        self.free_ids.extend(sorted(self.settling, reverse=True))
-        self.settling = []
-
-    def check(self, tables: list[list[int]]) -> list[str]:
-        """Violations of the pool's invariant, given every block table that holds its blocks: each
-        block's ref count equals its holders; a free block is neither held nor published; an idle
-        block is published and held by none; no held block is free."""
-        holders = [0] * self.num_blocks
-        for table in tables:
-            for block in table:
-                holders[block] += 1
-        problems = [f"block {b}: {self.refs[b]} refs, {holders[b]} holders" for b in range(self.num_blocks)
-                    if self.refs[b] != holders[b]]
-        free = set(self.free_ids) | set(self.settling)
-        if len(free) != len(self.free_ids) + len(self.settling) or PAD_BLOCK in free:
-            problems.append("the free list repeats a block or holds the padding block")
-        problems += [f"block {b}: free but held or published" for b in free
-                     if holders[b] or b in self.prefix.key_of]
-        problems += [f"block {b}: idle but held or unpublished" for b in self.prefix.idle
-                     if holders[b] or b not in self.prefix.key_of]
-        unaccounted = self.num_blocks - 1 - len(free) - len(self.prefix.idle) - sum(1 for h in holders if h)
-        if unaccounted or self.num_held != sum(1 for h in holders if h):
-            problems.append(f"{unaccounted} blocks neither free, idle nor held; num_held {self.num_held}")
-        if self.num_shared != sum(1 for h in holders if h > 1):
-            problems.append(f"num_shared {self.num_shared}, but {sum(1 for h in holders if h > 1)} blocks are shared")
-        return problems
-
-    def usage(self) -> dict[str, int]:
-        """Blocks by kind: "pinned" (held by one cache), "shared" (by several), "cached" (idle)."""
-        return {"pinned": self.num_held - self.num_shared, "shared": self.num_shared, "cached": len(self.prefix.idle)}
-
-    def reserve(self, num_blocks: int) -> None:
-        """Grow to at least ``num_blocks`` blocks (the padding block included); a no-op when it holds that many."""
-        old = self.num_blocks
-        if num_blocks <= old:
-            return
-        self._settle()  # the old tensors are freed below: no host copy may still be reading them
-        if self.num_grows or old > 1:
-            logger.info("KV block pool grows from %d to %d blocks of %d tokens (copies the pool)", old,
-                        num_blocks, self.block_tokens)
-        k, v = self._empty(num_blocks), self._empty(num_blocks)
-        k.narrow(self.block_dim, 0, old).copy_(self.k)
-        v.narrow(self.block_dim, 0, old).copy_(self.v)
-        self.k, self.v = k, v
-        self.free_ids[:0] = range(num_blocks - 1, old - 1, -1)  # new ids go after (taken after) the old free ones
-        self.refs += [0] * (num_blocks - old)
-        self.num_grows += 1
-
-    def slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        """Flat slot numbers (block * block_tokens + offset) of positions start .. end-1 of a block table."""
-        size = self.block_tokens
-        return [block_ids[p // size] * size + p % size for p in range(start, end)]
-
-    # ---- the layout, in one place: views and copies by slot, block and layer
-
-    def _flat(self, tensor: torch.Tensor) -> torch.Tensor:
-        """k or v (or one layer of it) with its blocks and tokens merged into slots: head-major
-        [..., KVH, slots, hd], token-major [..., slots, KVH, hd] (views)."""
-        lead = tensor.shape[:-4]
-        if self.head_major:
-            return tensor.view(*lead, self.num_kv_heads, -1, self.head_dim)
-        return tensor.view(*lead, -1, self.num_kv_heads, self.head_dim)
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [KVH, T, hd] into ``slots`` [T] of ``layer``."""
-        for pool, new in ((self.k, k), (self.v, v)):
-            if self.head_major:
-                self._flat(pool[layer]).index_copy_(1, slots, new)
-            else:
-                self._flat(pool[layer]).index_copy_(0, slots, new.transpose(0, 1))
-
-    def write_rows(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [B, KVH, T, hd] into ``slots`` [B, T] of ``layer`` (no host sync: CUDA graphs capture it)."""
-        for pool, new in ((self.k, k), (self.v, v)):
-            if self.head_major:
-                self._flat(pool[layer])[:, slots] = new.transpose(0, 1)  # [KVH, B, T, hd]
-            else:  # index_put_, not item assignment: that views away leading 1s
-                self._flat(pool[layer]).index_put_((slots,), new.transpose(1, 2))
-
-    def run(self, layer: int, first_block: int, num_blocks: int, lo: int, hi: int):
-        """Keys and values of tokens lo .. hi-1 of ``num_blocks`` consecutive blocks from ``first_block``:
-        [KVH, hi - lo, hd] views of the pool (no copy)."""
-        return tuple(t[layer] for t in self.run_all_layers(first_block, num_blocks, lo, hi))
-
-    def run_all_layers(self, first_block: int, num_blocks: int, lo: int, hi: int):
-        """``run`` for every layer at once: [num_layers, KVH, hi - lo, hd] views (a decode step builds
-        them once per row, then takes one layer's with an index)."""
-        return tuple(self._run_of(pool, first_block, num_blocks, lo, hi) for pool in (self.k, self.v))
-
-    def _run_of(self, pool: torch.Tensor, first_block: int, num_blocks: int, lo: int, hi: int) -> torch.Tensor:
-        flat = self._flat(pool.narrow(self.block_dim, first_block, num_blocks))
-        return flat[:, :, lo:hi] if self.head_major else flat[:, lo:hi].transpose(1, 2)
-
-    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the blocks ``block_ids`` [B, NB] (a copy): [B, KVH, NB * block_tokens, hd] each."""
-        return tuple(self._gather_of(pool[layer], block_ids) for pool in (self.k, self.v))
-
-    def _gather_of(self, blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        num_rows = block_ids.shape[0]
-        if self.head_major:  # [KVH, B, NB, bt, hd] -> [B, KVH, S, hd] (a view of the gathered copy)
-            return blocks[:, block_ids].view(self.num_kv_heads, num_rows, -1, self.head_dim).transpose(0, 1)
-        return blocks[block_ids].view(num_rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-
-    def read(self, layer: int, block_ids: list[int], end: int, values: bool = False) -> torch.Tensor:
-        """The keys (or ``values``) of positions 0 .. end-1 of a block table, [KVH, end, hd]: a view
-        when the blocks are consecutive, else a gather."""
-        pool = self.v if values else self.k
-        used = block_ids[: blocks_for(end, self.block_tokens)]
-        first = used[0] if used else 0
-        if used == list(range(first, first + len(used))):
-            return self._run_of(pool, first, len(used), 0, end)[layer]
-        return self._gather_of(pool[layer], torch.tensor([used], device=self.device))[0, :, :end]
-
-    def host_copy(self, block_ids: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compact host copies of positions 0 .. length-1: K, V [num_layers, KVH, length, hd]. Each run of
-        consecutive blocks is copied straight from the pool into its place (no staging copy of the whole
-        session on the device); from a GPU into pinned memory without blocking, on the pool's side
-        stream (after what the current stream has queued: the keys are written), so the copy overlaps
-        the next steps. Blocks freed before its event is seen complete settle first (``_give_back``),
-        and a restore's copy back waits for it on the device (``store``)."""
-        cuda = self.device.type == "cuda"
-        side = contextlib.nullcontext()
-        if cuda:
-            if self.copy_stream is None:
-                self.copy_stream = torch.cuda.Stream(self.device)
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            side = torch.cuda.stream(self.copy_stream)
-        shape = (self.num_layers, self.num_kv_heads, length, self.head_dim)
-        out = tuple(torch.empty(shape, dtype=self.dtype, pin_memory=cuda) for _ in range(2))
-        size, used = self.block_tokens, block_ids[: blocks_for(length, self.block_tokens)]
-        with side:
-            self._copy_runs(out, used, size, length, cuda)
-        if cuda:
-            self.copying = torch.cuda.Event()
-            self.copying.record(self.copy_stream)
-        return out
-
-    def _copy_runs(self, out: tuple[torch.Tensor, torch.Tensor], used: list[int], size: int, length: int,
-                   cuda: bool) -> None:
-        start = 0
-        while start < len(used):
-            end = start + 1
-            while end < len(used) and used[end] == used[end - 1] + 1:
-                end += 1
-            first, last = start * size, min(end * size, length)  # positions of this run
-            slot = used[start] * size
-            for pool, host in zip((self.k, self.v), out):
-                flat = self._flat(pool)
-                run = flat[:, :, slot:slot + last - first] if self.head_major else \
-                    flat[:, slot:slot + last - first].transpose(1, 2)
-                host[:, :, first:last].copy_(run, non_blocking=cuda)
-            start = end
-
-    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``host_copy``'s K, V [num_layers, KVH, T, hd] into ``slots`` [T] of every layer. From pinned
-        memory (a GPU's host tier) the copy to the device does not block the host: it and the store
-        after it are queued on the current stream, in that order; torch's pinned-memory allocator keeps
-        the host copy until the device has read it, whatever the session does with it next. A slice
-        past a shared prefix is not contiguous: it is first copied into pinned memory on the host (a
-        pageable staging copy would make the transfer wait)."""
-        pinned = self.device.type == "cuda" and k.is_pinned()
-        if self.copying is not None:  # the host copy these may come from is written on the side stream
-            torch.cuda.current_stream(self.device).wait_event(self.copying)
-        for pool, saved in ((self.k, k), (self.v, v)):
-            if pinned and not saved.is_contiguous():  # a slice past a shared prefix: staged in pinned memory
-                self._settle()  # read on the host: the side stream's copy into it must be done, not queued
-                saved = torch.empty(saved.shape, dtype=saved.dtype, pin_memory=True).copy_(saved)
-            on_device = saved.to(self.device, non_blocking=pinned)
-            if self.head_major:
-                self._flat(pool)[:, :, slots] = on_device
-            else:
-                self._flat(pool)[:, slots] = on_device.transpose(1, 2)
+    def load(self, k: torch.Tensor, v: torch.Tensor, keys: list[bytes] = ()) -> int:
+        """Store ``to_host``'s copies as this empty cache's first positions; the tokens shared."""
 
 
 class PoolAccounts:
     """The bytes of several pools (a target's and its draft's) for the memory manager
     (session/state/memory.py): held (by any cache, a shared block once), idle, and by kind."""
 
-    def __init__(self, pools: list[BlockPool]):
+    def __init__(self, pools: list[KVPool]):
         self.pools = pools
 
     def held_bytes(self) -> int:
-        return sum(p.num_held * p.block_nbytes for p in self.pools)
+        return sum(p.blocks.num_held * p.block_nbytes for p in self.pools)
 
     def idle_bytes(self) -> int:
-        return sum(len(p.prefix.idle) * p.block_nbytes for p in self.pools)
+        return sum(len(p.blocks.prefix.idle) * p.block_nbytes for p in self.pools)
 
-    def fits(self, needs: list[tuple[BlockPool, int]]) -> bool:
-        """Can each fixed pool hand out the blocks asked of it (``needs``: pool, blocks) without growing?"""
-        return all(not pool.fixed or pool.available >= blocks for pool, blocks in needs)
+    def fits(self, needs: list[tuple[KVPool, int]]) -> bool:
+        """Can each pool hand out the blocks asked of it (``needs``: pool, blocks) without growing?"""
+        return all(pool.blocks.can_take(blocks) for pool, blocks in needs)
 
     def evict_idle_bytes(self, num_bytes: int) -> int:
         freed = 0
@@ -425,14 +117,15 @@ class PoolAccounts:
         """"pinned" (held by one cache), "shared" (by several, counted once), "cached" (idle) bytes."""
         out = {"pinned": 0, "shared": 0, "cached": 0}
         for pool in self.pools:
-            for kind, blocks in pool.usage().items():
+            for kind, blocks in pool.blocks.usage().items():
                 out[kind] += blocks * pool.block_nbytes
         return out
 
     def counters(self) -> dict[str, int]:
-        return {"hit_blocks": sum(p.prefix.num_hit_blocks for p in self.pools),
-                "evicted_blocks": sum(p.prefix.num_evicted for p in self.pools),
-                "published_blocks": sum(len(p.prefix) for p in self.pools)}
+        prefixes = [p.blocks.prefix for p in self.pools]
+        return {"hit_blocks": sum(p.num_hit_blocks for p in prefixes),
+                "evicted_blocks": sum(p.num_evicted for p in prefixes),
+                "published_blocks": sum(len(p) for p in prefixes)}
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -444,10 +137,10 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class PagedKVCache:
-    """One session's keys and values: its block table into a ``BlockPool``. Who calls this: the
+    """One session's keys and values: its block table into a ``KVPool``. Who calls this: the
     engine loop thread (model runner, sessions, memory manager), never two threads at once."""
 
-    def __init__(self, pool: BlockPool, *, max_tokens: int):
+    def __init__(self, pool: KVPool, *, max_tokens: int):
         self.pool = pool
         self.num_layers, self.num_kv_heads, self.head_dim = pool.num_layers, pool.num_kv_heads, pool.head_dim
         self.dtype, self.device = pool.dtype, pool.device
@@ -488,7 +181,7 @@ class PagedKVCache:
             self.block_ids += self.pool.allocate(missing)
 
     def slots(self, start: int, end: int) -> list[int]:
-        return self.pool.slots(self.block_ids, start, end)
+        return slot_ids(self.block_ids, self.block_tokens, start, end)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_kv_heads, T, head_dim] for positions start .. start+T-1. The slots go to the
@@ -516,7 +209,7 @@ class PagedKVCache:
 
     def run_bounds(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
         """Positions start .. end-1 as runs of consecutive blocks: (first block, number of blocks, first
-        token, end token within the run) each, for ``BlockPool.run`` / ``run_all_layers``."""
+        token, end token within the run) each, for ``KVPool.run`` / ``run_all_layers``."""
         size, out = self.block_tokens, []
         index = start // size
         while index * size < end:
@@ -534,7 +227,7 @@ class PagedKVCache:
         blocks; returns the tokens they hold (its new ``length``). They are read, never written: a
         cache writes only at its ``length`` and on, and ``crop`` copies a shared block it cuts into."""
         assert self.length == 0 and not self.block_ids, "share_prefix() takes an empty cache"
-        self.block_ids = self.pool.lookup(keys)
+        self.block_ids = self.pool.blocks.lookup(keys)
         self.length = len(self.block_ids) * self.block_tokens
         return self.length
 
@@ -542,7 +235,7 @@ class PagedKVCache:
         """Publish this cache's full, written blocks under ``keys`` (one per block from the first) so
         that other caches' ``share_prefix`` finds them; how many were newly published."""
         full = min(len(keys), self.length // self.block_tokens)
-        return self.pool.publish(self.block_ids[:full], keys[:full])
+        return self.pool.blocks.publish(self.block_ids[:full], keys[:full])
 
     def crop(self, length: int) -> None:
         """Forget positions from ``length`` on. Private blocks stay held; from the first block past the
@@ -552,26 +245,27 @@ class PagedKVCache:
         copy into, and the cache then ends before that block (its owner recomputes the rest)."""
         self.length = min(self.length, length)
         size, keep = self.block_tokens, self.length // self.block_tokens
-        cut = next((i for i in range(keep, len(self.block_ids)) if self.pool.is_shared(self.block_ids[i])), None)
+        blocks = self.pool.blocks
+        cut = next((i for i in range(keep, len(self.block_ids)) if blocks.is_shared(self.block_ids[i])), None)
         if cut is None:
             return
         tail = self.block_ids[cut:]
         self.block_ids = self.block_ids[:cut]
         if not (cut == keep and self.length % size):
-            self.pool.free(tail)
+            blocks.free(tail)
             return
-        self.pool.free(tail[1:])  # first: a private block given back is one to copy into
-        if self.pool.fixed and not self.pool.available:
+        blocks.free(tail[1:])  # first: a private block given back is one to copy into
+        if not blocks.can_take(1):
             self.length = keep * size  # a full fixed pool: the partly kept block's positions are given up too
         else:  # the partly kept block: its kept positions, copied
             [copy] = self.pool.allocate(1)
             self.pool.copy_block(tail[0], copy)
             self.block_ids.append(copy)
-        self.pool.free(tail[:1])
+        blocks.free(tail[:1])
 
     def release(self) -> None:
         """Give every block back to the pool; a later ``ensure_capacity`` takes blocks again."""
-        self.pool.free(self.block_ids)
+        self.pool.blocks.free(self.block_ids)
         self.block_ids = []
         self.length = 0
 
@@ -690,4 +384,3 @@ class StaticKVCache:
         return 0
 
 
-KVCache = PagedKVCache | StaticKVCache

@@ -10,9 +10,9 @@ which image embedding fill them, and for M-RoPE their grid positions) follows fr
 the ordered digests: two sequences with equal keys up to block i hold bit-equal inputs up to there.
 The model is not in the key: each model has its own pool, and each pool its own table.
 
-``PrefixTable`` (one per ``BlockPool``) maps keys to the pool's published blocks and keeps the idle
+``PrefixTable`` (one per ``BlockPool``, session/model/block_pool.py) maps keys to the pool's published blocks and keeps the idle
 ones (published, held by no cache) least recently used first, for eviction. A block table keeps the
-block ids; ref counts and the free list stay in the pool (session/model/kv_cache.py): why a block
+block ids; ref counts and the free list stay in the pool (session/model/block_pool.py): why a block
 table and not a radix tree is in docs/ENGINE.md, "Shared KV blocks".
 """
 

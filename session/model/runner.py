@@ -40,7 +40,7 @@ from session.model.cpu.kernels import cpu_flags
 from session.model.cpu.packed_linear import can_pack, pack_linears
 from session.model.decode_paths import BatchedPath, CpuKernelPath, PerRowPath
 from session.model.generation_defaults import describe as describe_unapplied, unapplied_generation_defaults
-from session.model.kv_cache import BlockPool, KVCache, PagedKVCache, StaticKVCache, to_device
+from session.model.kv_cache import KVCache, KVPool, PagedKVCache, StaticKVCache, to_device
 from session.model.quantize import INT4_DEFAULT_GROUP, QuantizationReport, quantize_language_model
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class ModelRunner:
         self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.info.head_dim % 16 == 0
                               and cpu_attention.supports(self.kv_dtype))
         self.lora = None  # a LoraBank once enable_lora ran
-        self.kv_pools: dict[int, BlockPool] = {}  # block_tokens -> the pool of paged caches of that block size
+        self.kv_pools: dict[int, KVPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.path: PerRowPath | None = None  # how decode and extend run (configure_decode)
         self.configure_decode(default_attention(self.device))
 
@@ -311,12 +311,12 @@ class ModelRunner:
                                  dtype=self.kv_dtype, device=self.device, max_tokens=max_tokens)
         return self.kv_pool(block_tokens).new_cache(max_tokens)
 
-    def kv_pool(self, block_tokens: int) -> BlockPool:
+    def kv_pool(self, block_tokens: int) -> KVPool:
         """The pool of paged caches with blocks of ``block_tokens`` (one per size; the engine uses one size)."""
         pool = self.kv_pools.get(block_tokens)
         if pool is None:
             i = self.info
-            pool = self.kv_pools[block_tokens] = BlockPool(
+            pool = self.kv_pools[block_tokens] = KVPool(
                 num_layers=i.num_layers, num_kv_heads=i.num_kv_heads, head_dim=i.head_dim, dtype=self.kv_dtype,
                 device=self.device, block_tokens=block_tokens)
         return pool
@@ -473,7 +473,7 @@ class ModelRunner:
             kv.length = length + 1
         return logits
 
-    def forward_paged(self, pool: BlockPool, ids: torch.Tensor, batch: PagedBatch,
+    def forward_paged(self, pool: KVPool, ids: torch.Tensor, batch: PagedBatch,
                       position_offsets: torch.Tensor | None = None) -> torch.Tensor:
         """ids: [B, T] new tokens of B rows whose caches are in ``pool`` -> logits [B, T, V]. Writes the new
         keys and values where ``batch`` says; dispatches the same operators whatever B and T (no host sync:

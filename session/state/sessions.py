@@ -553,7 +553,7 @@ class Sessions:
                 if isinstance(kv, PagedKVCache):
                     pools.setdefault(id(kv.pool), kv.pool)
                     tables.setdefault(id(kv.pool), []).append(kv.block_ids)
-        return [f"KV pool: {problem}" for key, pool in pools.items() for problem in pool.check(tables[key])]
+        return [f"KV pool: {problem}" for key, pool in pools.items() for problem in pool.blocks.check(tables[key])]
 
 
 def _decode_images(images: object) -> dict[str, bytes]:

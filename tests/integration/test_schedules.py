@@ -233,7 +233,7 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
     counts["tokens cached on a first turn"] = sum(  # shared blocks: nothing of its own was cached
         s.finals[0].usage.cached_tokens for s in sent if isinstance(s.finals[0], Finished)
         and (s.request.session_id is None or s.request.open_session))
-    counts["shared block hits"] = sum(p.prefix.num_hit_blocks for p in runner.pools.values())
+    counts["shared block hits"] = sum(p.blocks.prefix.num_hit_blocks for p in runner.pools.values())
     counts["prefills ended between chunks"] = engine.num_abandoned_prefills
     counts["prefill chunks"] = engine.parts.executor.num_prefill_chunks
     counts["prompts passed over"] = engine.parts.scheduler.num_passed_over

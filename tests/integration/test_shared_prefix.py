@@ -130,7 +130,7 @@ def test_reuse_answers_exactly_as_without_and_counts_what_it_reused(paths, famil
         assert [c for _, c in got[5:]] == [c for _, c in want[5:]]
         pool = shared.parts.runner.kv_pool(BLOCK)
         # three live sessions hold the opening's full blocks once: "shared" is those blocks, not three copies
-        assert pool.usage()["shared"] == (len(SYSTEM) + image_tokens) // BLOCK
+        assert pool.blocks.usage()["shared"] == (len(SYSTEM) + image_tokens) // BLOCK
         assert shared.parts.sessions.check({}) == []
     finally:
         shared.stop()
@@ -149,7 +149,7 @@ def test_a_draft_model_shares_its_own_blocks_and_answers_stay_exact():
         assert [a for a, _ in got] == [a for a, _ in want]
         draft_pool = shared.parts.speculator.draft.kv_pool(BLOCK)
         # the resent history: its first two blocks; sessions 1 and 2: the system prompt's one block each
-        assert draft_pool.prefix.num_hit_blocks == 2 + 1 + 1
+        assert draft_pool.blocks.prefix.num_hit_blocks == 2 + 1 + 1
         # those blocks were taken, not fed to the draft again. (How many tokens the draft is fed in all
         # is no exact measure: shared KV differs from recomputed KV in the last bits, so the draft's
         # proposals, the adaptive k and with them the catch-ups after plain steps may differ.)

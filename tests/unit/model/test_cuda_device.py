@@ -14,7 +14,7 @@ from session.config import EngineConfig
 from session.engine.assembly import DEFAULT_CUDA_BUDGET_FRACTION, device_budget
 from session.model import runner as model_runner
 from session.model.cuda_graphs import DecodeGraphs
-from session.model.kv_cache import BlockPool
+from session.model.kv_cache import KVPool
 
 FREE_BYTES = 10 << 30
 VOCAB = 7
@@ -234,7 +234,7 @@ def cpu_tensors(monkeypatch, cuda) -> list:
 def test_graphs_are_captured_on_a_stream_of_cuda_1(cuda, cpu_tensors):
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2))
-    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
                      block_tokens=4, num_blocks=8)
     kvs = [pool.new_cache(16), pool.new_cache(16)]
     for kv in kvs:
@@ -261,7 +261,7 @@ def test_graphs_are_captured_on_a_stream_of_cuda_1(cuda, cpu_tensors):
 def test_the_warm_up_waits_for_the_plan_and_the_device_waits_for_the_warm_up(cuda, cpu_tensors):
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1,))
-    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
                      block_tokens=4, num_blocks=4)
     kv = pool.new_cache(8)
     kv.ensure_capacity(1)
@@ -276,7 +276,7 @@ def test_the_warm_up_waits_for_the_plan_and_the_device_waits_for_the_warm_up(cud
 def test_every_graph_is_captured_at_start_up_largest_first_and_none_mid_serving(cuda, cpu_tensors):
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4))
-    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
                      block_tokens=4, num_blocks=16)
     assert graphs.capture_all(pool, max_tokens=16) == 9  # 3 batch buckets x block tables of 1, 2, 4 blocks
     assert list(graphs.graphs) == [(4, 4), (4, 2), (4, 1), (2, 4), (2, 2), (2, 1), (1, 4), (1, 2), (1, 1)]
@@ -293,7 +293,7 @@ def test_every_graph_is_captured_at_start_up_largest_first_and_none_mid_serving(
 def test_no_graph_gathers_more_blocks_than_the_pool_holds_and_such_a_step_runs_eagerly(cuda, cpu_tensors):
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4))
-    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
                      block_tokens=4, num_blocks=8)
     assert graphs.capture_all(pool, max_tokens=16) == 8  # all but 4 rows x 4 blocks (16 > 8 blocks)
     assert (4, 4) not in graphs.graphs and (4, 2) in graphs.graphs and (2, 4) in graphs.graphs
@@ -336,7 +336,7 @@ def test_an_m_rope_models_graph_plan_carries_each_rows_rope_delta():
 def test_verify_graphs_are_captured_at_start_up_and_replayed_for_a_speculative_step(cuda, cpu_tensors):
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4), verify_tokens=3, verify_buckets=(1, 2))
-    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
                      block_tokens=4, num_blocks=16)
     # 3 decode buckets and 2 verify buckets, each with block tables of 1, 2, 4 blocks; larger steps first
     assert graphs.capture_all(pool, max_tokens=16) == 9 + 6
@@ -424,9 +424,9 @@ def test_the_batched_path_verifies_through_the_graphs_unless_a_row_has_an_adapte
 
 
 def test_a_restore_from_pinned_host_memory_does_not_block_the_host(monkeypatch):
-    """PagedKVCache.load -> BlockPool.store: each pinned host copy goes to the device with
+    """PagedKVCache.load -> KVPool.store: each pinned host copy goes to the device with
     non_blocking=True (a pageable one would block), and lands in the session's slots."""
-    pool = BlockPool(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+    pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
                      block_tokens=4, num_blocks=8, head_major=False)
     saved = torch.arange(2 * 2 * 6 * 4, dtype=torch.float32).view(2, 2, 6, 4)
     pool.device = torch.device("cuda", 1)  # its tensors stay on the CPU; the copies are recorded
@@ -512,7 +512,7 @@ def test_adapter_rows_replay_their_own_graphs_once_the_bank_is_allocated(cuda, c
     runner = FakeRunner(cuda)
     runner.lora = SimpleNamespace(at={}, slot_rows=lambda slots: contextlib.nullcontext())
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2))
-    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
                      block_tokens=4, num_blocks=8)
     assert graphs.capture_all(pool, max_tokens=8) == 4  # no bank yet: base graphs only
     kvs = [pool.new_cache(8), pool.new_cache(8)]
@@ -557,7 +557,7 @@ def test_a_batched_sdpa_step_that_would_gather_past_a_fixed_pool_attends_per_row
 
     free = step()
     assert len(batched) == 1  # a pool without a budget: batched
-    pool.fixed = True
+    pool.blocks.fixed = True
     per_row = step()
     assert len(batched) == 1 and pool.num_blocks == 12  # 3 rows x 5 blocks > 12: per row
     assert torch.allclose(per_row, free, atol=1e-5, rtol=1e-5)
@@ -571,9 +571,9 @@ def test_a_demotion_copies_on_the_side_stream_and_its_blocks_settle_until_the_co
     The demoted session's blocks are not handed out while the copy may read them (a new owner's keys
     would reach the host): settling until the event is seen done, or waited for when they are needed.
     A restore's copy back waits for the event on the device."""
-    pool = BlockPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
                      block_tokens=4, num_blocks=8, head_major=False)
-    pool.fixed = True
+    pool.blocks.fixed = True
     kv = pool.new_cache(16)
     kv.ensure_capacity(12)  # 3 of the 7 blocks
     kv.length = 12
@@ -588,20 +588,20 @@ def test_a_demotion_copies_on_the_side_stream_and_its_blocks_settle_until_the_co
     assert [c for c in cuda.calls if c[0] in ("wait_stream", "stream", "record")] == [
         ("wait_stream", ("side", 1), ("current", 1)), ("stream", 1), ("record", "side", 1)]
     kv.release()
-    assert len(pool.settling) == 3 and len(pool.free_ids) == 4 and pool.available == 7  # counted, not handed out
+    assert len(pool.blocks.settling) == 3 and len(pool.blocks.free_ids) == 4 and pool.blocks.available == 7  # counted, not handed out
     taken = pool.allocate(4)  # the never-copied blocks, no waiting
-    assert len(pool.settling) == 3 and ("synchronize_event", "side") not in cuda.calls
+    assert len(pool.blocks.settling) == 3 and ("synchronize_event", "side") not in cuda.calls
     cuda.copies_done = True  # the copy finished: the next look frees them without waiting
     taken += pool.allocate(1)
-    assert pool.settling == [] and len(pool.free_ids) == 2 and ("synchronize_event", "side") not in cuda.calls
+    assert pool.blocks.settling == [] and len(pool.blocks.free_ids) == 2 and ("synchronize_event", "side") not in cuda.calls
     cuda.copies_done = False
     pool.host_copy(taken[:1], 1)  # another copy in flight, of a block then given back
-    pool.free(taken[:1])
-    assert pool.settling == taken[:1]
+    pool.blocks.free(taken[:1])
+    assert pool.blocks.settling == taken[:1]
     taken = taken[1:] + pool.allocate(3)  # more than the 2 free: the host waits for the copy
-    assert ("synchronize_event", "side") in cuda.calls and pool.settling == [] and not pool.free_ids
-    pool.free(taken[:1])
-    assert pool.free_ids == taken[:1]  # no copy in flight: free at once
+    assert ("synchronize_event", "side") in cuda.calls and pool.blocks.settling == [] and not pool.blocks.free_ids
+    pool.blocks.free(taken[:1])
+    assert pool.blocks.free_ids == taken[:1]  # no copy in flight: free at once
     holder = pool.new_cache(16)
     holder.ensure_capacity(4)
     cuda.copies_done = False

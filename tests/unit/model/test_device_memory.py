@@ -148,10 +148,10 @@ class ProfiledRunner:
         self.path = attention
 
     def kv_pool(self, block_tokens: int):
-        from session.model.kv_cache import BlockPool
+        from session.model.kv_cache import KVPool
 
         if block_tokens not in self.kv_pools:
-            self.kv_pools[block_tokens] = BlockPool(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+            self.kv_pools[block_tokens] = KVPool(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
                                                     device=torch.device("cpu"), block_tokens=block_tokens)
         return self.kv_pools[block_tokens]
 

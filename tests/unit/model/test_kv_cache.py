@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from session.model.kv_cache import PAD_BLOCK, STATIC_PAD_TOKENS, BlockPool, StaticKVCache
+from session.model.kv_cache import PAD_BLOCK, STATIC_PAD_TOKENS, KVPool, StaticKVCache
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, MAX = 2, 3, 4, 8, 20
 LAYOUT = {"head_major": True}  # the layout make_pool builds (the autouse fixture runs every test in both)
@@ -17,18 +17,18 @@ def layout(request):
     yield request.param
 
 
-def make_pool(dtype: torch.dtype = torch.float32, num_blocks: int = 1) -> BlockPool:
-    return BlockPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
+def make_pool(dtype: torch.dtype = torch.float32, num_blocks: int = 1) -> KVPool:
+    return KVPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
                      device=torch.device("cpu"), block_tokens=BLOCK, num_blocks=num_blocks,
                      head_major=LAYOUT["head_major"])
 
 
-def block_keys(pool: BlockPool, layer: int, block: int) -> torch.Tensor:
+def block_keys(pool: KVPool, layer: int, block: int) -> torch.Tensor:
     """One block's keys in ``layer``, [KVH, block_tokens, hd], a view of the pool in either layout."""
     return pool.run(layer, block, 1, 0, BLOCK)[0]
 
 
-def make(static: bool = False, dtype: torch.dtype = torch.float32, pool: BlockPool | None = None):
+def make(static: bool = False, dtype: torch.dtype = torch.float32, pool: KVPool | None = None):
     if static:
         return StaticKVCache(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
                              device=torch.device("cpu"), max_tokens=MAX)
@@ -146,7 +146,7 @@ def test_release_returns_blocks_for_reuse():
     pool = make_pool(num_blocks=4)
     a = make(pool=pool)
     a.ensure_capacity(20)
-    assert pool.free_ids == []
+    assert pool.blocks.free_ids == []
     a.release()
     assert (a.length, a.capacity, a.nbytes) == (0, 0, 0)
     b = make(pool=pool)
@@ -230,7 +230,7 @@ def test_release_of_a_static_cache_frees_its_buffers():
 
 
 def test_a_cpu_pool_is_head_major_and_each_heads_run_is_one_contiguous_stream():
-    pool = BlockPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
+    pool = KVPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
                      device=torch.device("cpu"), block_tokens=BLOCK)
     assert pool.head_major and pool.k.shape == (LAYERS, HEADS, 1, BLOCK, HEAD_DIM)
     cache = pool.new_cache(MAX)

@@ -18,7 +18,7 @@ import torch
 
 import session.model.attention as attention
 import session.model.runner as runner_module
-from session.model.kv_cache import BlockPool
+from session.model.kv_cache import KVPool
 from session.model.runner import ModelRunner
 
 BLOCK = 8
@@ -113,20 +113,20 @@ def varlen(monkeypatch, request):
     monkeypatch.setattr(attention, "choose_backend", choose)
     monkeypatch.setattr(runner_module, "choose_backend", choose)
     if backend == "flash_attn":  # a token-major pool is written by the kernel alone
-        write_rows = BlockPool.write_rows
+        write_rows = KVPool.write_rows
 
         def only_head_major(pool, *args):
             assert pool.head_major, "a separate key/value write"
             return write_rows(pool, *args)
 
-        monkeypatch.setattr(BlockPool, "write_rows", only_head_major)
+        monkeypatch.setattr(KVPool, "write_rows", only_head_major)
     CALLS.clear()
     return CALLS
 
 
 def token_major(runner: ModelRunner) -> None:
     info = runner.info
-    runner.kv_pools[BLOCK] = BlockPool(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+    runner.kv_pools[BLOCK] = KVPool(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
                                        head_dim=info.head_dim, dtype=runner.kv_dtype, device=runner.device,
                                        block_tokens=BLOCK, head_major=False)
 

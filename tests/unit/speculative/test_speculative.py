@@ -11,7 +11,7 @@ import torch
 
 from benchmarks import spec_drivers
 from session.errors import ConfigError
-from session.model.kv_cache import BlockPool, KVCache
+from session.model.kv_cache import KVCache, KVPool
 from session.model.sampling import sample_one, warp_probs
 from session.speculative.acceptance import greedy_accept, propose_ngram, sampling_accept
 from session.speculative.controller import SpeculationController, StepCosts, batch_should_speculate
@@ -446,7 +446,7 @@ class FakeRunner:
         self.num_fed_tokens = 0
 
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
-        return BlockPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device=torch.device("cpu"),
+        return KVPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device=torch.device("cpu"),
                          block_tokens=block_tokens).new_cache(max_tokens)
 
     def embed(self, token_ids: list[int], image_embeds: list) -> torch.Tensor:
