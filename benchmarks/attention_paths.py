@@ -82,7 +82,7 @@ def measure_pool_layouts(runner, num_rows: int, context: int, steps: int, block_
 
     info = runner.info
     pools = {layout: KVPool(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                               dtype=runner.kv_dtype, device=runner.device, block_tokens=block_tokens,
+                            dtype=runner.kv_dtype, device=runner.device, block_tokens=block_tokens,
                                head_major=layout == "head-major") for layout in POOL_LAYOUTS}
     caches = {layout: sessions(runner, num_rows, context, block_tokens, False, pool) for layout, pool in pools.items()}
     times: dict[str, list[float]] = {layout: [] for layout in pools}

@@ -126,7 +126,7 @@ class FakeRunner:
     def kv_pool(self, block_tokens: int) -> KVPool:
         if block_tokens not in self.pools:
             self.pools[block_tokens] = KVPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64,
-                                                 device=self.device, block_tokens=block_tokens)
+                                              device=self.device, block_tokens=block_tokens)
         return self.pools[block_tokens]
 
     def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = (), verify_tokens: int = 0,

@@ -123,8 +123,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
                  image_processor=image_processor, vision=vision, formatter=formatter, store=store, embeddings=embeddings,
                  memory=memory, journal=journal, adapters=adapters, speculator=speculator, sessions=sessions,
                  scheduler=Scheduler(max_batch_size=config.max_batch_size, token_budget=config.step_token_budget,
-                                     tokens_to_prefill=executor.tokens_to_prefill, is_resident=executor.is_resident,
-                                     max_passed_over=config.max_passed_over), executor=executor,
+                                     kv=executor, max_passed_over=config.max_passed_over), executor=executor,
                  outputs=OutputProcessor(tokenizer, info.eos_token_ids, sessions))
 
 

@@ -114,6 +114,19 @@ class Executor:
         cached = session.host_length if session.tier is Tier.HOST else session.kv.length  # a restore feeds nothing
         return max(1, len(session.token_ids) - cached + new)
 
+    def can_admit(self, seqs: list[Sequence]) -> bool:
+        """Could these turns, none begun, all take their KV room now (session/state/kv_manager.py)?
+        A turn that cannot render counts nothing: it fails when it begins."""
+        needs = []
+        for seq in seqs:
+            try:
+                new_ids = self.prompt_ids(seq)
+            except ResidentError:
+                continue
+            total = len(seq.session.token_ids) + len(new_ids) + seq.request.sampling.max_tokens
+            needs.append(self.sessions.turn_need(seq.session, new_ids, min(total, self.max_context)))
+        return self.sessions.kv.can_admit(needs)
+
     def is_resident(self, seq: Sequence) -> bool:
         """Is the request a follow-up over KV held on the device (the scheduler serves those first)?"""
         session = seq.session

@@ -19,6 +19,12 @@ What is left of ``token_budget`` (at least a quarter of it, so prompts advance h
 decode) is given to prefills, in chunks: a long prompt is prefilled across steps while the others
 keep decoding, and several short ones share a step.
 
+Memory: the scheduler asks the KV owner (``KVOwner``: the executor, over session/state/kv_manager.py)
+before it begins a prefill, with every turn it has begun in the same step. A turn that finds no room
+waits, first in line (no later arrival begins before it), until a request in flight ends and frees
+room; with nothing in flight to wait for it begins anyway, and fails with the KV owner's reason.
+Prefills already begun hold their room: they continue.
+
 The order of prefills, which no peer engine has: a resident session's follow-up (its KV is on the
 device and the turn fits one step's budget) goes before cold prompts, then everything else in
 arrival order (so a prompt begun is finished before the next one starts). Bounded: a prompt passed
@@ -29,9 +35,9 @@ starve behind a stream of follow-ups.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from session.engine.requests import Sequence
 
@@ -46,16 +52,38 @@ class StepPlan:
         return bool(self.prefill or self.decode)
 
 
+class KVOwner(Protocol):
+    """What the scheduler asks of the owner of KV memory (the executor). Who calls this: ``schedule``."""
+
+    def tokens_to_prefill(self, seq: Sequence) -> int:
+        """What its prefill still has to feed (an estimate before it begins: a shared prefix may cut it)."""
+
+    def is_resident(self, seq: Sequence) -> bool:
+        """Is its session's KV on the device (a follow-up)?"""
+
+    def can_admit(self, seqs: list[Sequence]) -> bool:
+        """Could these turns, none begun, all take their KV room now?"""
+
+
+class Unlimited:
+    """A KV owner with room for everything, one token to prefill each (tests of the queues alone)."""
+
+    def tokens_to_prefill(self, seq: Sequence) -> int:
+        return 1
+
+    def is_resident(self, seq: Sequence) -> bool:
+        return False
+
+    def can_admit(self, seqs: list[Sequence]) -> bool:
+        return True
+
+
 class Scheduler:
-    def __init__(self, *, max_batch_size: int, token_budget: int = 1 << 30,
-                 tokens_to_prefill: Callable[[Sequence], int] = lambda seq: 1,
-                 is_resident: Callable[[Sequence], bool] = lambda seq: False, max_passed_over: int = 4):
-        """``tokens_to_prefill(seq)``: what its prefill still has to feed (an estimate before it begins:
-        a shared prefix may cut it); ``is_resident(seq)``: its session's KV is on the device (a follow-up)."""
+    def __init__(self, *, max_batch_size: int, token_budget: int = 1 << 30, kv: KVOwner | None = None,
+                 max_passed_over: int = 4):
         self.max_batch_size = max_batch_size
         self.token_budget = token_budget
-        self.tokens_to_prefill = tokens_to_prefill
-        self.is_resident = is_resident
+        self.kv = kv or Unlimited()
         self.max_passed_over = max_passed_over
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
@@ -68,6 +96,7 @@ class Scheduler:
         self.max_batch_seen = 0
         self.num_prefill_chunks = 0  # chunks planned (a prompt in one step is one chunk)
         self.num_passed_over = 0  # times a waiting prompt was passed over by a later arrival
+        self.num_waited_for_room = 0  # steps a prompt did not begin because the KV owner had no room
 
     # ------------------------------------------------------------------ admission
 
@@ -103,10 +132,21 @@ class Scheduler:
             plan.decode.append(self.running.popleft())
         budget = max(self.token_budget - len(plan.decode), self.token_budget // 4, 1)
         candidates = sorted([*self.prefilling, *self.waiting], key=self._priority)
+        begun = {id(s) for s in self.prefilling}
+        beginning: list[Sequence] = []  # turns this plan begins: their room is asked for together
+        short_of_room = False  # a turn waits for room: no later arrival begins before it
         for seq in candidates:
             if budget <= 0:
                 break
-            tokens = min(max(1, self.tokens_to_prefill(seq)), budget)
+            if id(seq) not in begun:
+                if short_of_room:
+                    continue
+                if not self._room_for([*beginning, seq], plan):
+                    self.num_waited_for_room += 1
+                    short_of_room = True
+                    continue
+                beginning.append(seq)
+            tokens = min(max(1, self.kv.tokens_to_prefill(seq)), budget)
             plan.prefill.append(seq)
             plan.chunks.append(tokens)
             budget -= tokens
@@ -126,11 +166,18 @@ class Scheduler:
             self.max_batch_seen = max(self.max_batch_seen, len(plan.decode))
         return plan
 
+    def _room_for(self, beginning: list[Sequence], plan: StepPlan) -> bool:
+        """May these turns begin? Yes when the KV owner has room for them all, or when nothing else is
+        in flight whose end could free room (waiting would never end: the turn begins and fails)."""
+        if self.kv.can_admit(beginning):
+            return True
+        return not (plan.decode or plan.prefill or self.running or self.prefilling)
+
     def _priority(self, seq: Sequence) -> tuple[bool, int]:
         """Sort key, first goes first: a follow-up over resident KV that fits one step, or a prompt
         passed over ``max_passed_over`` times; then arrival order."""
         urgent = seq.passed_over >= self.max_passed_over or (
-            self.is_resident(seq) and self.tokens_to_prefill(seq) <= self.token_budget)
+            self.kv.is_resident(seq) and self.kv.tokens_to_prefill(seq) <= self.token_budget)
         return not urgent, seq.arrival
 
     def complete(self, plan: StepPlan, ended: Iterable[Sequence]) -> None:

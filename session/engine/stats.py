@@ -53,6 +53,7 @@ def snapshot(engine) -> EngineStats:
                 "oom_retries": engine.num_oom_retries, "oom_failures": engine.num_oom_failures,
                 "prefill_chunks": parts.executor.num_prefill_chunks,
                 "prompts_passed_over": parts.scheduler.num_passed_over,
+                "prompts_waited_for_kv_room": parts.scheduler.num_waited_for_room,
                 "prefills_abandoned": engine.num_abandoned_prefills, **_prefix_events(memory.blocks)},
         not_recoverable_sessions=not_recoverable,
         tokens={"generated": parts.outputs.num_generated_tokens, "prefilled": parts.executor.num_prefilled_tokens,

@@ -5,10 +5,10 @@ the KV in host memory; restored by one copy), DROPPED (no KV; restored by recomp
 transcript). A session's transcript and image references are never dropped while it lives, so
 every tier answers exactly the same tokens, only at different speed (docs/DESIGN.md, "Invariants").
 
-Who calls this: the engine loop thread, before it grows or restores a session's KV
-(``reserve``), and when a session needs its KV back (``restore_from_host``). Sessions in a
-request are never demoted under it. The manager moves KV tensors between tiers; it is the
-one place that decides what stays on the device.
+Who calls this: the KV manager (session/state/kv_manager.py), the owner of KV memory the scheduler
+asks, when a turn takes its room (``reserve``); ``Sessions`` when a session needs its KV back
+(``restore_from_host``). This module is the demotion policy: which session leaves the device, to
+which tier, and the budget's arithmetic. Sessions in a request are never demoted under it.
 """
 
 from __future__ import annotations
@@ -72,15 +72,14 @@ class MemoryManager:
         least recently used first, and in each fixed pool for the blocks ``blocks`` asks of it ((pool,
         blocks) pairs: a target's pool and its draft's fill at their own pace, the draft holding no
         image tokens). Raises CapacityExceeded (503) when not enough can be freed."""
-        if self.device_budget_bytes <= 0:
-            return
-        if num_bytes > self.device_budget_bytes:
+        budget = self.device_budget_bytes
+        if budget > 0 and num_bytes > budget:
             raise CapacityExceeded(f"this turn needs {num_bytes} bytes of KV cache; the device budget is "
-                                   f"{self.device_budget_bytes}", retry_after_s=5)
-        used = self.device_bytes + self.idle_bytes
-        while used + num_bytes > self.device_budget_bytes or not self._pools_fit(blocks):
-            if self.idle_bytes and used + num_bytes > self.device_budget_bytes:  # cached prefixes go first:
-                self.blocks.evict_idle_bytes(used + num_bytes - self.device_budget_bytes)  # sessions are promises
+                                   f"{budget}", retry_after_s=5)
+        over = 0 if budget <= 0 else self.device_bytes + self.idle_bytes + num_bytes - budget  # bytes to free
+        while over > 0 or not self._pools_fit(blocks):
+            if self.idle_bytes and over > 0:  # cached prefixes go first: sessions are promises
+                self.blocks.evict_idle_bytes(over)
             else:  # (a fixed pool's own idle blocks count as room: allocating evicts them)
                 victim = _least_recent(s for s in self.store.all_sessions() if s is not session
                                        and s.tier is Tier.DEVICE and not s.busy and s.device_bytes)
@@ -88,7 +87,7 @@ class MemoryManager:
                     raise CapacityExceeded("device memory for sessions is full and every resident session is "
                                            "in a request; retry shortly", retry_after_s=1)
                 self.demote(victim)  # frees its own blocks; blocks it shared stay (or turn idle)
-            used = self.device_bytes + self.idle_bytes
+            over = 0 if budget <= 0 else self.device_bytes + self.idle_bytes + num_bytes - budget
 
     def _pools_fit(self, blocks: list) -> bool:
         return self.blocks is None or not blocks or self.blocks.fits(blocks)

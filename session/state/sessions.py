@@ -36,12 +36,12 @@ from session.errors import BadRequest, CapacityExceeded, InvalidSessionId, Resid
 from session.families.mrope import segment_positions
 from session.families.vision import Images
 from session.model.backend import ModelBackend
-from session.model.blocks import blocks_missing
 from session.model.kv_cache import KVCache, PagedKVCache
 from session.model.prefix_cache import block_keys
 from session.state.embeddings import EmbeddingCache
 from session.state.journal import Journal, JournalEntry, check_entry, is_digest, validate_digest
-from session.state.memory import MemoryManager, kv_bytes
+from session.state.kv_manager import KVManager, KVNeed
+from session.state.memory import MemoryManager
 from session.state.session import SessionState, Tier, Turn, TurnMark
 from session.state.store import SessionStore
 from session.types import redact
@@ -76,6 +76,7 @@ class Sessions:
                  max_kept_image_bytes: int = MAX_KEPT_IMAGE_BYTES, share_block_tokens: int = 0,
                  prefix_salt: Callable[[str | None], bytes] = lambda adapter: (adapter or "").encode()):
         self.store, self.memory, self.embeddings, self.journal = store, memory, embeddings, journal
+        self.kv = KVManager(memory)  # the one owner of KV memory (the scheduler asks it through the executor)
         self.share_block_tokens = share_block_tokens  # the paged caches' block size; 0: nothing shared
         self.prefix_salt = prefix_salt  # adapter name -> what keys its blocks apart (session/model/prefix_cache.py)
         self.runner = runner
@@ -153,16 +154,9 @@ class Sessions:
                 kv.release()  # what a failed first prefill left (nothing written counts)
                 usable = (len(ids) - 1) // self.share_block_tokens  # at least the last token is prefilled
                 kv.share_prefix(self.block_keys(session, ids, all_digests)[:usable])
-            need = kv_bytes(kv, total_tokens) - kv.nbytes
-            blocks = [missing_blocks(kv, total_tokens)]
-            draft_tokens = self.caches.draft_text_tokens(ids) + (total_tokens - len(ids))
-            if session.draft_kv is not None:  # the draft reads the text only (no image placeholders)
-                need += kv_bytes(session.draft_kv, draft_tokens) - session.draft_kv.nbytes
-                blocks.append(missing_blocks(session.draft_kv, draft_tokens))
-            self.memory.reserve(session, need, [each for each in blocks if each is not None])
-            if session.draft_kv is not None:
-                session.draft_kv.ensure_capacity(draft_tokens)
-            kv.ensure_capacity(total_tokens)
+            draft_tokens = self.draft_tokens(ids, total_tokens)
+            need = self.kv.blocks_needed(session, total_tokens, draft_tokens)
+            self.kv.admit(session, need, total_tokens, draft_tokens)
             if session.tier is Tier.HOST:
                 keys = self.block_keys(session, session.token_ids, session.image_digests) if self.share_block_tokens \
                     else []
@@ -191,6 +185,16 @@ class Sessions:
                 kv.release()  # a dropped or new-on-host session holds nothing, shared prefix included
             self.release_images(turn)
             raise
+
+    def turn_need(self, session: SessionState, new_ids: list[int], total_tokens: int) -> KVNeed:
+        """What the session's next turn (``new_ids``, sized for ``total_tokens``) asks of KV memory:
+        the scheduler's question to ``self.kv`` before it begins the prefill (an upper bound)."""
+        draft_tokens = self.draft_tokens(session.token_ids + new_ids, total_tokens)
+        return self.kv.blocks_needed(session, total_tokens, draft_tokens)
+
+    def draft_tokens(self, ids: list[int], total_tokens: int) -> int:
+        """What the draft's cache holds for a turn over ``ids`` sized for ``total_tokens`` (text only)."""
+        return self.caches.draft_text_tokens(ids) + (total_tokens - len(ids))
 
     def block_keys(self, session: SessionState, token_ids: list[int], digests: list[str]) -> list[bytes]:
         """The content keys of the full blocks of ``token_ids`` under the session's adapter and cache salt
@@ -573,10 +577,3 @@ def _decode_images(images: object) -> dict[str, bytes]:
         decoded[digest] = raw
     return decoded
 
-
-def missing_blocks(kv: KVCache, num_tokens: int) -> tuple | None:
-    """(its pool, the blocks ``kv.ensure_capacity(num_tokens)`` would take from it) for a paged cache,
-    what the memory manager makes room for in that pool; None for a static one."""
-    if not isinstance(kv, PagedKVCache):
-        return None
-    return kv.pool, blocks_missing(num_tokens, kv.block_tokens, len(kv.block_ids))

@@ -43,11 +43,34 @@ def test_one_request_in_flight_per_session_and_the_rest_queue_in_order():
 
 class Model:
     """The executor's part, faked: each sequence has tokens left to prefill, fed as the plan says;
-    the chunk that feeds its last token commits the turn (``prefilled``)."""
+    the chunk that feeds its last token commits the turn (``prefilled``). As the KV owner it has
+    ``room`` blocks (None: unlimited); a turn takes ``blocks[seq]`` when it begins."""
 
-    def __init__(self):
+    def __init__(self, room: int | None = None):
         self.left: dict[int, int] = {}
         self.resident: set[int] = set()
+        self.room = room
+        self.blocks: dict[int, int] = {}
+        self.asked: list[list[str]] = []
+        self.holding: set[int] = set()
+
+    def end(self, scheduler: Scheduler, s: Sequence) -> None:
+        """The request ended: its room is free again."""
+        s.done = True
+        scheduler.release(s)
+        if self.room is not None and id(s) in self.holding:
+            self.holding.discard(id(s))
+            self.room += self.blocks.get(id(s), 0)
+
+    def tokens_to_prefill(self, s: Sequence) -> int:
+        return self.left[id(s)]
+
+    def is_resident(self, s: Sequence) -> bool:
+        return id(s) in self.resident
+
+    def can_admit(self, seqs: list[Sequence]) -> bool:
+        self.asked.append([s.session.session_id for s in seqs])
+        return self.room is None or sum(self.blocks.get(id(s), 0) for s in seqs) <= self.room
 
     def need(self, s: Sequence, tokens: int, resident: bool = False) -> Sequence:
         self.left[id(s)] = tokens
@@ -56,12 +79,14 @@ class Model:
         return s
 
     def scheduler(self, **settings) -> Scheduler:
-        return Scheduler(tokens_to_prefill=lambda s: self.left[id(s)], is_resident=lambda s: id(s) in self.resident,
-                         **settings)
+        return Scheduler(kv=self, **settings)
 
     def run(self, scheduler: Scheduler, plan, ended=()) -> None:
         for s, tokens in zip(plan.prefill, plan.chunks):
             assert 0 < tokens <= self.left[id(s)]
+            if self.room is not None and id(s) not in self.holding:  # the turn begins: it takes its room
+                self.holding.add(id(s))
+                self.room -= self.blocks.get(id(s), 0)
             self.left[id(s)] -= tokens
             if not self.left[id(s)]:
                 s.turn.mark = TurnMark(num_tokens=0, num_images=0, num_turns=0, ended_with_eos=False, rope_delta=0)
@@ -91,6 +116,50 @@ def test_short_prompts_share_a_step_and_a_long_one_is_fed_in_chunks_while_the_ot
     model.run(scheduler, plan)
     assert scheduler.prefilling == deque() and len(scheduler.running) == 5 and scheduler.check() == []
     assert scheduler.num_prefill_chunks == 4 + 2 + 1 + 1 + 1
+
+
+def test_a_prompt_with_no_room_waits_first_in_line_then_runs_when_a_request_ends():
+    model = Model(room=4)
+    scheduler = model.scheduler(max_batch_size=4, token_budget=100)
+    a, b, c = (model.need(seq(name), 2) for name in "abc")
+    model.blocks.update({id(a): 3, id(b): 3, id(c): 1})
+    for s in (a, b, c):
+        scheduler.add(s)
+    plan = scheduler.schedule()
+    assert plan.prefill == [a] and model.asked == [["a"], ["a", "b"]]  # c, a later arrival, is not asked
+    assert scheduler.num_waited_for_room == 1
+    model.run(scheduler, plan)
+    plan = scheduler.schedule()  # a decodes, b still finds 1 block free: it waits, and c behind it
+    assert plan.decode == [a] and plan.prefill == [] and model.asked[-1] == ["b"]
+    model.run(scheduler, plan)
+    model.end(scheduler, a)
+    plan = scheduler.schedule()  # a's 3 blocks are back: b and c (3 + 1) begin in one step
+    assert plan.prefill == [b, c] and model.asked[-2:] == [["b"], ["b", "c"]]
+    model.run(scheduler, plan)
+    assert scheduler.num_waited_for_room == 2 and scheduler.check() == [] and model.room == 0
+
+
+def test_a_prompt_with_no_room_and_nothing_in_flight_begins_and_its_owner_refuses_it():
+    model = Model(room=2)
+    scheduler = model.scheduler(max_batch_size=4, token_budget=100)
+    big = model.need(seq("big"), 2)
+    model.blocks[id(big)] = 5
+    scheduler.add(big)
+    plan = scheduler.schedule()  # waiting would never end: it begins (and the KV owner says why it fails)
+    assert plan.prefill == [big] and model.asked == [["big"]] and scheduler.num_waited_for_room == 0
+
+
+def test_a_prompt_already_begun_continues_whatever_the_room():
+    model = Model(room=3)
+    scheduler = model.scheduler(max_batch_size=4, token_budget=8)
+    long, short = model.need(seq("long"), 10), model.need(seq("short"), 1)
+    model.blocks.update({id(long): 3, id(short): 1})
+    scheduler.add(long)
+    model.run(scheduler, scheduler.schedule())  # long begins: 8 of 10, all the room taken
+    scheduler.add(short)
+    plan = scheduler.schedule()
+    assert plan.prefill == [long] and plan.chunks == [2] and model.asked[-1] == ["short"]
+    assert scheduler.num_waited_for_room == 1
 
 
 def test_prompts_get_a_quarter_of_the_budget_however_many_rows_decode():

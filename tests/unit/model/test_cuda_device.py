@@ -235,7 +235,7 @@ def test_graphs_are_captured_on_a_stream_of_cuda_1(cuda, cpu_tensors):
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2))
     pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
-                     block_tokens=4, num_blocks=8)
+                  block_tokens=4, num_blocks=8)
     kvs = [pool.new_cache(16), pool.new_cache(16)]
     for kv in kvs:
         kv.ensure_capacity(1)
@@ -262,7 +262,7 @@ def test_the_warm_up_waits_for_the_plan_and_the_device_waits_for_the_warm_up(cud
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1,))
     pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
-                     block_tokens=4, num_blocks=4)
+                  block_tokens=4, num_blocks=4)
     kv = pool.new_cache(8)
     kv.ensure_capacity(1)
     graphs.run([kv], [3])
@@ -277,7 +277,7 @@ def test_every_graph_is_captured_at_start_up_largest_first_and_none_mid_serving(
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4))
     pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
-                     block_tokens=4, num_blocks=16)
+                  block_tokens=4, num_blocks=16)
     assert graphs.capture_all(pool, max_tokens=16) == 9  # 3 batch buckets x block tables of 1, 2, 4 blocks
     assert list(graphs.graphs) == [(4, 4), (4, 2), (4, 1), (2, 4), (2, 2), (2, 1), (1, 4), (1, 2), (1, 1)]
     captures = len([call for call in cuda.calls if call[0] == "graph"])
@@ -294,7 +294,7 @@ def test_no_graph_gathers_more_blocks_than_the_pool_holds_and_such_a_step_runs_e
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4))
     pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
-                     block_tokens=4, num_blocks=8)
+                  block_tokens=4, num_blocks=8)
     assert graphs.capture_all(pool, max_tokens=16) == 8  # all but 4 rows x 4 blocks (16 > 8 blocks)
     assert (4, 4) not in graphs.graphs and (4, 2) in graphs.graphs and (2, 4) in graphs.graphs
     kvs = [pool.new_cache(16) for _ in range(3)]
@@ -337,7 +337,7 @@ def test_verify_graphs_are_captured_at_start_up_and_replayed_for_a_speculative_s
     runner = FakeRunner(cuda)
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2, 4), verify_tokens=3, verify_buckets=(1, 2))
     pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
-                     block_tokens=4, num_blocks=16)
+                  block_tokens=4, num_blocks=16)
     # 3 decode buckets and 2 verify buckets, each with block tables of 1, 2, 4 blocks; larger steps first
     assert graphs.capture_all(pool, max_tokens=16) == 9 + 6
     assert list(graphs.verify_graphs) == [(2, 4), (2, 2), (2, 1), (1, 4), (1, 2), (1, 1)]
@@ -427,7 +427,7 @@ def test_a_restore_from_pinned_host_memory_does_not_block_the_host(monkeypatch):
     """PagedKVCache.load -> KVPool.store: each pinned host copy goes to the device with
     non_blocking=True (a pageable one would block), and lands in the session's slots."""
     pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
-                     block_tokens=4, num_blocks=8, head_major=False)
+                  block_tokens=4, num_blocks=8, head_major=False)
     saved = torch.arange(2 * 2 * 6 * 4, dtype=torch.float32).view(2, 2, 6, 4)
     pool.device = torch.device("cuda", 1)  # its tensors stay on the CPU; the copies are recorded
     copies = []
@@ -513,7 +513,7 @@ def test_adapter_rows_replay_their_own_graphs_once_the_bank_is_allocated(cuda, c
     runner.lora = SimpleNamespace(at={}, slot_rows=lambda slots: contextlib.nullcontext())
     graphs = DecodeGraphs(runner, batch_buckets=(1, 2))
     pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
-                     block_tokens=4, num_blocks=8)
+                  block_tokens=4, num_blocks=8)
     assert graphs.capture_all(pool, max_tokens=8) == 4  # no bank yet: base graphs only
     kvs = [pool.new_cache(8), pool.new_cache(8)]
     for kv in kvs:
@@ -572,7 +572,7 @@ def test_a_demotion_copies_on_the_side_stream_and_its_blocks_settle_until_the_co
     would reach the host): settling until the event is seen done, or waited for when they are needed.
     A restore's copy back waits for the event on the device."""
     pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
-                     block_tokens=4, num_blocks=8, head_major=False)
+                  block_tokens=4, num_blocks=8, head_major=False)
     pool.blocks.fixed = True
     kv = pool.new_cache(16)
     kv.ensure_capacity(12)  # 3 of the 7 blocks

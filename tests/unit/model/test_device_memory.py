@@ -152,7 +152,7 @@ class ProfiledRunner:
 
         if block_tokens not in self.kv_pools:
             self.kv_pools[block_tokens] = KVPool(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
-                                                    device=torch.device("cpu"), block_tokens=block_tokens)
+                                                 device=torch.device("cpu"), block_tokens=block_tokens)
         return self.kv_pools[block_tokens]
 
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int):

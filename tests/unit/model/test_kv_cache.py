@@ -19,7 +19,7 @@ def layout(request):
 
 def make_pool(dtype: torch.dtype = torch.float32, num_blocks: int = 1) -> KVPool:
     return KVPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
-                     device=torch.device("cpu"), block_tokens=BLOCK, num_blocks=num_blocks,
+                  device=torch.device("cpu"), block_tokens=BLOCK, num_blocks=num_blocks,
                      head_major=LAYOUT["head_major"])
 
 
@@ -231,7 +231,7 @@ def test_release_of_a_static_cache_frees_its_buffers():
 
 def test_a_cpu_pool_is_head_major_and_each_heads_run_is_one_contiguous_stream():
     pool = KVPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
-                     device=torch.device("cpu"), block_tokens=BLOCK)
+                  device=torch.device("cpu"), block_tokens=BLOCK)
     assert pool.head_major and pool.k.shape == (LAYERS, HEADS, 1, BLOCK, HEAD_DIM)
     cache = pool.new_cache(MAX)
     cache.ensure_capacity(20)

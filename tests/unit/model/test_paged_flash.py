@@ -127,7 +127,7 @@ def varlen(monkeypatch, request):
 def token_major(runner: ModelRunner) -> None:
     info = runner.info
     runner.kv_pools[BLOCK] = KVPool(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
-                                       head_dim=info.head_dim, dtype=runner.kv_dtype, device=runner.device,
+                                    head_dim=info.head_dim, dtype=runner.kv_dtype, device=runner.device,
                                        block_tokens=BLOCK, head_major=False)
 
 

@@ -18,7 +18,7 @@ IMAGE = 9
 
 def pool(num_blocks: int = 1, block_tokens: int = 4) -> KVPool:
     return KVPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64, device=torch.device("cpu"),
-                     block_tokens=block_tokens, num_blocks=num_blocks)
+                  block_tokens=block_tokens, num_blocks=num_blocks)
 
 
 def fill(kv, tokens: list[int]) -> None:

@@ -447,7 +447,7 @@ class FakeRunner:
 
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
         return KVPool(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device=torch.device("cpu"),
-                         block_tokens=block_tokens).new_cache(max_tokens)
+                      block_tokens=block_tokens).new_cache(max_tokens)
 
     def embed(self, token_ids: list[int], image_embeds: list) -> torch.Tensor:
         return torch.tensor(token_ids, dtype=torch.float32)  # "embeddings" are the ids
