@@ -25,7 +25,6 @@ Who calls this: the executor, on the engine loop thread: ``choose`` before a dec
 
 from __future__ import annotations
 
-import os
 import queue
 import statistics
 import threading
@@ -36,6 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from session.model.cpu_quota import usable_cores
+
 
 def bucket_of(batch: int) -> int:
     """Batch sizes whose steps cost alike share figures: 1, 2-3, 4-7, 8-15, ... (the power of 2 below)."""
@@ -43,8 +44,9 @@ def bucket_of(batch: int) -> int:
 
 
 def cpu_candidates() -> tuple[int, ...]:
-    """One thread, and every core this process may run on (when there is more than one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """One thread, and every core this process may keep busy (its affinity, capped by its container's
+    CPU quota: session/model/cpu_quota.py), when there is more than one."""
+    cores = usable_cores()
     return (1, cores) if cores > 1 else (1,)
 
 
@@ -128,10 +130,10 @@ class ThreadTuner:
     def _best(self, bucket: int) -> int:
         """The count with the best figure in ``bucket``; before any, the prior (or the count in use)."""
         figures = self._figures[bucket]
-        known = [c for c in self.candidates if figures[c].seconds is not None]
+        known = {c: seconds for c in self.candidates if (seconds := figures[c].seconds) is not None}
         if not known:
             return self._prior.get(bucket, self.threads)
-        return min(known, key=lambda c: figures[c].seconds)
+        return min(known, key=known.__getitem__)
 
     def observe(self, batch: int, seconds: float) -> None:
         """After the step ``choose`` prepared: its wall time."""
