@@ -76,6 +76,7 @@ from session.errors import ConfigError
 from session.families.support import check_checkpoint
 from session.front.config import FrontConfig
 from session.front.server import Front
+from session.model.cpu_quota import usable_cores
 
 logger = logging.getLogger("resident.cluster")
 
@@ -155,7 +156,7 @@ def backend_env(index: int, num: int, devices: Devices, environ: Mapping[str, st
     elif devices.kind == "neuron":
         env["NEURON_RT_VISIBLE_CORES"] = str(index % devices.count)
     elif devices.kind == "cpu" and "RESIDENT_THREADS" not in environ:
-        env["RESIDENT_THREADS"] = str(max(1, (os.cpu_count() or 1) // num))
+        env["RESIDENT_THREADS"] = str(max(1, usable_cores() // num))  # affinity and container quota
     return env
 
 
