@@ -56,11 +56,14 @@ device-check:
 	PYTHON=$(PYTHON) WHEELS=$(WHEELS) scripts/device_check.sh
 
 # ruff (pyproject.toml's rule set), the layers of session/ as import contracts (pyproject.toml,
-# [tool.importlinter]), and, since the images cannot be built here (no Docker engine), the
+# [tool.importlinter]), mypy over session/ ([tool.mypy]), no session/ module over 450 lines
+# (scripts/check_file_sizes.py), and, since the images cannot be built here (no Docker engine), the
 # Dockerfiles and the shell entrypoints.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+	$(PY) scripts/check_file_sizes.py
 	$(VENV)/bin/hadolint docker/Dockerfile.cuda docker/Dockerfile.neuron
 	$(VENV)/bin/shellcheck docker/serve scripts/device_check.sh scripts/device_wheels.sh scripts/build_llama_cpp.sh
 

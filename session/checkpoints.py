@@ -70,8 +70,10 @@ def reading_once() -> Iterator[None]:
         yield
         return
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader, gguf.get_tensor_name_map = functools.cache(reader), functools.cache(name_map)
+    # A cached function in the class's place, for the block: what mypy calls assigning to a type.
+    cached_reader, cached_name_map = functools.cache(reader), functools.cache(name_map)
+    gguf.GGUFReader, gguf.get_tensor_name_map = cached_reader, cached_name_map  # type: ignore[misc, assignment]
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map  # type: ignore[misc]

@@ -108,7 +108,7 @@ class ServiceStopping(ResidentError):
         super().__init__(message, headers={"Retry-After": "1"})
 
 
-# ---------------------------------------------------------------- adapters (session/model/lora.py)
+# ---------------------------------------------------------------- adapters (session/model/lora.py, lora_weights.py)
 
 
 class AdapterNotFound(ResidentError):

@@ -84,7 +84,8 @@ def _journal_adapters(journal: Journal | None, added: tuple[str, dict] | None = 
     adapters = journal.adapters()
     if added is not None:
         adapters[added[0]] = added[1]
-    adapters.pop(removed, None)
+    if removed is not None:
+        adapters.pop(removed, None)
     journal.write_adapters(adapters)
 
 
@@ -98,6 +99,8 @@ def session_admin(request: SessionAdminRequest, sessions: Sessions, now: float) 
                               "moving": sessions.is_moving(s.session_id)}
                              for s in sessions.store.all_sessions() if not s.ephemeral]}
     if request.action == "import":
+        if not isinstance(request.exported, dict):  # the request's "session": any JSON value
+            raise BadRequest("import needs the exported session object in 'session'")
         return {"imported": sessions.import_(request.exported, now).session_id}
     if request.action not in ("export", "forget", "resume"):
         raise BadRequest(f"unknown sessions action {request.action!r}; use list, export, forget, resume or import")

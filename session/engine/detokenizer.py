@@ -12,16 +12,19 @@ def text_of(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[int]]
     """``tokenizer.decode(ids, skip_special_tokens=...)``, straight to the Rust tokenizer where
     transformers' wrapper adds nothing to it (its fast tokenizer's own ``_decode``, no clean-up of
     spaces): the wrapper's argument handling cost more than the decode itself, twice per token."""
+    def own(ids: list[int]) -> str:  # the wrapper's decode
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers layout: its own decode
-        TokenizersBackend = None
+        return own
     backend = getattr(tokenizer, "_tokenizer", None)
-    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
-            and type(tokenizer)._decode is TokenizersBackend._decode
-            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False and hasattr(backend, "decode")):
+    if (isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._decode is TokenizersBackend._decode
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+            and backend is not None and hasattr(backend, "decode")):
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return own
 
 
 class Detokenizer:

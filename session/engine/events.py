@@ -74,11 +74,11 @@ class EventStream:
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None, deltas: bool = True):
         self._loop = loop
         self.deltas = deltas
-        self._async_queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._async_queue: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
 
     def put(self, event: Event) -> None:
-        if self._loop is None:
+        if self._loop is None or self._async_queue is None:  # both None, or neither
             self._queue.put(event)
             return
         try:
@@ -94,4 +94,6 @@ class EventStream:
         return self._queue.get_nowait()
 
     async def aget(self) -> Event:
+        if self._async_queue is None:
+            raise RuntimeError("aget() needs an EventStream made with a loop; without one, call get()")
         return await self._async_queue.get()

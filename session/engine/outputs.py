@@ -47,6 +47,7 @@ class OutputProcessor:
         self.transcript.append_token(seq.session, token)
         self.num_generated_tokens += 1
         sampling, detok = seq.request.sampling, seq.detokenizer
+        assert detok is not None, "start() gives a sequence its detokenizer before its first token"
         is_eos = token in self.eos_token_ids
         before = len(detok.text)
         if not is_eos:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import jinja2
 
 from session.errors import BadRequest, ConfigError
-from session.types import ImagePart, Message
+from session.types import ImagePart, Message, TextPart
 
 _USER_PROBE = "\u2063probe-user\u2063"
 _ASSISTANT_PROBE = "\u2063probe-assistant\u2063"
@@ -125,8 +125,8 @@ class ChatFormatter:
             return {"role": message.role, "content": message.template_content(), **message.template_extras()}
         if any(isinstance(p, ImagePart) for p in message.parts):
             raise BadRequest("this model's chat template takes text content only; remove the image_url parts")
-        return {"role": message.role, "content": TEXT_PART_SEPARATOR.join(p.text for p in message.parts),
-                **message.template_extras()}
+        text = TEXT_PART_SEPARATOR.join(p.text for p in message.parts if isinstance(p, TextPart))  # all of them
+        return {"role": message.role, "content": text, **message.template_extras()}
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,

@@ -16,10 +16,13 @@ from session.engine.events import EventStream
 from session.engine.prompt import RenderedTurn
 from session.families.vision import NO_IMAGES, Images
 from session.model.grammar import Grammar
+from session.speculative.controller import SpeculationController
 from session.state.session import SessionState, Turn
 from session.types import Message, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from session.engine.detokenizer import Detokenizer
 
 
@@ -121,13 +124,13 @@ class Sequence:
     detokenizer: Detokenizer | None = None
     num_text_sent: int = 0  # characters of the answer already streamed
     adapter_slot: int = 0  # LoRA bank slot while running (0: base model)
-    controller: object | None = None  # SpeculationController while speculative decoding is allowed
+    controller: SpeculationController | None = None  # while speculative decoding is allowed
     done: bool = False  # its final event was sent
     arrival: int = 0  # admission order (the scheduler's)
     passed_over: int = 0  # steps in which later arrivals prefilled and this one waited (its starvation bound)
     prompt_ids: list[int] | None = None  # the turn's new ids, once the executor rendered them
     progress: PrefillProgress | None = None  # its prefill under way (begun, not yet committed)
-    matcher: object | None = None  # its grammar's matcher (request.grammar), advanced by each sampled token
+    matcher: LLMatcher | None = None  # its grammar's matcher (request.grammar), advanced by each sampled token
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when sampling.logprobs is set
     num_logprobs_sent: int = 0  # how many of ``logprobs`` went out with a TextDelta
     turn: Turn = field(init=False)  # its hold on the session (written by Sessions)

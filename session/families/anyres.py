@@ -22,6 +22,7 @@ which has the image sizes but not the pixels.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -91,19 +92,22 @@ class ImageLayout:
         return self.base_features + self.unpadded[0] * self.unpadded[1] + self.num_newlines
 
 
-def select_best_resolution(height: int, width: int, pinpoints) -> tuple[int, int]:
+def select_best_resolution(height: int, width: int, pinpoints: Iterable[tuple[int, int]]) -> tuple[int, int]:
     """The pinpoint that keeps the most of the image's pixels when it is scaled to fit, ties going to the
     one that wastes the fewest (the first wins a full tie); as transformers' select_best_resolution.
 
     Note the int() truncation: a sliver (say 20 x 5000 px) scales to 0 rows in every pinpoint, so all
     tie at 0 effective pixels and the smallest pinpoint wins."""
-    best, best_effective, best_wasted = None, 0, float("inf")
+    best: tuple[int, int] | None = None
+    best_effective, best_wasted = 0, float("inf")
     for pin_height, pin_width in pinpoints:
         scale = min(pin_width / width, pin_height / height)
         effective = min(int(width * scale) * int(height * scale), width * height)
         wasted = pin_width * pin_height - effective
         if effective > best_effective or (effective == best_effective and wasted < best_wasted):
             best, best_effective, best_wasted = (pin_height, pin_width), effective, wasted
+    if best is None:  # the first pinpoint always wins against nothing
+        raise ValueError("select_best_resolution: no grid pinpoints")
     return best
 
 

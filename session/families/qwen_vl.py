@@ -63,7 +63,7 @@ def image_token_count(height: int, width: int, geometry: QwenVLGeometry) -> int:
 
 
 def _image_only(processor_class):
-    class ImageOnlyProcessor(processor_class):
+    class ImageOnlyProcessor(processor_class):  # type: ignore[misc, valid-type]  # a base chosen at run time
         """The checkpoint's processor with no video processor: ``ProcessorMixin`` takes its
         sub-processors from ``__init__``'s parameters, so leaving ``video_processor`` out of them
         drops it (and its torchvision import); images and text go through the parent unchanged."""

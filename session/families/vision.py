@@ -113,8 +113,10 @@ class ImagePreprocessor:
         self.max_pixels = max_pixels
         if qwen_geometry is not None:
             self.max_tokens_per_image = qwen_geometry.max_pixels // (qwen_geometry.patch_size * qwen_geometry.merge_size) ** 2
+        elif geometry is not None:
+            self.max_tokens_per_image = max_num_image_tokens(geometry)
         else:
-            self.max_tokens_per_image = fixed_tokens or max_num_image_tokens(geometry)
+            self.max_tokens_per_image = fixed_tokens
 
     @classmethod
     def for_runner(cls, runner, image_processor, max_pixels: int = EngineConfig.max_image_pixels) -> ImagePreprocessor:
@@ -157,7 +159,9 @@ class ImagePreprocessor:
         """The placeholder tokens an image of (height, width) pixels expands to."""
         if self.qwen_geometry is not None:
             return image_token_count(height, width, self.qwen_geometry)
-        return self.fixed_tokens or image_layout(height, width, self.geometry).num_image_tokens
+        if self.geometry is not None:
+            return image_layout(height, width, self.geometry).num_image_tokens
+        return self.fixed_tokens
 
     def preprocess(self, images: list) -> Images:
         if not images:
@@ -172,7 +176,7 @@ class ImagePreprocessor:
         sizes = tuple((image.height, image.width) for image in images)
         counts = tuple(self.num_tokens(h, w) for h, w in sizes)
         if self.qwen_geometry is not None:  # [sum of t*h*w, patch values]: each image's own patches, its grid
-            grids = tuple(tuple(int(x) for x in g) for g in out["image_grid_thw"])
+            grids = tuple((int(t), int(h), int(w)) for t, h, w in out["image_grid_thw"])
             pixels = torch.split(pixel_values, [t * h * w for t, h, w in grids])
             return Images(tuple(pixels), sizes, counts, grids)
         if self.geometry is not None:  # [N, max_tiles, 3, t, t], zero-padded: keep each image's own tiles

@@ -39,6 +39,7 @@ import json
 import logging
 from collections import Counter
 from contextlib import contextmanager
+from typing import cast
 
 from aiohttp import web
 
@@ -97,6 +98,7 @@ class ConnectionGuard:
             return REFUSAL
         self.num_open += 1
         self.open_by_address[address] += 1
+        assert guarded.transport is not None, "admitted from connection_made, which sets it"
         self._by_transport[guarded.transport] = guarded
         self._idle[guarded] = None
         return None
@@ -106,7 +108,8 @@ class ConnectionGuard:
         self.open_by_address[guarded.address] -= 1
         if not self.open_by_address[guarded.address]:
             del self.open_by_address[guarded.address]
-        self._by_transport.pop(guarded.transport, None)
+        if guarded.transport is not None:
+            self._by_transport.pop(guarded.transport, None)
         self._idle.pop(guarded, None)
 
     def mark_idle(self, guarded: _Guarded) -> None:
@@ -121,7 +124,7 @@ class ConnectionGuard:
         for guarded in self._idle:
             if address is not None and guarded.address != address:
                 continue
-            if guarded.transport.get_write_buffer_size():
+            if guarded.transport is not None and guarded.transport.get_write_buffer_size():
                 continue  # its last answer is still on its way out
             self.num_evicted += 1
             guarded.close_idle()
@@ -145,7 +148,9 @@ class _Guarded(asyncio.Protocol):
         self._write_deadline: asyncio.TimerHandle | None = None  # while writing is paused
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
+        # a stream server's protocol is handed a Transport (asyncio.Protocol's contract; typeshed types
+        # every protocol's argument as the base)
+        self.transport = transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         refusal = self.guard.admit(self)
@@ -214,7 +219,8 @@ class _Guarded(asyncio.Protocol):
     def close_idle(self) -> None:
         """Closed by the guard to make room: out of its counts now, not when the loop reports it closed."""
         self._forget()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def _forget(self) -> None:
         if self.counted:

@@ -32,7 +32,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from session.errors import BackendError, BackendTimeout, SessionBackendUnavailable, SessionNotFound
+from session.errors import BackendError, BackendTimeout, ResidentError, SessionBackendUnavailable, SessionNotFound
 from session.front.answers import (
     JSON_CONTENT_TYPE,
     PAYLOAD_CONTENT_TYPE_HEADER,
@@ -124,9 +124,9 @@ class Forwarder:
         self.num_cancels_sent = 0
 
     async def forward(self, request: web.Request, call: Call) -> web.StreamResponse:
-        if call.session_id in (None, NEW_SESSION):
+        if call.session_id is None or call.session_id == NEW_SESSION:
             return await self._forward_anywhere(request, call)
-        return await self._forward_to_session(request, call)
+        return await self._forward_to_session(request, call, call.session_id)
 
     async def _forward_anywhere(self, request: web.Request, call: Call) -> web.StreamResponse:
         """A new session or a stateless request: the least busy backend; the next one if it refuses."""
@@ -138,16 +138,16 @@ class Forwarder:
             except _Unreachable:
                 refused.append(backend)
 
-    async def _forward_to_session(self, request: web.Request, call: Call) -> web.StreamResponse:
+    async def _forward_to_session(self, request: web.Request, call: Call, session_id: str) -> web.StreamResponse:
         """A follow-up: to the backend its pin or its id's tag names; when that backend does not hold the
         session (404) or is down, to the one the backends say holds it; else that 404, or 410."""
-        session_id = call.session_id
         try:
             backend = self.router.route(session_id)
         except (SessionNotFound, SessionBackendUnavailable) as exc:
-            backend = await self._look_up(session_id, exclude=())
-            if backend is None:
+            found = await self._look_up(session_id, exclude=())
+            if found is None:
                 raise exc from None
+            backend = found
         try:
             return await self._exchange_counted(request, backend, call, look_elsewhere=self.admin.enabled)
         except (_Missing, _Unreachable) as exc:
@@ -264,6 +264,7 @@ class Forwarder:
             raise ConnectionResetError("client disconnected") from None
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             # The status line is gone already: end the stream with an error in its own format.
+            error: ResidentError
             if isinstance(exc, asyncio.TimeoutError):
                 error = BackendTimeout(f"backend {backend.index} sent nothing for {self.config.timeout_s:g} s")
                 self._cancel_later(backend, call.request_id)

@@ -48,6 +48,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -83,6 +84,15 @@ access_logger = logging.getLogger("resident.front.access")
 Route = Callable[[web.Request, bytes], Awaitable[web.StreamResponse]]
 MAX_HEADERS = 128  # a request with more is answered 400 (aiohttp >= 3.13.4 enforces it)
 MAX_LINE_BYTES = 8190  # the request line, and each header
+
+T = TypeVar("T")
+
+
+def _started(part: T | None) -> T:
+    """A part ``Front.start`` makes (it needs the event loop's client sessions); None before it."""
+    if part is None:
+        raise RuntimeError("the front is not started: call start() first")
+    return part
 
 
 class Front:
@@ -165,7 +175,7 @@ class Front:
     @property
     def port(self) -> int:
         """The bound port (useful after ``start(host, 0)``)."""
-        return self._runner.addresses[0][1]
+        return _started(self._runner).addresses[0][1]
 
     @property
     def num_cancels_sent(self) -> int:
@@ -173,7 +183,7 @@ class Front:
 
     async def check_health(self) -> None:
         """Probe every backend once (tests, and a restart waiting for its backend)."""
-        await self.health.check()
+        await _started(self.health).check()
 
     async def stop(self) -> None:
         if self._health_task is not None:
@@ -217,11 +227,12 @@ class Front:
 
     async def describe_backends(self, request: web.Request) -> web.Response:
         """Internal URLs and counters: the admin token's, like the rest of the admin API."""
-        self.admin_routes.check_token(request)
+        _started(self.admin_routes).check_token(request)
+        locator = _started(self.locator)
         return web.json_response({"backends": [asdict(b) for b in self.router.backends],
                                   "num_sessions": len(self.router.pins), "num_cancels_sent": self.num_cancels_sent,
-                                  "num_lookups": self.locator.num_lookups,
-                                  "num_lookup_fan_outs": self.locator.num_fan_outs,
+                                  "num_lookups": locator.num_lookups,
+                                  "num_lookup_fan_outs": locator.num_fan_outs,
                                   "connections": {"open": self.guard.num_open, "refused": self.guard.num_refused,
                                                   "idle_closed": self.guard.num_evicted,
                                                   "head_timeouts": self.guard.num_timed_out,
@@ -276,16 +287,17 @@ class Front:
 
     async def _adapters(self) -> list[str]:
         """The adapters registered on the first healthy backend; none without the admin token."""
-        if not (self.admin.enabled and self.router.healthy_backends):
+        if not (_started(self.admin).enabled and self.router.healthy_backends):
             return []
-        [(status, body)] = await self.admin_routes.on_every({"adapters": "list"}, self.router.healthy_backends[:1])
+        first = self.router.healthy_backends[:1]
+        [(status, body)] = await _started(self.admin_routes).on_every({"adapters": "list"}, first)
         return [a["name"] for a in body.get("adapters", [])] if status == 200 else []
 
     async def _forward(self, request: web.Request, body: bytes, path: str, *, events: bool,
                        endpoint: str | None = None) -> web.StreamResponse:
         call = Call.of(request, body, path, session_id=_session_id(request), request_id=_request_id(request),
                        tenant=request[TENANT], events=events, endpoint=endpoint)
-        return await self.forwarder.forward(request, call)
+        return await _started(self.forwarder).forward(request, call)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.config.max_request_bytes

@@ -109,19 +109,19 @@ class Tenants:
     def identify(self, request: web.BaseRequest) -> str:
         """The request's tenant. Raises Unauthorized (401) or BadRequest (400)."""
         if self.api_keys is not None:
-            return self._by_key(request)
+            return self._by_key(request, self.api_keys)
         if self.header:
             tenant = self._by_header(request)
             if tenant is not None:
                 return tenant
         return peer_tenant(request)
 
-    def _by_key(self, request: web.BaseRequest) -> str:
+    def _by_key(self, request: web.BaseRequest, api_keys: dict[bytes, str]) -> str:
         scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthorized("send your API key as 'Authorization: Bearer <key>' (the openai client's api_key)")
         # Looked up by digest: how long the look-up takes tells nothing about how much of a key matched.
-        tenant = self.api_keys.get(_digest(key.strip()))
+        tenant = api_keys.get(_digest(key.strip()))
         if tenant is None:
             raise Unauthorized("the API key is not valid")
         return tenant

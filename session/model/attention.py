@@ -270,7 +270,8 @@ def causal_masks(start: int, num_new: int, windows: list[int | None], device: to
     layer of W only the last W of them (keys j > start+i-W). ``all_keys``: the full-attention mask is
     None instead (one query: every key is its past)."""
     causal = torch.ones(num_new, start + num_new, dtype=torch.bool, device=device).tril(diagonal=start)
-    masks = {w: causal if w is None else causal.triu(diagonal=start - w + 1) for w in set(windows)}
+    masks: dict[int | None, torch.Tensor | None] = {
+        w: causal if w is None else causal.triu(diagonal=start - w + 1) for w in set(windows)}
     if all_keys and None in masks:
         masks[None] = None
     return masks

@@ -201,9 +201,11 @@ def integers(where: dict[str, tuple[Path, str]], prefix: str) -> Integers | None
     if scales is None or scales.dim() != 2:
         return None
     packed, zeros = read(where, f"{prefix}.weight_packed"), read(where, f"{prefix}.weight_zero_point")
-    g_idx = read(where, f"{prefix}.weight_g_idx")
+    g_idx, stored_shape = read(where, f"{prefix}.weight_g_idx"), read(where, f"{prefix}.weight_shape")
     if packed is not None:
-        shape = torch.Size(int(d) for d in read(where, f"{prefix}.weight_shape"))
+        if stored_shape is None:
+            return None  # packed integers without their shape: not a layout this reads
+        shape = torch.Size(int(d) for d in stored_shape)
         bits = 32 * packed.shape[1] // shape[1]
         if packed.dtype != torch.int32 or not 1 <= bits <= 8:  # fp4 (nvfp4, mxfp4) packs otherwise
             return None
@@ -275,7 +277,8 @@ def keep_packed(model: nn.Module, layers: list[nn.Module], folder: str, method: 
 
     before = model_bytes(model)
     where = file_tensors(folder)
-    kept, dequantized = Counter(), Counter()
+    kept: Counter[str] = Counter()  # kind -> linears kept packed
+    dequantized: Counter[str] = Counter()  # why not -> linears left dequantized
     stored = {name.removesuffix(".weight_scale") for name in where if name.endswith(".weight_scale")}
     for name, parent, attribute, linear in linear_targets(model, layers):
         prefix = name.removesuffix(".weight")

@@ -67,6 +67,8 @@ def graph_key(kvs: list[PagedKVCache], batch_buckets: tuple[int, ...], num_new: 
     most = max(blocks_for(kv.max_tokens, block_tokens) for kv in kvs)  # widest table a session can have
     needed = max(blocks_for(kv.length + num_new, block_tokens) for kv in kvs)
     blocks = bucket_for(needed, power_buckets(most))
+    if blocks is None:  # never: ``needed`` <= ``most``, the largest bucket
+        return None
     return (rows, blocks) if worth_a_graph(rows, blocks, kvs[0].pool) else None
 
 
@@ -106,7 +108,7 @@ class DecodeGraphs:
         # stream (torch.cuda.graph), and their warm-up runs there too, so that the state it builds per
         # stream (cuBLAS workspaces) is the state the capture finds
         self.stream = torch.cuda.Stream(runner.device)
-        self.pool_address = None  # the pool tensors the graphs were captured over
+        self.pool_address: int | None = None  # the pool tensors the graphs were captured over
 
     @property
     def adapters(self) -> bool:
@@ -167,7 +169,7 @@ class DecodeGraphs:
         """Decode one token for each row (caches already sized) by replaying the step's graph; logits [B, V].
         ``offsets``: each row's M-RoPE rope delta (graphs of an M-RoPE model take them; None: 0);
         ``adapter_slots``: each row's LoRA slot (any non-zero: the graphs with adapter rows)."""
-        slots = list(adapter_slots) if any(adapter_slots or ()) else None
+        slots = list(adapter_slots) if adapter_slots is not None and any(adapter_slots) else None
         return self._replay(kvs, [[token] for token in token_ids], offsets if self.offsets else None, slots, 1)
 
     def _replay(self, kvs: list[PagedKVCache], token_rows: list[list[int]], offsets: list[int] | None,
@@ -178,6 +180,8 @@ class DecodeGraphs:
         lora = adapter_slots is not None
         graphs = self._set(num_new, lora)
         key = graph_key(kvs, self.batch_buckets if num_new == 1 else self.verify_buckets, num_new)
+        if key is None:
+            raise RuntimeError("no graph takes this step: the runner asks fits() or fits_verify() first")
         captured = graphs.get(key)
         if captured is None:
             captured = graphs[key] = self._capture(pool, *key, num_new, lora)

@@ -19,7 +19,7 @@ per-row code, which serves any cache. Who calls this: the runner, on the engine 
 from __future__ import annotations
 
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +28,11 @@ from session.model.attention import attend_runs, causal_masks, choose_backend, c
 from session.model.backend import ModelInfo
 from session.model.blocks import blocks_for, blocks_missing
 from session.model.cpu import attention as cpu_attention, fused_layer
-from session.model.kv_cache import PAD_BLOCK, KVCache, PagedKVCache
+from session.model.kv_cache import PAD_BLOCK, KVCache, KVPool, PagedKVCache
 
 if TYPE_CHECKING:
     from session.model.cuda_graphs import DecodeGraphs
+    from session.model.lora_bank import LoraBank
 
 
 class Layers(Protocol):
@@ -42,12 +43,16 @@ class Layers(Protocol):
     kv_dtype: torch.dtype
     info: ModelInfo
     layers: list
-    lm: torch.nn.Module  # embed_tokens, rotary_emb, norm
+    lm: Any  # transformers' decoder stack: embed_tokens, rotary_emb, norm (its class's own parts)
     lm_head: torch.nn.Module
     windows: list[int | None]
     cpu_kernels: bool
-    plain_layers: bool
-    lora: object | None  # LoraBank
+
+    @property
+    def plain_layers(self) -> bool: ...
+
+    @property
+    def lora(self) -> LoraBank | None: ...
 
     def set_adapters(self, slots: list[int] | None) -> None: ...
 
@@ -75,23 +80,23 @@ class PerRowPath:
         runner = self.runner
         h, cos, sin = step_inputs(runner, token_ids, lengths, offsets)
         gqa = runner.info.num_heads != runner.info.num_kv_heads
-        one = one_pool(kvs)
-        slots = step_slots(runner, kvs, lengths)
-        row_runs = {}  # window -> runs_of_rows: built once per step, not once per layer
+        pool, paged = shared_pool(kvs), paged_caches(kvs)
+        slots = step_slots(runner, paged, lengths)
+        row_runs: dict[int | None, list[list[tuple]]] = {}  # window -> runs_of_rows: once per step, not per layer
         for index, layer in enumerate(runner.layers):
             attn = layer.self_attn
             q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
             rows = []
             window = runner.windows[index]
-            if one:
-                kvs[0].pool.write_rows(index, slots, k, v)
+            if pool is not None:
+                pool.write_rows(index, slots, k, v)
             for b, (kv, length) in enumerate(zip(kvs, lengths)):
-                if not one:
+                if pool is None:
                     kv.write(index, length, k[b], v[b])
                 if runner.device.type == "cpu":  # the session's blocks in place, however it grew
                     if window not in row_runs:
                         starts = [window_start(window, n) for n in lengths]
-                        row_runs[window] = runs_of_rows(kvs, starts, [n + 1 for n in lengths])
+                        row_runs[window] = runs_of_rows(paged, starts, [n + 1 for n in lengths])
                     runs = [(keys[index], values[index]) for keys, values in row_runs[window][b]]
                     rows.append(attend_runs(q[b : b + 1], runs, attn.scaling, gqa))
                     continue
@@ -120,27 +125,28 @@ class PerRowPath:
         masks = [causal_masks(length, count, runner.windows, device, all_keys=count == 1)
                  for length, count in zip(lengths, counts)]
         gqa = runner.info.num_heads != runner.info.num_kv_heads
-        one = one_pool(kvs)
-        if one:  # every row's real new tokens (not its padding): row, column, and slot in the pool
+        pool = shared_pool(kvs)
+        if pool is not None:  # every row's real new tokens (not its padding): row, column, and slot in the pool
             new_rows = torch.tensor([b for b, count in enumerate(counts) for _ in range(count)], device=device)
             new_columns = torch.tensor([t for count in counts for t in range(count)], device=device)
-            slots = torch.tensor([slot for kv, length, count in zip(kvs, lengths, counts)
+            slots = torch.tensor([slot for kv, length, count in zip(paged_caches(kvs), lengths, counts)
                                   for slot in kv.slots(length, length + count)], device=device)
         row_runs = None  # runs_of_rows, built once per step for the layers that attend in place
         for index, layer in enumerate(runner.layers):
             attn = layer.self_attn
             window = runner.windows[index]
             q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
-            if one:  # [N, KVH, hd] -> [KVH, N, hd]
-                kvs[0].pool.write(index, slots, k[new_rows, :, new_columns].transpose(0, 1),
-                                  v[new_rows, :, new_columns].transpose(0, 1))
+            if pool is not None:  # [N, KVH, hd] -> [KVH, N, hd]
+                pool.write(index, slots, k[new_rows, :, new_columns].transpose(0, 1),
+                           v[new_rows, :, new_columns].transpose(0, 1))
             rows = []
             for b, (kv, length, count) in enumerate(zip(kvs, lengths, counts)):
-                if not one:
+                if pool is None:
                     kv.write(index, length, k[b, :, :count], v[b, :, :count])
                 if runner.in_place(kv, window):
                     if row_runs is None:
-                        row_runs = runs_of_rows(kvs, [0] * len(kvs), [n + c for n, c in zip(lengths, counts)])
+                        row_runs = runs_of_rows(paged_caches(kvs), [0] * len(kvs),
+                                                [n + c for n, c in zip(lengths, counts)])
                     runs = [(keys[index], values[index]) for keys, values in row_runs[b]]
                     row = attend_runs(q[b:b + 1, :, :count], runs, attn.scaling, gqa, masks[b][window])
                 else:
@@ -162,7 +168,8 @@ class CpuKernelPath(PerRowPath):
         self._lora_cached: tuple | None = None  # (rows' adapters, bank version) -> lora_arguments' tensors
 
     def serves(self, kvs: list[KVCache]) -> bool:
-        return one_pool(kvs) and kvs[0].pool.head_major
+        pool = shared_pool(kvs)
+        return pool is not None and pool.head_major
 
     @cached_property
     def fused(self) -> list[tuple] | None:
@@ -274,7 +281,7 @@ class BatchedPath(PerRowPath):
         self.graphs = graphs
 
     def decode(self, kvs, token_ids, lengths, offsets, adapter_slots):
-        if not one_pool(kvs) or gathers_past_the_pool(kvs, 1):
+        if shared_pool(kvs) is None or gathers_past_the_pool(kvs, 1):
             return super().decode(kvs, token_ids, lengths, offsets, adapter_slots)
         graphs = self.graphs
         if graphs is not None and (offsets is None or graphs.offsets) and graphs.fits(kvs, adapter_slots):
@@ -289,7 +296,7 @@ class BatchedPath(PerRowPath):
         the row's own blocks past its new length (stale there, overwritten later) and come after every
         real query of the row, so none attends to them."""
         width = max(len(row) for row in token_rows)
-        if not (one_pool(kvs) and all(kv.length + width <= kv.max_tokens for kv in kvs)
+        if not (shared_pool(kvs) is not None and all(kv.length + width <= kv.max_tokens for kv in kvs)
                 and padding_fits(kvs, lengths, width)) or gathers_past_the_pool(kvs, width):
             return super().extend(kvs, token_rows, lengths, adapter_slots)
         graphs = self.graphs
@@ -338,7 +345,7 @@ def step_inputs(runner: Layers, token_ids: list[int], lengths: list[int], offset
     return h, cos, sin
 
 
-def step_slots(runner: Layers, kvs: list[KVCache], lengths: list[int]) -> torch.Tensor:
+def step_slots(runner: Layers, kvs: list[PagedKVCache], lengths: list[int]) -> torch.Tensor:
     """[B, 1]: the pool slot of each row's new token (at position lengths[b])."""
     return torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=runner.device)
 
@@ -356,7 +363,17 @@ def runs_of_rows(kvs: list[PagedKVCache], starts: list[int], ends: list[int]) ->
             for kv, start, end in zip(kvs, starts, ends)]
 
 
-def one_pool(kvs: list[KVCache]) -> bool:
-    """Every cache is paged in the same pool: a step stores all rows' new keys in one call per layer."""
+def shared_pool(kvs: list[KVCache]) -> KVPool | None:
+    """The pool every cache is paged in, where they share one: a step stores all rows' new keys in one
+    call per layer; else None."""
     pool = getattr(kvs[0], "pool", None)
-    return pool is not None and all(getattr(kv, "pool", None) is pool for kv in kvs)
+    return pool if pool is not None and all(getattr(kv, "pool", None) is pool for kv in kvs) else None
+
+
+def paged_caches(kvs: list[KVCache]) -> list[PagedKVCache]:
+    """``kvs``, each a paged cache, for what reads blocks (slots, runs of blocks); a static cache takes
+    the fixed-shape runner's steps (session/model/static_shapes.py), never a path's."""
+    paged = [kv for kv in kvs if isinstance(kv, PagedKVCache)]
+    if len(paged) < len(kvs):
+        raise TypeError("a decode path's step reads paged caches' blocks; a static cache takes StaticRunner's")
+    return paged

@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ from torch import nn
 
 from session.model.cpu import linear as cpu_linear
 from session.model.quantize import QuantizedLinear, dequantize_int8, model_bytes, target_linears
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 GROUP = 32  # inputs per scale in every kept format (Q4_K's sub-blocks)
 SUPER_BLOCK = 256  # Q4_K's inputs per super-block
@@ -179,7 +183,7 @@ def can_keep(device: torch.device, dtype: torch.dtype, cpu_kernels: bool, int8_r
     return ""
 
 
-def tensor_names(model: nn.Module, reader) -> dict[str, tuple[str, np.ndarray, str]]:
+def tensor_names(model: PreTrainedModel, reader) -> dict[str, tuple[str, np.ndarray, str]]:
     """Module parameter name -> (GGUF type, the tensor's raw rows as transformers' processor arranges
     them, GGUF name), for every tensor of the file that names one of ``model``'s parameters."""
     from transformers.modeling_gguf_pytorch_utils import (
@@ -222,7 +226,7 @@ def linear_targets(model: nn.Module, layers: list[nn.Module]) -> list[tuple[str,
     return targets
 
 
-def keep_packed(model: nn.Module, layers: list[nn.Module], path: Path, why_float: str,
+def keep_packed(model: PreTrainedModel, layers: list[nn.Module], path: Path, why_float: str,
                 int8_rows: bool = False) -> GgufReport:
     """Replace, in place, each linear of ``layers`` and the head whose GGUF tensor is in a kept format by
     its QuantizedLinear from the file's blocks (module docstring); ``why_float`` (``can_keep``) not ""
@@ -232,7 +236,10 @@ def keep_packed(model: nn.Module, layers: list[nn.Module], path: Path, why_float
     before = model_bytes(model)
     names = tensor_names(model, GGUFReader(str(path)))
     embeddings = model.get_input_embeddings()
-    kept, dequantized, mismatched, head_from = Counter(), Counter(), 0, None
+    kept: Counter[str] = Counter()  # GGUF type -> linears kept packed
+    dequantized: Counter[str] = Counter()  # GGUF type -> linears left float
+    mismatched = 0
+    head_from: str | None = None  # the GGUF type the head was kept in
     used = set()
     for name, parent, attribute, linear in linear_targets(model, layers):
         entry = names.get(name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from cachetools import LRUCache
@@ -24,17 +25,20 @@ from cachetools import LRUCache
 from session.errors import BadRequest
 from session.types import Constraint
 
+if TYPE_CHECKING:  # llguidance is imported when a compiler is made
+    from llguidance import LLMatcher
+
 DEFAULT_MAX_CACHED = 256
 
 
 class Grammar:
     """One compiled constraint. ``start`` hands each row its own matcher (any thread)."""
 
-    def __init__(self, constraint: Constraint, matcher):
+    def __init__(self, constraint: Constraint, matcher: LLMatcher):
         self.constraint = constraint
         self._matcher = matcher  # never consumes: the template every row's matcher copies
 
-    def start(self):
+    def start(self) -> LLMatcher:
         return self._matcher.deep_copy()
 
 
@@ -80,7 +84,7 @@ class GrammarCompiler:
                 found[text] = token_id
         return found
 
-    def _matcher(self, constraint: Constraint):
+    def _matcher(self, constraint: Constraint) -> LLMatcher:
         llg = self._llg
         try:
             if constraint.kind == "json_schema":
@@ -110,7 +114,7 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_masks(matchers: list, vocab_size: int, pin: bool = False) -> torch.Tensor:
+def fill_masks(matchers: Sequence[LLMatcher], vocab_size: int, pin: bool = False) -> torch.Tensor:
     """The allowed next tokens of each matcher: int32 [N, ceil(V/32)], bit j of word w is token 32w+j.
     Host memory (pinned for a CUDA step); llguidance writes it directly."""
     masks = torch.empty((len(matchers), mask_words(vocab_size)), dtype=torch.int32, pin_memory=pin)

@@ -25,6 +25,7 @@ evicts it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -85,7 +86,7 @@ class KVCache(Protocol):
     def to_host(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Compact host copies, K and V [num_layers, num_kv_heads, length, head_dim]."""
 
-    def load(self, k: torch.Tensor, v: torch.Tensor, keys: list[bytes] = ()) -> int:
+    def load(self, k: torch.Tensor, v: torch.Tensor, keys: Sequence[bytes] = ()) -> int:
         """Store ``to_host``'s copies as this empty cache's first positions; the tokens shared."""
 
 
@@ -273,7 +274,7 @@ class PagedKVCache:
         """Compact host copies of what is stored: K, V [num_layers, num_kv_heads, length, head_dim]."""
         return self.pool.host_copy(self.block_ids, self.length)
 
-    def load(self, k: torch.Tensor, v: torch.Tensor, keys: list[bytes] = ()) -> int:
+    def load(self, k: torch.Tensor, v: torch.Tensor, keys: Sequence[bytes] = ()) -> int:
         """Store ``to_host``'s copies as this (empty) cache's first ``k.shape[2]`` positions. With the
         content ``keys`` of its blocks, the longest published prefix is shared instead of copied (a
         session restored from the host tier holds what others hold once). Returns the tokens shared."""
@@ -374,7 +375,7 @@ class StaticKVCache:
     def to_host(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, :, : self.length].to("cpu", copy=True), self.v[:, :, : self.length].to("cpu", copy=True)
 
-    def load(self, k: torch.Tensor, v: torch.Tensor, keys: list[bytes] = ()) -> int:
+    def load(self, k: torch.Tensor, v: torch.Tensor, keys: Sequence[bytes] = ()) -> int:
         """A whole buffer per session shares nothing: all of it is copied (0 tokens shared)."""
         length = k.shape[2]
         self.ensure_capacity(length)

@@ -57,8 +57,8 @@ class KVPool:
         self.num_grows = 0  # pool copies so far (CUDA graphs captured over the old pool are stale after one)
         # CUDA: host copies run on a side stream (``host_copy``); blocks freed while the latest may still
         # read them settle in ``blocks`` until its event is seen complete (``pending``)
-        self.copy_stream = None
-        self.copying = None  # the event after the latest host copy, until seen complete
+        self.copy_stream: torch.cuda.Stream | None = None
+        self.copying: torch.cuda.Event | None = None  # the event after the latest host copy, until seen complete
 
     def _empty(self, num_blocks: int) -> torch.Tensor:
         # Zeroed: attention over a padded block table multiplies masked positions by 0, and 0 * NaN
@@ -187,7 +187,7 @@ class KVPool:
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the blocks ``block_ids`` [B, NB] (a copy): [B, KVH, NB * block_tokens, hd] each."""
-        return tuple(self._gather_of(pool[layer], block_ids) for pool in (self.k, self.v))
+        return self._gather_of(self.k[layer], block_ids), self._gather_of(self.v[layer], block_ids)
 
     def _gather_of(self, blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         num_rows = block_ids.shape[0]
@@ -213,14 +213,15 @@ class KVPool:
         the next steps. Blocks freed before its event is seen complete settle first (``_give_back``),
         and a restore's copy back waits for it on the device (``store``)."""
         cuda = self.device.type == "cuda"
-        side = contextlib.nullcontext()
+        side: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if cuda:
             if self.copy_stream is None:
                 self.copy_stream = torch.cuda.Stream(self.device)
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             side = torch.cuda.stream(self.copy_stream)
         shape = (self.num_layers, self.num_kv_heads, length, self.head_dim)
-        out = tuple(torch.empty(shape, dtype=self.dtype, pin_memory=cuda) for _ in range(2))
+        out = (torch.empty(shape, dtype=self.dtype, pin_memory=cuda),
+               torch.empty(shape, dtype=self.dtype, pin_memory=cuda))
         size, used = self.block_tokens, block_ids[: blocks_for(length, self.block_tokens)]
         with side:
             self._copy_runs(out, used, size, length, cuda)

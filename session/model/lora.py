@@ -153,11 +153,13 @@ class AdapterRegistry:
         """Called when a request with this adapter starts: make it resident; returns its bank slot."""
         info = self.get(name)
         if not info.slot:
-            if info.host is None:
-                self._keep_on_host(info, self._load(name, info.path))
+            weights = info.host
+            if weights is None:
+                weights = self._load(name, info.path)
+                self._keep_on_host(info, weights)
                 self.num_loads_from_disk += 1
             info.slot = self._take_slot()
-            self.bank.load(info.slot, info.host)
+            self.bank.load(info.slot, weights)
             self.num_loads_to_device += 1
         self._device_lru[name] = None
         self._device_lru.move_to_end(name)

@@ -12,6 +12,7 @@ the runner before each forward (``LoraBank.set_rows``, ``slot_rows``), and ``Ada
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -40,12 +41,12 @@ class LoraBank:
         self.dtype, self.device = dtype, device
         self.single: tuple[int, int] | None = None  # this forward: (slot, rank) shared by every row
         # this forward: (adapters present, row mask [B, 1, R] of 1s and 0s, its 0s as a bool [B, 1, R])
-        self.mixed: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self.mixed: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
         self._cat_cache: dict = {}  # ((layer, target), adapters present) -> (A^T cat, B^T cat)
         self.version = 0  # bumped by every load: a slot's weights changed
         # CPU: our kernel for decode rows' deltas (csrc/lora.h; the runner sets it where the library
         # builds), (y [N, out], x [N, in], A^T, B^T, mask [N, R] or None) -> None, y updated in place
-        self.kernel = None
+        self.kernel: Callable[..., None] | None = None
         self.rows: torch.Tensor | None = None  # a CUDA graph's forward: each row's slot [B] (``slot_rows``)
 
     @property
@@ -118,12 +119,12 @@ class LoraBank:
             self.rows = None
             self.single, self.mixed = mix  # the eager step's mix, as set_rows left it
 
-    def slot_delta(self, key: tuple[int, str], x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, in] -> each row's LoRA delta [B, T, out] from its slot in ``rows`` (``slot_rows``).
+    def slot_delta(self, key: tuple[int, str], x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """x [B, T, in] -> each row's LoRA delta [B, T, out] from its slot in ``rows`` [B] (``slot_rows``).
         Few rows gather their own slots' factors (a copy of one slot's per row); more read every slot's
         once, the cheaper past half as many rows as slots: each row keeps its own slot's product (a
         select, as in ``set_rows``) and the slots' deltas are summed (the others add exact zeros)."""
-        at, bt, rows = self.at[key], self.bt[key], self.rows
+        at, bt = self.at[key], self.bt[key]
         if 2 * rows.shape[0] < at.shape[0]:
             return torch.bmm(torch.bmm(x, at.index_select(0, rows)), bt.index_select(0, rows))
         batch, num_new, fan_in = x.shape
@@ -138,17 +139,14 @@ class LoraBank:
         if self.single is not None:
             slot, rank = self.single
             return self.at[key][slot, :, :rank], self.bt[key][slot, :rank]
+        if self.mixed is None:
+            raise RuntimeError("LoraBank.factors: this forward has no adapter rows (set_rows)")
         return self.concatenated(key, self.mixed[0])
 
     @property
     def row_mask(self) -> torch.Tensor | None:
         """This forward's mix's row mask [B, 1, R] (``mixed``; our kernels select on it), or None."""
         return self.mixed[1] if self.mixed is not None else None
-
-    @property
-    def row_drop(self) -> torch.Tensor | None:
-        """True where ``row_mask`` is 0: the columns of another adapter than the row's [B, 1, R], or None."""
-        return self.mixed[2] if self.mixed is not None else None
 
     def concatenated(self, key: tuple[int, str], present: tuple[tuple[int, int], ...]):
         """A^T of the adapters present side by side [in, R], and their B^T stacked [R, out] (cached)."""
@@ -175,21 +173,23 @@ class LoRALinear(nn.Module):
         # x: [B, T, in] -> y: [B, T, out]; y is fresh from the base linear, so it is updated in place.
         y = self.base(x)
         bank = self.bank
-        if bank.rows is not None:  # each row's own slot, a device tensor (``slot_rows``)
-            return y.add_(bank.slot_delta(self.key, x))
-        if bank.single is None and bank.mixed is None:
+        rows = bank.rows
+        if rows is not None:  # each row's own slot, a device tensor (``slot_rows``)
+            return y.add_(bank.slot_delta(self.key, x, rows))
+        mixed = bank.mixed  # several adapters: (present, row mask [B, 1, R], its 0s); None: one or none
+        if bank.single is None and mixed is None:
             return y
         a, b = bank.factors(self.key)  # [in, R], [R, out]
-        mask = bank.row_mask  # [B, 1, R]: each row keeps only its own adapter's columns; None: one adapter
         if bank.kernel is not None and x.shape[-2] == 1 and not torch.compiler.is_compiling():
             # decode rows (one token each), eager: the kernel the C++ decode layer calls, so both give these
-            # bits (a compiled graph, RESIDENT_COMPILE, traces ATen's products below)
+            # bits (a compiled graph, RESIDENT_COMPILE, traces ATen's products below). The row mask keeps
+            # each row's own adapter's columns.
             bank.kernel(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]).contiguous(), a, b,
-                        None if mask is None else mask.view(-1, mask.shape[-1]))
-        elif mask is None:
+                        None if mixed is None else mixed[1].view(-1, mixed[1].shape[-1]))
+        elif mixed is None:
             y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ a, b)
         else:
-            h = (x @ a).masked_fill_(bank.row_drop, 0)  # [B, T, R]; a select (see ``LoraBank.set_rows``)
+            h = (x @ a).masked_fill_(mixed[2], 0)  # [B, T, R]; a select (see ``LoraBank.set_rows``)
             y.view(-1, y.shape[-1]).addmm_(h.view(-1, h.shape[-1]), b)
         return y
 

@@ -73,17 +73,17 @@ def load_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str], tupl
         if which in pair:
             raise InvalidAdapter(f"adapter {name!r} has two lora_{which} weights for {(layer, target)}")
         pair[which] = _finite(name, f"weight {key!r}", tensor, dtype)
-    weights = {}
-    for key, pair in pairs.items():
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for site, pair in pairs.items():
         if set(pair) != {"A", "B"}:
-            raise InvalidAdapter(f"adapter {name!r} lacks lora_{'B' if 'A' in pair else 'A'} for {key}")
-        fan_in, fan_out = shapes[key]
+            raise InvalidAdapter(f"adapter {name!r} lacks lora_{'B' if 'A' in pair else 'A'} for {site}")
+        fan_in, fan_out = shapes[site]
         a, b = pair["A"], pair["B"]
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
-            raise InvalidAdapter(f"adapter {name!r} {key}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the "
+            raise InvalidAdapter(f"adapter {name!r} {site}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the "
                                  f"base ({fan_out} x {fan_in}) at rank {rank}")
-        scaled = _finite(name, f"lora_B of {key} scaled by lora_alpha / r = {scale:g}", b * scale, dtype)
-        weights[key] = (a.contiguous(), scaled.contiguous())
+        scaled = _finite(name, f"lora_B of {site} scaled by lora_alpha / r = {scale:g}", b * scale, dtype)
+        weights[site] = (a.contiguous(), scaled.contiguous())
     if not weights:
         raise InvalidAdapter(f"adapter {name!r} has no LoRA weights")
     return AdapterWeights(name=name, rank=rank, weights=weights)

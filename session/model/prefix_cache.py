@@ -86,7 +86,7 @@ class PrefixTable:
 
     def evict(self, num_blocks: int) -> list[int]:
         """Up to ``num_blocks`` idle blocks, least recently used first, unpublished: now free."""
-        out = []
+        out: list[int] = []
         while self.idle and len(out) < num_blocks:
             block = next(iter(self.idle))
             self.forget(block)

@@ -40,7 +40,7 @@ Kernels, chosen once by device (``choose_kernel``, ``our_kernel``):
   inside the same ``nn.Linear`` modules); without torchao, start-up refuses (ConfigError).
 
 On ATen's kernels the fused C++ decode layer is off (it logs why) and the layers run in Python. LoRA
-(session/model/lora.py) wraps a QuantizedLinear as it wraps an ``nn.Linear``: its deltas are added in
+(session/model/lora_bank.py) wraps a QuantizedLinear as it wraps an ``nn.Linear``: its deltas are added in
 the float dtype to the quantized product.
 
 ``python -m benchmarks.quantization`` measures agreement with float32, perplexity, bytes and decode
@@ -172,6 +172,11 @@ class QuantizedLinear(nn.Module):
     float dtype -> [..., out] in that dtype. ``in_features`` and ``out_features`` as an ``nn.Linear``'s
     (LoRA reads them); no dense ``weight`` is kept. Made by ``from_int8`` / ``from_int4``."""
 
+    # buffers (``register_buffer`` in __init__)
+    packed: torch.Tensor
+    scales: torch.Tensor | None
+    bias: torch.Tensor | None
+
     def __init__(self, method: str, in_features: int, out_features: int, packed: torch.Tensor,
                  scales: torch.Tensor | None, bias: torch.Tensor | None, group_size: int = 0):
         super().__init__()
@@ -210,12 +215,13 @@ class QuantizedLinear(nn.Module):
         out_features, in_features = q.shape
         group = in_features // scales.shape[1]
         if ours and int8_rows:
-            offset = cpu_linear.int4_offsets(scales, zeros) if offsets is None else offsets.float()
-            packed = cpu_linear.pack_q8(q, scales, offset, 4)
+            packed = cpu_linear.pack_q8(q, scales, cpu_linear.int4_weight_offsets(scales, zeros, offsets), 4)
             return cls("int4", in_features, out_features, packed, None, bias, cpu_linear.Q8_GROUP)
         if ours:
             packed = cpu_linear.pack_int4(q, scales, zeros, offsets)
             return cls("int4", in_features, out_features, packed, None, bias, group)
+        if zeros is None:
+            raise ValueError("ATen's int4 kernel takes zero points: give zeros (offsets are for our kernel)")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # innerKTiles: unused on CPU
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
         return cls("int4", in_features, out_features, packed, scales_and_zeros, bias, group)
@@ -267,7 +273,7 @@ def quantize_linear(linear: nn.Linear, method: str, ours: bool = False, int8_row
 
 
 def is_quantized(module: nn.Module) -> bool:
-    """A QuantizedLinear, or one a LoRA wrapper holds (session/model/lora.py ``LoRALinear.base``)."""
+    """A QuantizedLinear, or one a LoRA wrapper holds (session/model/lora_bank.py ``LoRALinear.base``)."""
     return isinstance(getattr(module, "base", module), QuantizedLinear)
 
 
@@ -313,12 +319,12 @@ def our_kernel(method: str, device: torch.device, dtype: torch.dtype, cpu_kernel
     if not (device.type == "cpu" and dtype == torch.float32 and cpu_kernels):
         return None
     if int8_rows and cpu_linear.Q8_KERNEL.load():
-        return f"resident::linear_q8 (CPU, {cpu_linear.Q8_KERNEL.isa.name}: our kernel, inputs quantized to int8)"
+        return f"resident::linear_q8 (CPU, {cpu_linear.Q8_KERNEL.isa_name}: our kernel, inputs quantized to int8)"
     kernel = cpu_linear.INT8_KERNEL if method == "int8" else cpu_linear.INT4_KERNEL
     if not kernel.load():
         return None
     operator = {"int8": "linear_i8", "int4": "linear_i4"}[method]
-    return f"resident::{operator} (CPU, {kernel.isa.name}: our kernel, float32 inputs)"
+    return f"resident::{operator} (CPU, {kernel.isa_name}: our kernel, float32 inputs)"
 
 
 def quantize_language_model(model: nn.Module, layers: list[nn.Module], method: str,
@@ -365,7 +371,9 @@ def quantize_head(model: nn.Module, int8_rows: bool = False) -> bool:
     kernel = cpu_linear.Q8_KERNEL if int8_rows else cpu_linear.INT8_KERNEL
     if type(head) is not nn.Linear or not kernel.load():
         return False
-    model.lm_head = quantize_linear(head, "int8", ours=True, int8_rows=int8_rows)
+    quantized = quantize_linear(head, "int8", ours=True, int8_rows=int8_rows)
+    assert quantized is not None  # int8 on our kernel takes any shape
+    model.lm_head = quantized
     return True
 
 

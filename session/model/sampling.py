@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from session.errors import ResidentError
 from session.model.grammar import apply_masks, fill_masks
 from session.types import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 def ban_token(logits: torch.Tensor, token_id: int | None) -> torch.Tensor:
@@ -58,7 +62,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def draw(logits: torch.Tensor, temperature: float, top_p: float,
-         generator: torch.Generator, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+         generator: torch.Generator | None, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [V] -> (one token drawn from ``warp_probs``, whether that is a distribution), with no host
     sync. Where it is not one (non-finite logits, or logits / T overflowed) the draw is from uniform
     weights instead, and its token is not used: on CUDA ``multinomial`` would assert on the device."""
@@ -102,7 +106,7 @@ class RowContext:
     params: SamplingParams
     answer: Sequence[int]  # the tokens generated so far in this answer
     transcript: Sequence[int]  # every token of the context before this step (repetition_penalty)
-    matcher: object | None = None  # the row's grammar matcher (session.model.grammar), or None
+    matcher: LLMatcher | None = None  # the row's grammar matcher (session.model.grammar), or None
 
 
 def process_logits(logits: torch.Tensor, rows: list[RowContext], eos_token_ids: Sequence[int],
@@ -116,9 +120,10 @@ def process_logits(logits: torch.Tensor, rows: list[RowContext], eos_token_ids: 
     logits = logits.clone()
     for i in changed:
         _process_row(logits[i], rows[i], eos_token_ids)
-    constrained = [i for i in changed if rows[i].matcher is not None]
-    if constrained:
-        masks = fill_masks([rows[i].matcher for i in constrained], logits.shape[-1], pin=pin)
+    grammars = [(i, matcher) for i in changed if (matcher := rows[i].matcher) is not None]
+    if grammars:
+        constrained = [i for i, _ in grammars]
+        masks = fill_masks([matcher for _, matcher in grammars], logits.shape[-1], pin=pin)
         logits = apply_masks(logits, constrained, masks)
     return logits
 
@@ -152,7 +157,7 @@ def row_logprobs(logits: torch.Tensor, tokens: list, wanted: list[int | None]) -
     index = torch.tensor(rows, device=logits.device)
     logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [R, V]
     chosen = logp.gather(1, torch.tensor([[tokens[b]] for b in rows], device=logits.device))[:, 0]
-    most = max(wanted[b] for b in rows)
+    most = max(wanted[b] or 0 for b in rows)  # each row's is set (``rows``)
     top = logp.topk(most, dim=-1) if most else None
     chosen_list = chosen.tolist()
     top_values = top.values.tolist() if top is not None else [[] for _ in rows]

@@ -27,6 +27,7 @@ It produces the same greedy tokens as the dynamic path (tests pin it).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +123,7 @@ class StaticShapeRunner:
         never compiles); how many."""
         with torch.inference_mode(False):  # a tensor as the sessions' caches are (dynamo guards its dispatch keys)
             scratch = self.runner.new_kv_cache(block_tokens=self.capacity, max_tokens=self.capacity, static=True)
+        assert isinstance(scratch, StaticKVCache)  # static=True: one whole buffer, whose views each shape takes
         hidden = self.runner.info.hidden_size
         device, dtype = self.runner.device, self.runner.dtype
         self.runner.set_adapters(None)
@@ -182,18 +184,19 @@ class StaticShapeRunner:
     def _prefill_graph(self, embeds, positions, k_cache, v_cache):
         # embeds: [T, D]; positions: [T]; k_cache, v_cache: [layers, KVH, L, hd] (a KV-length bucket's view)
         runner = self.runner
+        lm, layers = _transformers_parts(runner)
         h = embeds[None]
-        cos, sin = runner.lm.rotary_emb(h, positions[None])
+        cos, sin = lm.rotary_emb(h, positions[None])
         key_positions = torch.arange(k_cache.shape[2], device=positions.device)
         mask = key_positions[None, :] <= positions[:, None]  # [T, L]: causal, and nothing past the new tokens
-        for index, layer in enumerate(runner.layers):
+        for index, layer in enumerate(layers):
             q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
             k_cache[index].index_copy_(1, positions, k[0])
             v_cache[index].index_copy_(1, positions, v[0])
             o = F.scaled_dot_product_attention(q, k_cache[index][None], v_cache[index][None], attn_mask=mask,
                                                scale=layer.self_attn.scaling, enable_gqa=_gqa(runner))
             h = runner.finish_layer(layer, h, o)
-        return runner.lm_head(runner.lm.norm(h)).float()[0]
+        return runner.lm_head(lm.norm(h)).float()[0]
 
     # ------------------------------------------------------------------ decode
 
@@ -228,19 +231,20 @@ class StaticShapeRunner:
         # ids, positions: [B]; k_caches[b], v_caches[b]: [layers, KVH, L, hd] (a KV-length bucket's
         # view), read only -> logits [B, V] and the step's keys and values [layers, B, KVH, hd]
         runner = self.runner
-        h = runner.lm.embed_tokens(ids)[:, None]  # [B, 1, D]
-        cos, sin = runner.lm.rotary_emb(h, positions[:, None])
+        lm, layers = _transformers_parts(runner)
+        h = lm.embed_tokens(ids)[:, None]  # [B, 1, D]
+        cos, sin = lm.rotary_emb(h, positions[:, None])
         key_positions = torch.arange(k_caches[0].shape[2], device=ids.device)
         masks = key_positions[None, :] < positions[:, None]  # [B, L]: the cached positions before each row's
         new_k, new_v = [], []
-        for index, layer in enumerate(runner.layers):
+        for index, layer in enumerate(layers):
             q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
             rows = [_attend(q[b], k_caches[b][index], v_caches[b][index], masks[b], k[b], v[b],
                             layer.self_attn.scaling) for b in range(ids.shape[0])]
             h = runner.finish_layer(layer, h, torch.stack(rows))
             new_k.append(k[:, :, 0])
             new_v.append(v[:, :, 0])
-        return runner.lm_head(runner.lm.norm(h)).float()[:, 0], torch.stack(new_k), torch.stack(new_v)
+        return runner.lm_head(lm.norm(h)).float()[:, 0], torch.stack(new_k), torch.stack(new_v)
 
     def _check(self, kv: StaticKVCache) -> None:
         if kv.capacity != self.capacity:
@@ -260,6 +264,12 @@ def _attend(q, k_cache, v_cache, mask, k_new, v_new, scale: float) -> torch.Tens
     weights = torch.softmax(torch.cat([cached, own], -1).float(), -1).to(v_cache.dtype)
     out = torch.matmul(weights[..., :-1], v_cache) + weights[..., -1:] * v_new  # [KVH, G, hd]
     return out.reshape(heads, 1, head_dim)
+
+
+def _transformers_parts(runner: ModelRunner) -> tuple[Any, list[Any]]:
+    """The runner's decoder stack and layers, transformers' modules: their parts (embed_tokens, rotary_emb,
+    norm, self_attn.scaling) are their classes' own, which torch's ``nn.Module`` typing cannot name."""
+    return runner.lm, runner.layers
 
 
 def _gqa(runner: ModelRunner) -> bool:

@@ -66,7 +66,7 @@ class _ChatAnswer:
         if isinstance(event, TextDelta):
             choice.text += event.text
             choice.logprobs += event.logprobs
-            end = len(choice.text) if self.tools is None else self._streamable(choice.text)
+            end = len(choice.text) if self.tools is None else self._streamable(choice.text, self.tools)
             if end > choice.num_text_sent:
                 logprobs = shape_logprobs(choice.logprobs[choice.num_logprobs_sent:]) if wants_logprobs else None
                 choice.num_logprobs_sent = len(choice.logprobs)
@@ -81,15 +81,16 @@ class _ChatAnswer:
                     for k, call in enumerate(calls)]
         elif len(event.text) > choice.num_text_sent:
             out.append(chunk_body(ids, {"content": event.text[choice.num_text_sent:]}, index=choice.index))
-        rest = shape_logprobs(list(event.logprobs[choice.num_logprobs_sent:])) if wants_logprobs else None
+        # the engine sets Finished.logprobs whenever the request asked for them
+        rest = shape_logprobs(list((event.logprobs or ())[choice.num_logprobs_sent:])) if wants_logprobs else None
         out.append(chunk_body(ids, {}, finish_reason=finish_reason(event.finish_reason, calls, self.choice_mode),
                               logprobs=rest, index=choice.index))
         return out
 
-    def _streamable(self, text: str) -> int:
+    def _streamable(self, text: str, tools: ToolSupport) -> int:
         if self.choice_mode.mode in ("required", "function"):
             return 0  # the answer is calls, all of it
-        return streamable_prefix(text, self.tools.fmt)
+        return streamable_prefix(text, tools.fmt)
 
 
 class _TextAnswer:

@@ -15,7 +15,7 @@ import hashlib
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import replace
 
 from session.engine import AdapterRequest, CancelRequest, CloseRequest, Engine, GenerationRequest, SessionAdminRequest
@@ -91,9 +91,10 @@ class ChatService:
             config = self.engine.config
             request_id = self._own_request_id(headers) or request_id
             token = header(headers, ADMIN_TOKEN_HEADER)
-            if header(headers, CANCEL_HEADER) is not None:
+            cancel = header(headers, CANCEL_HEADER)
+            if cancel is not None:
                 self._check_token(token)
-                return await self._cancel(header(headers, CANCEL_HEADER).strip())
+                return await self._cancel(cancel.strip())
             if token is not None:
                 return await self._admin(token, body, request_id)
             parse = parse_completion_request if _endpoint(headers) == COMPLETIONS_ENDPOINT else parse_request
@@ -162,6 +163,7 @@ class ChatService:
         event = await stream.aget()
         if isinstance(event, Failed):
             raise event.error
+        assert isinstance(event, AdminResult), "a cancel is answered with AdminResult or Failed"
         return ApiResponse(status=200, body=event.body, kind="cancel")
 
     def _adapter(self, request: ChatRequest) -> str | None:
@@ -200,7 +202,7 @@ class ChatService:
             response.chunks = self._until_done(response.chunks, request_id)
         return response
 
-    async def _until_done(self, chunks: AsyncIterator[str], request_id: str) -> AsyncIterator[str]:
+    async def _until_done(self, chunks: AsyncGenerator[str, None], request_id: str) -> AsyncGenerator[str, None]:
         try:
             async for chunk in chunks:
                 yield chunk
@@ -240,8 +242,10 @@ class ChatService:
         answer = await self._answer(request, tools)
         choices = await self._rows.submit_all(base, request, rendered, answer)
         started = choices[0].started
+        assert started is not None, "submit_all returns once every row has started"
         headers = {}
         if opens:
+            assert started.session_id is not None and started.expires_at is not None, "a new session's Started names it"
             headers[NEW_SESSION_HEADER] = new_session_header_value(started.session_id, started.expires_at)
         elif started.session_id is not None:
             headers[SESSION_HEADER] = started.session_id

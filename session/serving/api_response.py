@@ -8,7 +8,7 @@ row that fails in mid-stream, and by the TorchServe handler for a request it ref
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from session.errors import ResidentError
@@ -25,7 +25,7 @@ class ApiResponse:
     status: int
     body: dict | None = None  # a JSON body, or None when ``chunks`` streams the answer
     headers: dict[str, str] = field(default_factory=dict)
-    chunks: AsyncIterator[str] | None = None  # server-sent events, for "stream": true
+    chunks: AsyncGenerator[str, None] | None = None  # server-sent events, for "stream": true
     kind: str = "error"  # first | followup | stateless | close | error: for latency metrics
 
     @property

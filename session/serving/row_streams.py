@@ -9,7 +9,7 @@ when it stops waiting. All on the front door's event loop; the engine runs the r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 
 from session.engine import Engine, GenerationRequest
@@ -110,7 +110,8 @@ class RowStreams:
 
         return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
-    async def chunks(self, choices: list[_Choice], ids: CompletionIds, answer: _ChatAnswer | _TextAnswer) -> AsyncIterator[str]:
+    async def chunks(self, choices: list[_Choice], ids: CompletionIds,
+                     answer: _ChatAnswer | _TextAnswer) -> AsyncGenerator[str, None]:
         """The rows' events as one stream of chunks, each row's in order, rows interleaved as they come."""
         pending: dict[asyncio.Future, _Choice] = {}
         usages: list[Usage] = []
@@ -126,7 +127,9 @@ class RowStreams:
                     event = future.result()
                     if isinstance(event, Failed):
                         choice.done = True
-                        yield sse(error_response(event.error).body)
+                        body = error_response(event.error).body
+                        assert body is not None  # an error response is always a JSON body
+                        yield sse(body)
                         return
                     for chunk in answer.chunks(choice, event, ids, self.shape_logprobs):
                         yield sse(chunk)

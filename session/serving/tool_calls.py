@@ -118,8 +118,9 @@ def _mistral_list(body: str) -> tuple[list[ToolCall], str]:
     value, end = _decode_at(body, 0)
     if not isinstance(value, list):
         return [], ""
-    calls = [_call_from_object(entry, "arguments") for entry in value]
-    if not calls or None in calls:
+    found = [_call_from_object(entry, "arguments") for entry in value]
+    calls = [call for call in found if call is not None]
+    if not calls or len(calls) < len(found):
         return [], ""
     return calls, body[end:]
 

@@ -36,6 +36,8 @@ from session.speculative.acceptance import agreed_prefix, cut, propose_ngram, sa
 from session.types import SamplingParams
 
 if TYPE_CHECKING:  # annotations only
+    from llguidance import LLMatcher
+
     from session.model.runner import ModelRunner
 
 # ---------------------------------------------------------------- compatibility
@@ -91,7 +93,7 @@ class SpecRow:
     adapter_slot: int = 0
     # A greedy row's grammar matcher (llguidance): proposals are drawn and verified under its mask, and
     # it takes the emitted tokens at the end of the step; untouched when the step fails.
-    matcher: object | None = None
+    matcher: LLMatcher | None = None
 
 
 @dataclass(frozen=True)
@@ -171,9 +173,10 @@ class SpeculativeDecoder:
         with the target's (and timed as prefill). Optional: ``step_batch`` feeds whatever the draft lacks anyway.
         ``salt``: the session's block-key salt (``Sessions.salt``), so drafts share blocks within a tenant only.
         """
-        if draft_kv is None:
+        draft = self.draft
+        if draft_kv is None or draft is None:  # prompt lookup: no draft, no draft cache
             return 0
-        keys = []
+        keys: list[bytes] = []
         if self.share_block_tokens:
             text = self.text_ids(token_ids)
             keys = block_keys(text, self.share_block_tokens, salt=salt)
@@ -182,7 +185,7 @@ class SpeculativeDecoder:
                 self.num_draft_shared_tokens += draft_kv.share_prefix(keys[:(len(text) - 1) // self.share_block_tokens])
         missing = self._lacking(token_ids, draft_kv)[:-1]
         if missing:
-            self.draft.prefill(draft_kv, self.draft.embed(missing, []))
+            draft.prefill(draft_kv, draft.embed(missing, []))
             self.num_draft_synced_tokens += len(missing)
         if keys:
             draft_kv.publish(keys)
@@ -207,11 +210,12 @@ class SpeculativeDecoder:
             if row.max_new is not None and row.max_new < 1:
                 raise ValueError(f"max_new must be >= 1, got {row.max_new}")
             ks.append(row.k if row.max_new is None else min(row.k, row.max_new - 1))  # more could not be emitted
-        if self.draft is not None:
-            self._catch_up([row for row, k in zip(rows, ks) if k > 0])
+        draft = self.draft
+        if draft is not None:
+            self._catch_up(draft, [row for row, k in zip(rows, ks) if k > 0])
         started = self.clock()
-        if self.draft is not None:
-            proposed = self._propose_draft(rows, ks, eos_token_ids)
+        if draft is not None:
+            proposed = self._propose_draft(draft, rows, ks, eos_token_ids)
         else:
             proposed = [(_grammatical(propose_ngram(self.text_ids(row.token_ids), k, self.max_ngram, self.min_ngram),
                                       row.matcher), None) for row, k in zip(rows, ks)]
@@ -266,23 +270,25 @@ class SpeculativeDecoder:
         draft_kv.crop(len(text) - 1)
         return text[draft_kv.length:]
 
-    def _catch_up(self, rows: list[SpecRow]) -> None:
+    def _catch_up(self, draft: ModelRunner, rows: list[SpecRow]) -> None:
         """Feed the drafts of rows far behind (plain steps since their last pass) all their text but the
         last token, in one batched pass, before the step's clock starts: the step's draft_s is then what
         a step costs while speculating, and the catch-up is the price of the plain steps before it. A
         pass, not ``sync_draft``'s prefill: a short prefill runs the Python layer, the batched pass a
         small fraction of its cost per token (docs/MEASUREMENTS.md, "Draft catch-up")."""
-        behind, missing = [], []
+        behind: list[KVCache] = []
+        missing: list[list[int]] = []
         for row in rows:
-            lacking = self._lacking(row.token_ids, row.draft_kv)
+            draft_kv = _draft_kv(row)
+            lacking = self._lacking(row.token_ids, draft_kv)
             if len(lacking) - 1 > CATCH_UP_IN_STEP:
-                behind.append(row.draft_kv)
+                behind.append(draft_kv)
                 missing.append(lacking[:-1])
         if behind:
-            self.draft.extend(behind, missing)
+            draft.extend(behind, missing)
             self.num_draft_synced_tokens += sum(map(len, missing))
 
-    def _propose_draft(self, rows: list[SpecRow], ks: list[int],
+    def _propose_draft(self, draft: ModelRunner, rows: list[SpecRow], ks: list[int],
                        eos_token_ids: tuple[int, ...]) -> list[tuple[list[int], torch.Tensor | None]]:
         """Up to ks[b] draft proposals per row: greedy argmax, or draws from the warped draft distribution q.
 
@@ -296,12 +302,13 @@ class SpeculativeDecoder:
         proposals: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         active = [b for b, k in enumerate(ks) if k > 0]
-        probes = {b: rows[b].matcher.deep_copy() for b in active if rows[b].matcher is not None}  # drafts' grammars
+        probes = {b: matcher.deep_copy() for b in active
+                  if (matcher := rows[b].matcher) is not None}  # drafts' grammars
         if active:
             fed = []
             for b in active:
-                fed.append(self._lacking(rows[b].token_ids, rows[b].draft_kv))
-            logits = self.draft.extend([rows[b].draft_kv for b in active], fed)
+                fed.append(self._lacking(rows[b].token_ids, _draft_kv(rows[b])))
+            logits = draft.extend([_draft_kv(rows[b]) for b in active], fed)
             logits = logits[torch.arange(len(active)), torch.tensor([len(f) - 1 for f in fed])]  # [A, V]
         while active:
             logits = _masked_rows(logits, [probes.get(b) for b in active])
@@ -314,7 +321,7 @@ class SpeculativeDecoder:
                 if len(proposals[b]) < ks[b] and token not in eos_token_ids:
                     still.append(b)
             if still:
-                logits = self.draft.decode([rows[b].draft_kv for b in still], [proposals[b][-1] for b in still])
+                logits = draft.decode([_draft_kv(rows[b]) for b in still], [proposals[b][-1] for b in still])
             active = still
         return [(p, torch.stack(q) if q else None) for p, q in zip(proposals, probs)]
 
@@ -330,20 +337,28 @@ class SpeculativeDecoder:
         return tokens
 
 
+def _draft_kv(row: SpecRow) -> KVCache:
+    """The row's draft cache, which every row has when there is a draft (``new_draft_kv``)."""
+    if row.draft_kv is None:
+        raise ValueError("a row of a step with a draft model needs its draft_kv (SpeculativeDecoder.new_draft_kv)")
+    return row.draft_kv
+
+
 # ---------------------------------------------------------------- grammars
 
 
-def _grammatical(proposals: list[int], matcher) -> list[int]:
+def _grammatical(proposals: list[int], matcher: LLMatcher | None) -> list[int]:
     """Prompt-lookup proposals cut where the row's grammar would refuse one (all of them without one)."""
     return proposals if matcher is None or not proposals else proposals[:matcher.validate_tokens(proposals)]
 
 
-def _masked_rows(logits: torch.Tensor, matchers: list) -> torch.Tensor:
+def _masked_rows(logits: torch.Tensor, matchers: list[LLMatcher | None]) -> torch.Tensor:
     """Draft logits [A, V] with each row that has a grammar (its matcher, else None) masked by it."""
-    rows = [a for a, matcher in enumerate(matchers) if matcher is not None]
-    if not rows:
+    grammars = [(a, matcher) for a, matcher in enumerate(matchers) if matcher is not None]
+    if not grammars:
         return logits
-    masks = fill_masks([matchers[a] for a in rows], logits.shape[-1], pin=logits.is_cuda)
+    rows = [a for a, _ in grammars]
+    masks = fill_masks([matcher for _, matcher in grammars], logits.shape[-1], pin=logits.is_cuda)
     return apply_masks(logits, rows, masks)
 
 
@@ -352,12 +367,12 @@ def _masked_positions(logits: torch.Tensor, rows: list[SpecRow], proposals: list
     """Target logits [B, T, V] with each grammar row's scored positions (after its last token, then after
     each proposal) masked by its grammar at that point: one mask per position, from a copy of the matcher
     that takes the proposals one by one. The argmax under the masks is plain constrained decoding's."""
-    constrained = [b for b, row in enumerate(rows) if row.matcher is not None]
+    constrained = [(b, row.matcher) for b, row in enumerate(rows) if row.matcher is not None]
     if not constrained:
         return logits
     logits = logits.clone()
-    for b in constrained:
-        probe, guesses = rows[b].matcher.deep_copy(), proposals[b]
+    for b, matcher in constrained:
+        probe, guesses = matcher.deep_copy(), proposals[b]
         positions = []
         for j in range(len(guesses) + 1):
             positions.append(probe.deep_copy())

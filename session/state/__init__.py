@@ -3,7 +3,8 @@
 ``session`` is ``SessionState`` and its memory ``Tier``; ``sessions`` the one owner and writer of
 session state (open, forget, restore, roll back a turn); ``store`` ids, expiry and byte counts;
 ``memory`` the tiers under the device budget; ``embeddings`` image embeddings shared by digest;
-``journal`` crash recovery on disk.
+``journal`` crash recovery on disk: ``journal_entry`` one session's record, ``journal_files`` the
+directory and its files, ``journal_quota`` each session's and tenant's share of its bytes.
 
 May import: ``model`` (KV caches), ``families`` and the top modules. Never ``engine``, ``serving``
 or ``front``.

@@ -15,6 +15,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
+from typing import TypeGuard
 
 from session.errors import BadRequest
 from session.types import MAX_TENANT_LEN, validate_session_id
@@ -39,7 +40,7 @@ class JournalEntry:
     tenant: str = ""  # SessionState.tenant
 
 
-def is_digest(value: object) -> bool:
+def is_digest(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and DIGEST_RE.fullmatch(value) is not None
 
 
@@ -86,7 +87,7 @@ def _require(condition: bool, message: str) -> None:
         raise BadRequest(message)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

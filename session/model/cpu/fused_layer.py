@@ -26,7 +26,9 @@ linears: bfloat16 activations) runs the Python layer. Who calls this: ``CpuKerne
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -65,32 +67,34 @@ def op(name: str, dtype: torch.dtype):
     return getattr(torch.ops.resident, f"{name}_{SUFFIX[dtype]}")
 
 
-def base_linear(module: nn.Module) -> nn.Module:
-    """A LoRA-wrapped linear's base (session/model/lora.py), else the module."""
+def base_linear(module: nn.Module | None) -> nn.Module | None:
+    """A LoRA-wrapped linear's base (session/model/lora_bank.py), else the module."""
     return getattr(module, "base", module)
 
 
-def is_norm(module: nn.Module | None) -> bool:
+def is_norm(module: object) -> bool:
     return module is not None and type(module).__name__ in NORMS
 
 
-def ours(linear: nn.Module | None) -> bool:
+def ours(linear: nn.Module | None) -> TypeGuard[KernelLinear | QuantizedLinear]:
     """A linear on one of our kernels: a KernelLinear, or a QuantizedLinear on our int8 or int4 kernel."""
     return type(linear) is KernelLinear or (type(linear) is QuantizedLinear and linear.ours)
 
 
-def one_row_block(linear: nn.Module) -> int:
+def one_row_block(linear: KernelLinear | QuantizedLinear) -> int:
     """The input block size a decode row sums in: the probe's for a KernelLinear, the whole row for int8,
     the group for int4."""
-    return linear.one_row_block if type(linear) is KernelLinear else linear.block
+    return linear.one_row_block if isinstance(linear, KernelLinear) else linear.block
 
 
-def layer_arguments(layer: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple | None:
+def layer_arguments(layer: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple | None:
     """(weights, biases, sizes, floats) for ``decode_layer_bf16`` (f32, i8, i4), or None where the layer is
-    not one the C++ layer reproduces."""
+    not one the C++ layer reproduces. ``layer``: a transformers decoder layer, whose parts (self_attn,
+    mlp, the norms) are its class's own."""
     attn, mlp = layer.self_attn, layer.mlp
-    linears = [base_linear(getattr(attn if i < 4 else mlp, name, None)) for i, name in enumerate(LINEARS)]
-    if not all(ours(linear) for linear in linears) or len({linear.packed.dtype for linear in linears}) != 1:
+    found = [base_linear(getattr(attn if i < 4 else mlp, name, None)) for i, name in enumerate(LINEARS)]
+    linears = [linear for linear in found if ours(linear)]
+    if len(linears) < len(found) or len({linear.packed.dtype for linear in linears}) != 1:
         return None
     if not (is_norm(layer.input_layernorm) and is_norm(layer.post_attention_layernorm)):
         return None
@@ -134,8 +138,9 @@ def sum_lanes(widths: set[int], dtype: torch.dtype = torch.bfloat16, rows: int =
 def plan(layers: list[nn.Module], num_heads: int, num_kv_heads: int, head_dim: int) -> list[tuple] | None:
     """Every layer's arguments, or None (with the reason logged) where any layer cannot be fused, the
     library cannot be had, or our RMSNorm does not reproduce transformers' here."""
-    arguments = [layer_arguments(layer, num_heads, num_kv_heads, head_dim) for layer in layers]
-    if any(a is None for a in arguments):
+    found = [layer_arguments(layer, num_heads, num_kv_heads, head_dim) for layer in layers]
+    arguments = [a for a in found if a is not None]
+    if len(arguments) < len(found):
         quantized = any(is_quantized(module) for layer in layers for module in layer.modules())
         logger.info("fused decode layers: %s; the Python layer runs",
                     "linears quantized for ATen's kernels (bfloat16 activations)" if quantized
@@ -167,14 +172,15 @@ def weight_format(arguments: list[tuple]) -> torch.dtype:
     return arguments[0][0][2].dtype
 
 
-def norm(h: torch.Tensor, module: nn.Module, arguments: list[tuple]) -> torch.Tensor:
-    """``module`` (an RMSNorm of NORMS) applied to h [B, D] by the C++ layer's RMSNorm."""
+def norm(h: torch.Tensor, module: Any, arguments: list[tuple]) -> torch.Tensor:
+    """``module`` (an RMSNorm of NORMS: transformers', its weight and variance_epsilon its own) applied
+    to h [B, D] by the C++ layer's RMSNorm."""
     return op("rms_norm", weight_format(arguments))(h, module.weight, module.variance_epsilon, lanes(arguments))
 
 
 def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor, k_layer: torch.Tensor,
         v_layer: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, starts: torch.Tensor,
-        ends: torch.Tensor, lora: list = (), mask: torch.Tensor | None = None) -> torch.Tensor:
+        ends: torch.Tensor, lora: Sequence[torch.Tensor | None] = (), mask: torch.Tensor | None = None) -> torch.Tensor:
     """One layer: h [B, D], cos/sin [B, hd], one layer of the head-major pool, slots [B] -> h [B, D].
     ``lora``: this layer's 14 LoRA tensors (``lora_arguments``) or empty; ``mask``: a mix's row mask."""
     weights, biases, sizes, floats = arguments
@@ -183,7 +189,7 @@ def run(h: torch.Tensor, arguments: tuple, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def lora_arguments(bank, num_layers: int) -> tuple[list, torch.Tensor | None]:
-    """The LoRA deltas of a step with adapter rows (``bank``: session/model/lora.py's LoraBank, its rows
+    """The LoRA deltas of a step with adapter rows (``bank``: session/model/lora_bank.py's LoraBank, its rows
     set), as LoRALinear computes them: per layer and linear (LINEARS' order) A^T [in, R] and B^T [R,
     out], None and None where no adapter targets that linear, then the mix's row mask [B, 1, R] (None
     where every row has one adapter). ([], None) for a step without adapter rows."""
@@ -226,16 +232,17 @@ def rope_table(rotary: nn.Module, head_dim: int, max_positions: int,
 @dataclass
 class Stack:
     """A whole decode step in one C++ call (``DecodeStack``, ``DecodeStackF32``: csrc/decode_layer.h)."""
-    step: torch.ScriptObject
+    step: Any  # a torch.classes.resident.DecodeStack*: its methods are the C++ class's, unknown to torch's stubs
     windows: list  # the distinct attention windows, in the order of run's ``starts`` rows
     positions: int  # the rotary table's length: a step at a later position runs the layers one by one
     head: bool  # the head is ours (run returns logits), else run returns the normed hidden state
 
 
-def stack(arguments: list[tuple], windows: list, embedding: nn.Module, rotary: nn.Module, final_norm: nn.Module,
+def stack(arguments: list[tuple], windows: list, embedding: nn.Module, rotary: nn.Module, final_norm: Any,
           head: nn.Module, head_dim: int, max_positions: int) -> Stack | None:
-    """The layers ``plan`` found, with the embedding, rotary table, final norm and head around them;
-    None (the layers run one call each) where those are not ones the step reproduces."""
+    """The layers ``plan`` found, with the embedding, rotary table, final norm (transformers' RMSNorm: its
+    weight and variance_epsilon its own) and head around them; None (the layers run one call each) where
+    those are not ones the step reproduces."""
     if type(embedding) is not nn.Embedding or not is_norm(final_norm):
         return None
     weight = embedding.weight.detach()
@@ -248,8 +255,10 @@ def stack(arguments: list[tuple], windows: list, embedding: nn.Module, rotary: n
     step = getattr(torch.classes.resident, STACKS[fmt])()
     for (weights, biases, sizes, floats), window in zip(arguments, windows):
         step.add_layer(weights, biases, sizes, floats, distinct.index(window))
-    head_ours = ours(head) and head.packed.dtype == fmt  # else the model's head runs after the step
-    step.set_ends(weight, *table, final_norm.weight.detach(), final_norm.variance_epsilon,
-                  head.packed if head_ours else None, head.bias if head_ours else None,
-                  head.out_features if head_ours else 0, one_row_block(head) if head_ours else 0)
-    return Stack(step, distinct, len(table[0]), head_ours)
+    ours_head = head if ours(head) and head.packed.dtype == fmt else None  # else the model's head runs after the step
+    if ours_head is not None:
+        head_ends: tuple = (ours_head.packed, ours_head.bias, ours_head.out_features, one_row_block(ours_head))
+    else:
+        head_ends = (None, None, 0, 0)
+    step.set_ends(weight, *table, final_norm.weight.detach(), final_norm.variance_epsilon, *head_ends)
+    return Stack(step, distinct, len(table[0]), ours_head is not None)

@@ -105,6 +105,11 @@ class CppKernel:
         return self.choose() is not None
 
     @property
+    def isa_name(self) -> str:
+        """The instruction set the loaded library was built for, for labels ("none" until ``load`` succeeds)."""
+        return self.isa.name if self.isa is not None else "none"
+
+    @property
     def flags(self) -> list[str]:
         isa = self.choose()
         return [*BASE_FLAGS, *(isa.flags if isa else ())]

@@ -127,6 +127,16 @@ def int4_offsets(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     return zeros.float() - 8 * scales.float()
 
 
+def int4_weight_offsets(scales: torch.Tensor, zeros: torch.Tensor | None, offsets: torch.Tensor | None) -> torch.Tensor:
+    """Per group, the offset our int4 kernel adds, float32: ``offsets`` as given (GGUF's Q4_0 and Q4_1),
+    else from the zero points (``int4_offsets``)."""
+    if offsets is not None:
+        return offsets.float()
+    if zeros is None:
+        raise ValueError("int4 weights need zero points or offsets")
+    return int4_offsets(scales, zeros)
+
+
 def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """The weights our int4 kernel's sums stand for, in float64: q scale + offset (exact in float64),
     with the offset in float32 (``int4_offsets``). The kernel never forms them: per group it sums x q
@@ -153,7 +163,7 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     nibbles = (lines[:, 0] | (lines[:, 1] << 4)).transpose(1, 2)  # [NB, K, 8]
     per_group = torch.zeros(blocks * LANES, groups, 2, dtype=torch.float32)
     per_group[:n, :, 0] = scales.float()
-    per_group[:n, :, 1] = int4_offsets(scales, zeros) if offsets is None else offsets.float()
+    per_group[:n, :, 1] = int4_weight_offsets(scales, zeros, offsets)
     trailer = per_group.view(blocks, LANES, groups, 2).permute(0, 2, 3, 1).contiguous()  # [NB, G, 2, 16]
     trailer = trailer.view(torch.uint8).view(blocks, groups * INT4_GROUP_LINES, LANES // 2)
     return torch.cat([nibbles, trailer], dim=1).contiguous()
@@ -315,8 +325,8 @@ def probe(shapes: set[tuple[int, int]], seed: int = 0,
             capped = (min(n, PROBE_OUTPUTS), k)
             if capped not in probed:
                 probed[capped] = probe_shape(*capped, generator, dtype)
-    return {(n, k): probed[(min(n, PROBE_OUTPUTS), k)] for n, k in shapes
-            if probed[(min(n, PROBE_OUTPUTS), k)] is not None}
+    found = {(n, k): probed[(min(n, PROBE_OUTPUTS), k)] for n, k in shapes}
+    return {shape: blocking for shape, blocking in found.items() if blocking is not None}
 
 
 class KernelLinear(nn.Linear):
@@ -366,9 +376,9 @@ def pack_linears(modules: list[nn.Module], dtype: torch.dtype = torch.bfloat16) 
     for module in linears:
         shape = (module.out_features, module.in_features)
         if shape in blocking:
-            swap_weight(module, KernelLinear, pack(module.weight.detach()))
-            module.one_row_block = blocking[shape].one_row
-            module.rows_block = blocking[shape].rows
+            kernel_linear = swap_weight(module, KernelLinear, pack(module.weight.detach()))
+            kernel_linear.one_row_block = blocking[shape].one_row
+            kernel_linear.rows_block = blocking[shape].rows
     unmatched = sorted(shapes - set(blocking))
     why = f"no input block size reproduces torch's product for [out, in] = {unmatched}" if unmatched else ""
     return sum(type(module) is KernelLinear for module in linears), why

@@ -15,17 +15,20 @@ the sizes met at about 256 KiB (docs/MEASUREMENTS.md, "Prepacked linears"). So f
 
 The packed weight replaces the module's ``weight`` (no second copy; a head tied to the embeddings keeps
 the embedding's). ``PackedLinear`` stays an ``nn.Linear`` with its in/out features, so LoRA wrapping
-(session/model/lora.py) works unchanged. Who calls this: ``ModelRunner`` once after loading, on CPU.
+(session/model/lora_bank.py) works unchanged. Who calls this: ``ModelRunner`` once after loading, on CPU.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TypeGuard, TypeVar
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+L = TypeVar("L", bound=nn.Linear)  # what ``swap_weight`` makes a linear
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_FLOAT32_BYTES = 256 << 10  # smaller float32 weights run faster dense (module docstring)
@@ -58,19 +61,21 @@ class PackedLinear(nn.Linear):
 def pack_linear(module: nn.Linear) -> PackedLinear:
     """Turn ``module`` into a PackedLinear in place (its dense weight is dropped) and return it."""
     weight = module.weight.detach()
-    swap_weight(module, PackedLinear, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()))
-    return module
+    return swap_weight(module, PackedLinear, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()))
 
 
-def swap_weight(module: nn.Linear, cls: type, packed: torch.Tensor) -> None:
+def swap_weight(module: nn.Linear, cls: type[L], packed: torch.Tensor) -> L:
     """Make ``module`` a ``cls`` (an nn.Linear that runs from ``packed``), its dense weight dropped
-    (no second copy; a head tied to the embeddings keeps the embedding's). Also session/model/cpu/linear.py."""
+    (no second copy; a head tied to the embeddings keeps the embedding's); returns it, now a ``cls``.
+    Also session/model/cpu/linear.py."""
     del module.weight
     module.__class__ = cls
     module.register_buffer("packed", packed, persistent=False)
+    assert isinstance(module, cls)
+    return module
 
 
-def worth_packing(module: nn.Module) -> bool:
+def worth_packing(module: nn.Module) -> TypeGuard[nn.Linear]:
     """A plain ``nn.Linear`` that runs faster packed: bfloat16, or float32 of at least MIN_FLOAT32_BYTES."""
     if type(module) is not nn.Linear or not can_pack(module.weight.device, module.weight.dtype):
         return False
