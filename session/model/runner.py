@@ -1,30 +1,29 @@
-"""The one owner of model weights and forward passes.
+"""The one owner of a model's weights and forward passes: ``ModelRunner`` runs a checkpoint over our KV caches.
 
-Loads a Hugging Face checkpoint by path (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, or a plain
-causal LM of a family ``session/families/support.py`` admits) and runs it with our own attention over our own
-KV layout (``session.model.kv_cache``): prefill of one sequence's new tokens, and a decode step batched
-across sessions whose contexts have different lengths. Projections, norms, MLPs and rotary embeddings are the
-checkpoint's own modules, so real weights (and LoRA-wrapped linears) work unchanged.
+``session.model.loader`` loads the checkpoint (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, or a plain causal
+LM of a family ``session/families/support.py`` admits); the runner runs it with our own attention over our own
+KV layout (``session.model.kv_cache``, its pools ``session.model.kv_pool``): image encoding, embedding, prefill
+of one sequence's new tokens, a decode step batched across sessions whose contexts have different lengths
+(by the path ``session.model.decode_paths`` chose once) and one forward over the paged pool. Projections,
+norms, MLPs and rotary embeddings are the checkpoint's own modules, so real weights (and LoRA-wrapped linears)
+work unchanged. The functions above the class choose the dtype a runner gets (RESIDENT_DTYPE) and its
+default decode attention; ``session.model.devices`` its device (RESIDENT_DEVICE).
 
-Who calls this: the engine loop thread only. Nothing here is thread-safe.
+Who calls this: the engine loop thread only (session/engine/, and session/speculative/ for a draft
+model's runner). Nothing here is thread-safe.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from session.checkpoints import locate, reading_once
 from session.config import EngineConfig
 from session.errors import ConfigError
-from session.families.registry import family_of
-from session.families.support import check_supported
-from session.model import compressed, gguf
 from session.model.attention import (
     PagedAttention,
     PagedBatch,
@@ -34,78 +33,20 @@ from session.model.attention import (
     plan_rows,
     to_batch,
 )
-from session.model.backend import ModelInfo
-from session.model.cpu import attention as cpu_attention, fused_layer, linear as cpu_linear
+from session.model.cpu import attention as cpu_attention, fused_layer
 from session.model.cpu.kernels import cpu_flags
-from session.model.cpu.packed_linear import can_pack, pack_linears
 from session.model.decode_paths import BatchedPath, CpuKernelPath, PerRowPath
-from session.model.generation_defaults import describe as describe_unapplied, unapplied_generation_defaults
+from session.model.devices import (  # NEURON_MISSING, neuron_found: importable here as before
+    NEURON_MISSING as NEURON_MISSING,
+    neuron_found as neuron_found,
+    resolve_device,
+    select_device,
+)
 from session.model.kv_cache import KVCache, KVPool, PagedKVCache, StaticKVCache, to_device
-from session.model.quantize import INT4_DEFAULT_GROUP, QuantizationReport, quantize_language_model
+from session.model.loader import ModelLoader
+from session.model.quantize import INT4_DEFAULT_GROUP
 
 logger = logging.getLogger(__name__)
-
-
-def attention_windows(text_config, num_layers: int) -> list[int | None]:
-    """Each layer's sliding window (keys it attends to, counting its own), or None for full attention:
-    from ``layer_types`` where the config has them, else Mistral's model-wide ``sliding_window``."""
-    window = getattr(text_config, "sliding_window", None)
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types:
-        return [window if kind == "sliding_attention" else None for kind in layer_types[:num_layers]]
-    if text_config.model_type == "mistral" and window:
-        return [window] * num_layers
-    return [None] * num_layers
-
-
-def resolve_device(name: str) -> torch.device:
-    """RESIDENT_DEVICE -> a device ("auto": CUDA, else a NeuronCore where TorchNeuron has one, else the
-    CPU; "neuron" without TorchNeuron is refused, naming it); a CUDA one always with its index ("auto"
-    and "cuda" are cuda:0, what "cuda" means in a fresh process). Indexed, it means the same GPU on every thread: a bare "cuda" is
-    each thread's current device, and a thread's current device starts at 0."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "neuron" if neuron_available() else "cpu"
-    if name.split(":")[0] == "neuron" and not neuron_available():
-        raise ConfigError(NEURON_MISSING.format(what="RESIDENT_DEVICE=neuron", found=neuron_found()))
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", 0)
-    return device
-
-
-# TorchNeuron (torch-neuronx 2.13/2.14, Neuron SDK 2.33+, Trn2 and Trn3) registers the "neuron" device and
-# torch.compile's "neuron" backend; the SDK 2.31 images (torch-neuronx 2.9, NxD Inference) have neither.
-NEURON_MISSING = ("{what} needs TorchNeuron: torch-neuronx matching this torch (" + torch.__version__ + "), from "
-                  "Neuron SDK 2.33 or later, on a Trn2 or Trn3 instance; it registers the neuron device and "
-                  "torch.compile's neuron backend, and this Python has {found}")
-
-
-def neuron_available() -> bool:
-    """Is the neuron device registered (TorchNeuron loaded) with a NeuronCore to use?"""
-    module = getattr(torch, "neuron", None)
-    return module is not None and bool(module.is_available())
-
-
-def neuron_found() -> str:
-    """What this Python has of Neuron's packages, for NEURON_MISSING."""
-    from importlib import metadata
-
-    try:
-        return f"torch-neuronx {metadata.version('torch-neuronx')} without the neuron device"
-    except metadata.PackageNotFoundError:
-        return "no torch-neuronx"
-
-
-def select_device(device: torch.device) -> None:
-    """Make ``device`` the calling thread's current CUDA device; nothing off CUDA. Who calls this:
-    ``ModelRunner.__init__``, first, on the engine's compute thread, which later runs the loop too, and
-    ``assemble`` again for a runner built on another thread
-    (session/model/threads.py). Before it, that thread's current device is GPU 0: what CUDA does for
-    "the current device" (streams torch.cuda.graph makes, its synchronize and empty_cache, the stream
-    restored on leaving ``torch.cuda.stream``) would land there and open a context on GPU 0 in a
-    process serving another GPU."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -133,50 +74,32 @@ def cpu_has_bf16() -> bool:
 
 
 class ModelRunner:
+    """Prefill, batched decode and extend of one checkpoint's model over our KV caches (one per engine,
+    and one per speculative draft). ``session.model.loader`` builds the model; this class runs it."""
+
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", kv_dtype: str = "auto",
                  pack_weights: bool = True, cpu_kernels: bool = True, quantization: str = "auto",
                  activations: str = "float", int4_group: int = INT4_DEFAULT_GROUP):
-        from transformers import AutoConfig
-
         self.model_path = model_path
         self.device = resolve_device(device)
         select_device(self.device)  # before any allocation on it (the first CUDA call, "auto"'s probe aside)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = self.dtype if kv_dtype == "auto" else getattr(torch, kv_dtype)  # see RESIDENT_KV_DTYPE
-        self.checkpoint = locate(model_path)  # a Hugging Face folder or a GGUF file (session/checkpoints.py)
-        if self.checkpoint is None:
-            raise ConfigError(f"no Hugging Face checkpoint or GGUF file at {model_path!r}")
-        self.integer_method = None  # an integer checkpoint's quant_method (set by _load: session/model/compressed.py)
-        self.weights_folder = self.checkpoint.folder  # where the weights are read from (an AutoAWQ one: converted)
-        with reading_once():  # a GGUF file: parsed once for the config, the weights and its blocks
-            hf_config = AutoConfig.from_pretrained(self.checkpoint.folder, **self.checkpoint.kwargs)
-            check_supported(hf_config)  # refuse, naming the feature, before any weight is read
-            compressed.check_loadable(hf_config)
-            self.hf_config = hf_config
-            self.family = family_of(hf_config.model_type)  # known: check_supported passed
-            self.is_multimodal = self.family.multimodal
-            text_config = hf_config.text_config if self.is_multimodal else hf_config
-            self.model = self._load(hf_config)
-            self.mrope = self.family.mrope  # 3-D positions: prefill takes them, decode an offset
-            self.merge_size = hf_config.vision_config.spatial_merge_size if self.mrope else 1  # M-RoPE image grids
-            if self.is_multimodal:
-                self.lm = self.model.model.language_model
-                self.vision_feature_layer = getattr(hf_config, "vision_feature_layer", None)  # LLaVA's
-                self.vision_select = getattr(hf_config, "vision_feature_select_strategy", None)
-            else:
-                self.lm = self.model.model
-            self.lm_head = self.model.lm_head
-            self.layers = list(self.lm.layers)
-            self.cpu_kernels = cpu_kernels  # RESIDENT_CPU_KERNELS: ours on CPU where they build
-            # before packing and LoRA: they take what it leaves
-            self.quantization = self._quantize(quantization, activations, int4_group)
-        self.lm_head = self.model.lm_head  # int8 on our kernel quantizes the head too
-        self.packed_linears, self.linear_kernels = self._pack_linears(pack_weights, cpu_kernels)
-        self.windows = attention_windows(text_config, len(self.layers))  # per layer: None or W keys
-        self.info = self._info(hf_config, text_config)
-        unapplied = unapplied_generation_defaults(self.model.generation_config)
-        if unapplied:
-            logger.warning(describe_unapplied(unapplied))
+        self.cpu_kernels = cpu_kernels  # RESIDENT_CPU_KERNELS: ours on CPU where they build
+        self.loader = ModelLoader(model_path, self.device, self.dtype, cpu_kernels)
+        self.checkpoint = self.loader.checkpoint
+        loaded = self.loader.load(self._load, pack_weights=pack_weights, quantization=quantization,
+                                  activations=activations, int4_group=int4_group)
+        self.weights_folder = self.loader.weights_folder  # where they were read from (an AutoAWQ one: converted)
+        self.hf_config, self.family, self.model = loaded.hf_config, loaded.family, loaded.model
+        self.is_multimodal = self.family.multimodal
+        self.mrope = self.family.mrope  # 3-D positions: prefill takes them, decode an offset
+        self.merge_size = self.hf_config.vision_config.spatial_merge_size if self.mrope else 1  # M-RoPE image grids
+        self.vision_feature_layer, self.vision_select = loaded.vision_feature_layer, loaded.vision_select
+        self.lm, self.lm_head, self.layers = loaded.lm, loaded.lm_head, loaded.layers
+        self.windows, self.info = loaded.windows, loaded.info  # windows: per layer, None or W keys
+        self.quantization, self.gguf, self.compressed = loaded.quantization, loaded.gguf, loaded.compressed
+        self.packed_linears, self.linear_kernels = loaded.packed_linears, loaded.linear_kernels
         # decode attention on CPU: our kernel, one call per layer (session/model/cpu/attention.py)
         self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.info.head_dim % 16 == 0
                               and cpu_attention.supports(self.kv_dtype))
@@ -185,56 +108,10 @@ class ModelRunner:
         self.path: PerRowPath | None = None  # how decode and extend run (configure_decode)
         self.configure_decode(default_attention(self.device))
 
-    def _quantize(self, method: str, activations: str = "float", int4_group: int = INT4_DEFAULT_GROUP) -> QuantizationReport | None:
-        """RESIDENT_QUANTIZATION: the decoder layers' linears weight-only int8 or int4 (session/model/quantize.py),
-        once, at load; its QuantizationReport, or None for "none" (the float checkpoint as loaded). A GGUF
-        file's quantized linears are kept packed first (session/model/gguf.py; "none" dequantizes them),
-        and so are a compressed-tensors or AutoAWQ checkpoint's (session/model/compressed.py): int8 or int4 then
-        quantize only what they left float. RESIDENT_ACTIVATIONS: whether all of them
-        multiply float32 rows or rows quantized to int8 (as llama.cpp does; where that kernel builds).
-        ``int4_group``: RESIDENT_INT4_GROUP, the largest input group int4 makes."""
-        self.gguf = None  # GgufReport of a GGUF checkpoint
-        self.compressed = None  # CompressedReport of a compressed-tensors checkpoint
-        why, int8_rows = self._packed_kernels(activations)
-        if self.checkpoint.gguf_path is not None and method != "none":
-            self.gguf = gguf.keep_packed(self.model, self.layers, self.checkpoint.gguf_path, why, int8_rows)
-            logger.info(self.gguf.describe())
-        if self.integer_method is not None:  # loaded dequantized: our kernels take the file's integers
-            why = "RESIDENT_QUANTIZATION=none" if method == "none" else why
-            self.compressed = compressed.keep_packed(self.model, self.layers, self.weights_folder,
-                                                     self.integer_method, why, int8_rows)
-            logger.info(self.compressed.describe())
-        if method in ("none", "auto"):
-            return None
-        report = quantize_language_model(self.model, self.layers, method, self.device, self.cpu_kernels,
-                                         int8_rows=activations == "int8", int4_largest=int4_group)
-        logger.info(report.describe())
-        return report
-
-    def _packed_kernels(self, activations: str) -> tuple[str, bool]:
-        """(why a checkpoint's packed linears cannot stay packed here, or ""; whether they go to the
-        int8-activation kernel): RESIDENT_ACTIVATIONS=int8 falls back to the float32-input kernels
-        where only those build."""
-        int8_rows = activations == "int8"
-        why = gguf.can_keep(self.device, self.dtype, self.cpu_kernels, int8_rows)
-        if why and int8_rows and not gguf.can_keep(self.device, self.dtype, self.cpu_kernels):
-            return "", False
-        return why, int8_rows
-
-    def _pack_linears(self, pack_weights: bool, cpu_kernels: bool) -> tuple[int, dict[str, int]]:
-        """Prepack the language model's linears once: (how many, how many by what). On CPU (bfloat16,
-        float32): our kernel (session/model/cpu/linear.py) where it builds and reproduces oneDNN's product, oneDNN's
-        packed weights (session/model/cpu/packed_linear.py) for the rest; unpacked ones run dense ``F.linear``."""
-        if not (pack_weights and can_pack(self.device, self.dtype)):
-            return 0, {}
-        modules = self.layers + [self.lm_head]
-        ours = 0
-        if cpu_kernels:
-            ours, why = cpu_linear.pack_linears(modules, self.dtype)
-            if why:
-                logger.info("%s linears on oneDNN: %s", self.dtype, why)
-        onednn = pack_linears(modules)  # whatever ours did not take
-        return ours + onednn, {"resident": ours, "onednn": onednn}
+    def _load(self, hf_config):
+        """The checkpoint's model (``ModelLoader.read_model``), called once by the loader; a subclass that
+        builds its model in memory overrides this (benchmarks/device_check.py)."""
+        return self.loader.read_model(hf_config)
 
     def enable_lora(self, num_slots: int, max_rank: int):
         """Wrap the language model's linears for per-row LoRA adapters (once, at start-up)."""
@@ -260,38 +137,6 @@ class ModelRunner:
                    pack_weights=config.pack_weights and not config.compile, cpu_kernels=config.cpu_kernels,
                    quantization=config.quantization, activations=config.activations,
                    int4_group=config.int4_group)
-
-    def _load(self, hf_config):
-        import transformers
-
-        cls = getattr(transformers, family_of(hf_config.model_type).hf_class)
-        method = compressed.quant_method(hf_config)
-        self.integer_method = method if method in ("compressed-tensors", "awq") else None
-        if self.integer_method == "awq":
-            self.weights_folder = compressed.convert_awq(self.checkpoint.folder, hf_config)
-        with warnings.catch_warnings():  # transformers notes that dequantize=True overrides the file's config
-            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-            model = cls.from_pretrained(self.weights_folder, dtype=self.dtype, **self.checkpoint.kwargs,
-                                        **compressed.load_kwargs(self.integer_method))
-        return model.to(self.device).eval().requires_grad_(False)
-
-    def _info(self, hf_config, text_config) -> ModelInfo:
-        attn = self.layers[0].self_attn
-        eos = text_config.eos_token_id
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
-        eos_ids = {e for e in (eos, gen_eos) for e in (e if isinstance(e, list) else [e]) if e is not None}
-        num_image_tokens = 0
-        if self.family.image_tokens == "fixed":  # else a count per image (anyres, grid)
-            vc = hf_config.vision_config
-            num_image_tokens = (vc.image_size // vc.patch_size) ** 2 + (self.vision_select == "full")
-        return ModelInfo(
-            num_layers=len(self.layers), num_heads=text_config.num_attention_heads,
-            num_kv_heads=text_config.num_key_value_heads, head_dim=attn.head_dim,
-            hidden_size=text_config.hidden_size, vocab_size=text_config.vocab_size,
-            max_positions=text_config.max_position_embeddings, eos_token_ids=tuple(sorted(eos_ids)),
-            image_token_id=hf_config.image_token_id if self.is_multimodal else None,
-            num_image_tokens=num_image_tokens,
-        )
 
     def capture_decode_graphs(self, block_tokens: int, max_tokens: int) -> int:
         """RESIDENT_ATTENTION=cuda_graphs: every decode graph captured now (session/model/cuda_graphs.py,
