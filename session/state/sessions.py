@@ -3,28 +3,22 @@
 Who calls this: the engine loop thread only. It opens and forgets sessions, brings a session's KV
 to the device for a turn (``prepare_turn``), commits or rolls back a turn (``commit_turn`` /
 ``rollback_turn``), journals finished turns, and exports or imports a session (draining a backend).
+Its helpers, one job each: ``turn_inputs`` (what a turn's prefill is fed), ``image_bytes`` (the
+encoded images the journal does not hold, kept in memory for an export or a later journal write)
+and ``migration`` (the moves under way, two-phase, and the export's form).
 
 Durability faults never fail an answer: a journal or image write that raises (a full /dev/shm,
 an I/O error, the journal's own byte cap or a session's quota) leaves the answer as it is, marks the
 session as not crash-recoverable (its stale journal entry is removed, so a restart never resurrects
 an older transcript), counts ``journal_write_errors`` and logs once per session.
 
-Image bytes: the encoded images of live sessions that the journal does not hold (no journal, a
-failed write, a session over its quota) are kept in memory, up to ``max_kept_image_bytes`` in all,
-so that an export and a later journal write have them; the journal's copy serves otherwise.
-
-Moves (draining a backend) are two-phase. ``export`` hands a session over and marks it as moving:
-it stays here, and the engine holds its requests (``session/engine/admission.py``). The move then
-ends one of three ways: ``forget_moved`` (the target imported it: forgotten here), ``resume_move``
-(no target took it: live here again), or ``end_overdue_moves`` after ``move_timeout_s`` with
-neither (the front that began it died): live here again, so a session is never lost in transit.
+A move (``export``) ends one of three ways: ``forget_moved`` (the target imported it),
+``resume_move`` (no target took it), or ``end_overdue_moves`` after ``move_timeout_s`` with neither:
+live here again, so a session is never lost in transit (session/state/migration.py).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import logging
 from collections import ChainMap
 from collections.abc import Callable, Mapping
@@ -32,24 +26,24 @@ from typing import Protocol
 
 import torch
 
-from session.errors import BadRequest, CapacityExceeded, InvalidSessionId, ResidentError, SessionExists, SessionNotFound
-from session.families.mrope import segment_positions
+from session.errors import BadRequest, CapacityExceeded, SessionExists, SessionNotFound
 from session.families.vision import Images
 from session.model.backend import ModelBackend
-from session.model.kv_cache import KVCache, PagedKVCache
+from session.model.kv_cache import KVCache
 from session.model.prefix_cache import block_keys
 from session.state.embeddings import EmbeddingCache
-from session.state.journal import Journal, JournalEntry, check_entry, is_digest, validate_digest
+from session.state.image_bytes import MAX_KEPT_IMAGE_BYTES, ImageBytes
+from session.state.invariants import block_problems, session_problems
+from session.state.journal import Journal, JournalEntry, is_digest
 from session.state.kv_manager import KVManager, KVNeed
 from session.state.memory import MemoryManager
+from session.state.migration import MOVE_TIMEOUT_S, Moves, check_token_ids, export_session, parse_export
 from session.state.session import SessionState, Tier, Turn, TurnMark
 from session.state.store import SessionStore
+from session.state.turn_inputs import TurnInputs
 from session.types import redact
 
 logger = logging.getLogger(__name__)
-
-MOVE_TIMEOUT_S = 120.0  # an exported session neither confirmed nor resumed within this is live here again
-MAX_KEPT_IMAGE_BYTES = 256 << 20  # encoded images kept in memory (those the journal does not hold)
 
 
 class CacheMaker(Protocol):
@@ -81,14 +75,17 @@ class Sessions:
         self.prefix_salt = prefix_salt  # adapter name -> what keys its blocks apart (session/model/prefix_cache.py)
         self.runner = runner
         self.caches = caches
-        self.images_from_bytes = images_from_bytes  # encoded image -> Images of one (to recompute an embedding)
-        self.move_timeout_s = move_timeout_s
-        self.max_kept_image_bytes = max_kept_image_bytes
-        self._moving: dict[str, float] = {}  # session_id -> when its move times out (the engine's clock)
-        self._image_bytes: dict[str, bytes] = {}  # digest -> encoded image the journal does not hold
-        self.kept_image_bytes = 0  # sum of len() over _image_bytes
+        self.moves = Moves(move_timeout_s)  # the sessions exported, not yet confirmed or resumed
+        self.encoded_images = ImageBytes(journal, max_kept_image_bytes)
+        self.inputs = TurnInputs(runner=runner, embeddings=embeddings, encoded_images=self.encoded_images,
+                                 images_from_bytes=images_from_bytes)
         self.num_journal_restored = 0
         self.num_journal_write_errors = 0
+
+    @property
+    def kept_image_bytes(self) -> int:
+        """Bytes of encoded images kept in memory (those the journal does not hold)."""
+        return self.encoded_images.num_bytes
 
     # ------------------------------------------------------------------ open, get, forget
 
@@ -114,14 +111,14 @@ class Sessions:
     def forget(self, session: SessionState, reason: str) -> None:
         """Close a session: free its KV, release its images, remove it from the journal."""
         self.store.close(session.session_id, reason=reason)
-        self._moving.pop(session.session_id, None)
+        self.moves.end(session.session_id)
         for digest in session.image_digests:
             self._release_image(digest)
         if self.journal is not None and not session.ephemeral:
             self._journal_io(session, lambda: self.journal.remove(session.session_id))
 
     def reap(self) -> list[str]:
-        expired = [sid for sid in self.store.expired_ids() if sid not in self._moving]  # a move ends first
+        expired = [sid for sid in self.store.expired_ids() if sid not in self.moves]  # a move ends first
         for session_id in expired:
             self.forget(self.store.get(session_id), "expired")
             logger.info("session %s expired", redact(session_id))
@@ -134,57 +131,65 @@ class Sessions:
         """Take the turn's image references, bring the session's KV to the device sized for
         ``total_tokens`` (restoring or recomputing it), and embed what it has not cached.
         A session with nothing cached (new, stateless, or dropped) first takes the longest shared
-        prefix of its transcript and turn from the pool's published blocks (``share_prefix``).
+        prefix of its transcript and turn from the pool's published blocks (``_share_prefix``).
         Returns the embeddings to prefill [T, D] and, for an M-RoPE model, their positions [3, T]
         (else None); sets ``turn.cached_tokens`` (and ``turn.next_rope_delta``). On an exception the
-        image references are given back (``turn.images_acquired`` empty) and the transcript is untouched."""
+        image references are given back (``turn.images_acquired`` empty) and the transcript is untouched.
+        Who calls this: the executor, when a turn's prefill begins."""
         session = turn.session
+        self._take_images(turn, digests)
+        # the transcript is (re)computed from 0 (a host copy restores what it holds: nothing is shared then)
+        fresh = session.kv.length == 0 and (session.tier is not Tier.HOST or session.host_length == 0)
+        try:
+            self._describe_images(turn, digests)
+            ids, all_digests = session.token_ids + new_ids, session.image_digests + digests
+            if fresh and session.tier is not Tier.HOST and self.share_block_tokens:
+                self._share_prefix(session, ids, all_digests)
+            self._take_room(session, ids, total_tokens)
+            self._bring_to_device(session)
+            turn.cached_tokens = session.kv.length
+            turn.feeds_to = len(ids)
+            return self.inputs.embed(turn, new_ids, digests, fresh)
+        except BaseException:
+            if fresh and session.tier is not Tier.DEVICE:
+                session.kv.release()  # a dropped or new-on-host session holds nothing, shared prefix included
+            self.release_images(turn)
+            raise
+
+    def _take_images(self, turn: Turn, digests: list[str]) -> None:
+        """The turn holds a reference to each of its images (given back by ``release_images``)."""
         for digest in digests:
             self.embeddings.acquire(digest)
         turn.images_acquired = tuple(digests)
-        kv = session.kv
-        # the transcript is (re)computed from 0 (a host copy restores what it holds: nothing is shared then)
-        fresh = kv.length == 0 and (session.tier is not Tier.HOST or session.host_length == 0)
-        try:
-            for index, digest in enumerate(digests):
-                self.embeddings.describe(digest, turn.images.num_tokens[index],
-                                         turn.images.grids[index] if turn.images.grids else None)
-            ids, all_digests = session.token_ids + new_ids, session.image_digests + digests
-            if fresh and session.tier is not Tier.HOST and self.share_block_tokens:
-                kv.release()  # what a failed first prefill left (nothing written counts)
-                usable = (len(ids) - 1) // self.share_block_tokens  # at least the last token is prefilled
-                kv.share_prefix(self.block_keys(session, ids, all_digests)[:usable])
-            draft_tokens = self.draft_tokens(ids, total_tokens)
-            need = self.kv.blocks_needed(session, total_tokens, draft_tokens)
-            self.kv.admit(session, need, total_tokens, draft_tokens)
-            if session.tier is Tier.HOST:
-                keys = self.block_keys(session, session.token_ids, session.image_digests) if self.share_block_tokens \
-                    else []
-                self.memory.restore_from_host(session, keys)
-            elif session.tier is Tier.DROPPED:
-                session.tier = Tier.DEVICE  # the transcript is recomputed below, past any shared prefix
-                self.memory.num_recomputed += 1
-            turn.cached_tokens = start = kv.length
-            turn.feeds_to = len(ids)
-            if not fresh:  # a resident follow-up: the unfed tail (the previous answer's last token) + the turn
-                segment = session.token_ids[start:] + new_ids
-                images = self._image_embeddings([], digests, turn.images)
-                return self.runner.embed(segment, images), self._positions(turn, segment, digests,
-                                                                           start + session.rope_delta)
-            # From the shared prefix's end: images wholly inside it are not embedded (nor encoded),
-            # one it cuts into gives its remaining rows.
-            first, offset = self._first_image_after(ids, all_digests, start)
-            old = len(session.image_digests)
-            images = self._image_embeddings(session.image_digests[first:], digests[max(0, first - old):],
-                                            turn.images, first_new=max(0, first - old))
-            if offset:
-                images[0] = images[0][offset:]
-            return self.runner.embed(ids[start:], images), self._positions(turn, ids, all_digests, 0, skip=start)
-        except BaseException:
-            if fresh and session.tier is not Tier.DEVICE:
-                kv.release()  # a dropped or new-on-host session holds nothing, shared prefix included
-            self.release_images(turn)
-            raise
+
+    def _describe_images(self, turn: Turn, digests: list[str]) -> None:
+        """Each image's placeholder count (and grid): the shared blocks' keys and the embedding need them."""
+        for index, digest in enumerate(digests):
+            self.embeddings.describe(digest, turn.images.num_tokens[index],
+                                     turn.images.grids[index] if turn.images.grids else None)
+
+    def _share_prefix(self, session: SessionState, ids: list[int], digests: list[str]) -> None:
+        """A session computed from 0 takes the longest prefix of ``ids`` the pool has published."""
+        session.kv.release()  # what a failed first prefill left (nothing written counts)
+        usable = (len(ids) - 1) // self.share_block_tokens  # at least the last token is prefilled
+        session.kv.share_prefix(self.block_keys(session, ids, digests)[:usable])
+
+    def _take_room(self, session: SessionState, ids: list[int], total_tokens: int) -> None:
+        """The KV memory the turn needs (``self.kv`` demotes or evicts for it, or raises CapacityExceeded)."""
+        draft_tokens = self.draft_tokens(ids, total_tokens)
+        need = self.kv.blocks_needed(session, total_tokens, draft_tokens)
+        self.kv.admit(session, need, total_tokens, draft_tokens)
+
+    def _bring_to_device(self, session: SessionState) -> None:
+        """A host copy is restored (sharing the published prefix); a dropped transcript is recomputed
+        by the prefill (past any shared prefix)."""
+        if session.tier is Tier.HOST:
+            keys = self.block_keys(session, session.token_ids, session.image_digests) if self.share_block_tokens \
+                else []
+            self.memory.restore_from_host(session, keys)
+        elif session.tier is Tier.DROPPED:
+            session.tier = Tier.DEVICE
+            self.memory.num_recomputed += 1
 
     def turn_need(self, session: SessionState, new_ids: list[int], total_tokens: int) -> KVNeed:
         """What the session's next turn (``new_ids``, sized for ``total_tokens``) asks of KV memory:
@@ -216,33 +221,6 @@ class Sessions:
         if not self.share_block_tokens or session.tier is not Tier.DEVICE:
             return 0
         return session.kv.publish(self.block_keys(session, session.token_ids, session.image_digests))
-
-    def _first_image_after(self, token_ids: list[int], digests: list[str], start: int) -> tuple[int, int]:
-        """The first image occurrence with a placeholder at or after ``start``, and how many of its
-        placeholders lie before ``start`` (0 when it begins there or later)."""
-        if not start or not digests:
-            return 0, 0
-        placeholders = [i for i, t in enumerate(token_ids) if t == self.runner.info.image_token_id]
-        first = 0
-        for index, digest in enumerate(digests):
-            count = self.embeddings.get(digest).num_tokens
-            if placeholders[first + count - 1] >= start:
-                return index, max(0, sum(1 for p in placeholders[first:first + count] if p < start))
-            first += count
-        return len(digests), 0
-
-    def _positions(self, turn: Turn, token_ids: list[int], digests: list[str], first_position: int,
-                   skip: int = 0) -> torch.Tensor | None:
-        """M-RoPE positions (None for other models) of ``token_ids`` laid out from ``first_position``,
-        their images by their grids, the first ``skip`` left out (a shared prefix holds them); sets the
-        rope delta the session carries once the turn commits."""
-        if not self.runner.mrope:
-            return None
-        grids = [self.embeddings.get(d).grid for d in digests]
-        positions, next_position = segment_positions(token_ids, self.runner.info.image_token_id, grids,
-                                                     self.runner.merge_size, first_position)
-        turn.next_rope_delta = next_position - (turn.session.kv.length - skip + len(token_ids))
-        return positions[:, skip:]
 
     def commit_turn(self, turn: Turn, new_ids: list[int]) -> None:
         """The turn's prefill ran: its prompt joins the transcript (until a rollback)."""
@@ -298,81 +276,10 @@ class Sessions:
     def _release_image(self, digest: str) -> None:
         if not self.embeddings.release(digest):
             return
-        self._drop_image_bytes(digest)
+        self.encoded_images.drop(digest)
         if self.journal is not None and is_digest(digest):
             journal = self.journal
             self._journal_io(None, lambda: journal.remove_image(digest))
-
-    def _image_embeddings(self, old_digests: list[str], new_digests: list[str], images: Images,
-                          first_new: int = 0) -> list[torch.Tensor]:
-        """Embeddings for each image occurrence (``old_digests``: the transcript's, when it is recomputed;
-        ``new_digests``: the turn's images from ``first_new`` on), encoding only those not cached (never
-        encoded, or evicted: re-encoded from their bytes); then the cache's byte bound, sparing this
-        prefill's images."""
-        to_encode: dict[str, Images] = {}  # digest -> that one image
-        for index, digest in enumerate(new_digests, start=first_new):
-            if self._count_lookup(digest):
-                to_encode.setdefault(digest, images.select(index))
-        for digest in old_digests:
-            if self._count_lookup(digest) and digest not in to_encode:
-                to_encode[digest] = self.images_from_bytes(self._encoded_image(digest))
-        if to_encode:
-            batch = Images.join(to_encode.values())
-            encoded = self.runner.encode_images(list(batch.pixels), list(batch.sizes), list(batch.grids) or None)
-            for digest, tensor, grid in zip(to_encode, encoded, batch.grids or [None] * len(batch)):
-                self.embeddings.store(digest, tensor.to("cpu", copy=True), grid)
-        digests = old_digests + new_digests
-        tensors = [self.embeddings.use(d).to(self.runner.device) for d in digests]
-        self.embeddings.evict(self._has_encoded_image, keep=set(digests))
-        return tensors
-
-    def _count_lookup(self, digest: str) -> bool:
-        """Is the image's embedding missing (to encode)? Counted as a miss, else as a hit."""
-        if self.embeddings.get(digest).tensor is None:
-            self.embeddings.num_misses += 1
-            return True
-        self.embeddings.num_hits += 1
-        return False
-
-    # ------------------------------------------------------------------ image bytes
-
-    def _encoded_image(self, digest: str) -> bytes:
-        """An image's encoded bytes: kept in memory, else from the journal. Raises ResidentError (500)
-        when neither has them (an image that came without bytes, or memory for them was full)."""
-        raw = self._image_bytes.get(digest)
-        if raw is not None:
-            return raw
-        if self.journal is not None and is_digest(digest):
-            try:
-                return self.journal.read_image(digest)
-            except OSError as exc:
-                logger.warning("image %s cannot be read back from the journal: %s", digest[:12], exc)
-        raise ResidentError(f"image {digest[:12]}: its bytes are neither kept in memory nor in the journal")
-
-    def _has_encoded_image(self, digest: str) -> bool:
-        """Can the image's encoded bytes be got back (kept in memory, or journaled)? The embedding
-        cache's bound evicts only such images' tensors (``EmbeddingCache.evict``)."""
-        return digest in self._image_bytes or (self.journal is not None and is_digest(digest)
-                                               and self.journal.has_image(digest))
-
-    def _keep_image_bytes(self, session: SessionState, image_bytes: Mapping[str, bytes]) -> None:
-        """Keep the session's images from ``image_bytes`` in memory, while ``max_kept_image_bytes`` allows;
-        each stays until its last reference is released (``_release_image``)."""
-        for digest in dict.fromkeys(session.image_digests):
-            raw = image_bytes.get(digest)
-            if raw is None or digest in self._image_bytes:
-                continue
-            if self.kept_image_bytes + len(raw) > self.max_kept_image_bytes:
-                logger.info("image %s of session %s is not kept in memory: %d bytes are already", digest[:12],
-                            redact(session.session_id), self.kept_image_bytes)
-                continue
-            self._image_bytes[digest] = raw
-            self.kept_image_bytes += len(raw)
-
-    def _drop_image_bytes(self, digest: str) -> None:
-        raw = self._image_bytes.pop(digest, None)
-        if raw is not None:
-            self.kept_image_bytes -= len(raw)
 
     # ------------------------------------------------------------------ journal
 
@@ -382,7 +289,7 @@ class Sessions:
         leave memory. Never raises."""
         if session.ephemeral:
             return
-        self._keep_image_bytes(session, image_bytes)
+        self.encoded_images.keep(session, image_bytes)
         if self.journal is None:
             return
         journal = self.journal
@@ -392,13 +299,11 @@ class Sessions:
             expires_at=session.expires_at, adapter=session.adapter, cache_salt=session.cache_salt,
             tenant=session.tenant,
         )
-        known = ChainMap(image_bytes, self._image_bytes)  # this turn's images, and those kept before
+        known = ChainMap(image_bytes, self.encoded_images.kept)  # this turn's images, and those kept before
         session.recoverable = self._journal_io(session, lambda: journal.write_session(entry, known))
         if not session.recoverable:  # a stale entry would bring back an older transcript after a crash
             self._journal_io(None, lambda: journal.remove(session.session_id))
-        for digest in dict.fromkeys(session.image_digests):
-            if digest in self._image_bytes and is_digest(digest) and journal.has_image(digest):
-                self._drop_image_bytes(digest)
+        self.encoded_images.drop_journaled(session.image_digests)
 
     def _journal_io(self, session: SessionState | None, operation: Callable[[], None]) -> bool:
         """Run a journal operation; False when it failed (a filesystem error, a cap, or an id or digest
@@ -421,7 +326,7 @@ class Sessions:
                 self.journal.remove(entry.session_id)
                 continue
             try:
-                self._check_token_ids(entry)
+                check_token_ids(entry, self.runner.info.vocab_size)
             except BadRequest as exc:
                 logger.warning("skipping journal entry of session %s: %s", redact(entry.session_id), exc.message)
                 self.journal.remove(entry.session_id)
@@ -450,130 +355,55 @@ class Sessions:
         It stays here, marked as moving, until ``forget_moved``, ``resume_move`` or its timeout
         (``end_overdue_moves``). Who calls this: the engine's admin code, once no request is in flight
         on the session and no other move of it is under way."""
-        assert session.session_id not in self._moving, "a second export waits for the move under way"
-        images = {d: base64.b64encode(self._encoded_image(d)).decode() for d in dict.fromkeys(session.image_digests)}
-        exported = {"session_id": session.session_id, "token_ids": list(session.token_ids),
-                    "image_digests": list(session.image_digests), "ended_with_eos": session.ended_with_eos,
-                    "num_turns": session.num_turns, "created_at": session.created_at,
-                    "expires_at": session.expires_at, "adapter": session.adapter,
-                    "cache_salt": session.cache_salt, "tenant": session.tenant, "images": images}
-        self._moving[session.session_id] = now + self.move_timeout_s
+        assert session.session_id not in self.moves, "a second export waits for the move under way"
+        exported = export_session(session, self.encoded_images.read)
+        self.moves.begin(session.session_id, now)
         return exported
 
     def is_moving(self, session_id: str) -> bool:
         """Exported, and its move neither confirmed nor aborted yet."""
-        return session_id in self._moving
+        return session_id in self.moves
 
     def forget_moved(self, session: SessionState) -> None:
         """The move is confirmed (the target imported the session): forget it here. Raises SessionExists
         when it is not moving (never exported, or its move timed out and it serves here again): then
         the caller must drop the copy it imported elsewhere, not this one."""
-        if self._moving.pop(session.session_id, None) is None:
+        if not self.moves.end(session.session_id):
             raise SessionExists(f"session {session.session_id} is live on this backend, not moving (its move timed "
-                                f"out after {self.move_timeout_s:g} s, or it was never exported); it stays here")
+                                f"out after {self.moves.timeout_s:g} s, or it was never exported); it stays here")
         self.forget(session, "moved to another backend")
 
     def resume_move(self, session: SessionState) -> bool:
         """The move is aborted (no target took the session): it serves here again. Whether it was moving."""
-        return self._moving.pop(session.session_id, None) is not None
+        return self.moves.end(session.session_id)
 
     def end_overdue_moves(self, now: float) -> list[str]:
         """Moves neither confirmed nor aborted within ``move_timeout_s`` (the front that began them died):
         those sessions serve here again. Returns their ids. Who calls this: the engine's admission, with
         the reaper."""
-        overdue = [sid for sid, deadline in self._moving.items() if deadline <= now]
-        for session_id in overdue:
-            del self._moving[session_id]
-            logger.warning("the move of session %s was neither confirmed nor aborted within %g s; it serves "
-                           "here again", redact(session_id), self.move_timeout_s)
-        return overdue
+        return self.moves.end_overdue(now)
 
     def import_(self, exported: dict, now: float) -> SessionState:
         """Open an exported session here, KV recomputed on its next request. Checked like a journal entry
         (``check_entry``), each image against its digest; refused with nothing left behind."""
-        if not isinstance(exported, dict):
-            raise BadRequest("import needs the exported session object in 'session'")
-        try:
-            entry = check_entry({k: v for k, v in exported.items() if k != "images"})
-            images = _decode_images(exported.get("images", {}))
-            self._check_token_ids(entry)
-        except InvalidSessionId:
-            raise
-        except BadRequest as exc:
-            raise BadRequest(f"not an exported session: {exc.message}") from None
+        entry, images = parse_export(exported, self.runner.info.vocab_size)
         if entry.session_id in self.store:
             raise SessionExists(f"session {entry.session_id} is already live on this backend")
         for digest in entry.image_digests:
-            if digest not in images and not self._has_encoded_image(digest):
+            if digest not in images and not self.encoded_images.has(digest):
                 raise SessionNotFound(f"session {entry.session_id}: image {digest[:12]} is missing from the export")
         session = self._adopt(entry, now)
         self.journal_turn(session, images)
-        lacking = [d for d in dict.fromkeys(session.image_digests) if not self._has_encoded_image(d)]
+        lacking = [d for d in dict.fromkeys(session.image_digests) if not self.encoded_images.has(d)]
         if lacking:  # its KV could never be recomputed here
             self.forget(session, "closed")
             raise CapacityExceeded(f"session {entry.session_id}: no room to keep image {lacking[0][:12]} (memory for "
                                    "images is full and the journal did not take it)", retry_after_s=5)
         return session
 
-    def _check_token_ids(self, entry: JournalEntry) -> None:
-        """Token ids the model can embed (an id past the vocabulary fails on the device, not here)."""
-        vocab_size = self.runner.info.vocab_size
-        if any(t >= vocab_size for t in entry.token_ids):
-            raise BadRequest(f"token_ids must be below the model's vocabulary size {vocab_size}")
-
     # ------------------------------------------------------------------ invariant
 
     def check(self, active: Mapping[str, object]) -> list[str]:
-        """Violations of the sessions' invariant: on the device, the KV holds the transcript but at most
-        its last token (sampled, fed by the next step), or, while a turn's prefill runs in chunks, that
-        and part of the turn; elsewhere no device bytes are held; a session is busy only with a request
-        in flight (``active``: session id -> the scheduler's sequence, with its ``turn``), and never
-        while moving."""
-        problems = [f"session {sid}: moving but not live" for sid in self._moving if sid not in self.store]
-        for session in self.store.all_sessions():
-            if session.busy and session.session_id not in active:
-                problems.append(f"session {session.session_id}: busy without a request in flight")
-            if session.busy and session.session_id in self._moving:
-                problems.append(f"session {session.session_id}: a request in flight while it is moving")
-            gap = len(session.token_ids) - session.kv.length
-            turn = getattr(active.get(session.session_id), "turn", None)
-            if turn is not None and turn.feeds_to and turn.mark is None:  # its prefill under way
-                if not turn.cached_tokens <= session.kv.length <= turn.feeds_to:
-                    problems.append(f"session {session.session_id}: KV holds {session.kv.length} tokens, its "
-                                    f"prefill from {turn.cached_tokens} to {turn.feeds_to}")
-            elif session.tier is Tier.DEVICE and not 0 <= gap <= 1:
-                problems.append(f"session {session.session_id}: KV holds {session.kv.length} tokens, "
-                                f"transcript {len(session.token_ids)}")
-            if session.tier is not Tier.DEVICE and session.kv.length:
-                problems.append(f"session {session.session_id}: {session.tier.value} tier but KV on the device")
-        return problems + self._check_blocks()
-
-    def _check_blocks(self) -> list[str]:
-        """Every paged pool's own invariant over the block tables of every live session (and draft)."""
-        pools = {id(p): p for p in getattr(self.memory.blocks, "pools", ())}
-        tables: dict[int, list[list[int]]] = {key: [] for key in pools}
-        for session in self.store.all_sessions():
-            for kv in (session.kv, session.draft_kv):
-                if isinstance(kv, PagedKVCache):
-                    pools.setdefault(id(kv.pool), kv.pool)
-                    tables.setdefault(id(kv.pool), []).append(kv.block_ids)
-        return [f"KV pool: {problem}" for key, pool in pools.items() for problem in pool.blocks.check(tables[key])]
-
-
-def _decode_images(images: object) -> dict[str, bytes]:
-    """An export's images (digest -> base64) as bytes, each checked against its sha256 digest: a shared
-    embedding is keyed by digest, so a wrong pair would feed another session's image to others."""
-    if not isinstance(images, dict):
-        raise BadRequest("images must be an object of digest -> base64 bytes")
-    decoded = {}
-    for digest, encoded in images.items():
-        validate_digest(digest)
-        try:
-            raw = base64.b64decode(encoded, validate=True)
-        except (TypeError, ValueError, binascii.Error):
-            raise BadRequest(f"image {digest[:12]} is not valid base64") from None
-        if hashlib.sha256(raw).hexdigest() != digest:
-            raise BadRequest(f"image {digest[:12]}: its bytes do not hash to its digest")
-        decoded[digest] = raw
-    return decoded
-
+        """Violations of the sessions' invariant (session/state/invariants.py); ``active``: session id ->
+        the scheduler's sequence in flight, with its ``turn``. Who calls this: the engine, after a step."""
+        return session_problems(self.store, self.moves, active) + block_problems(self.store, self.memory.blocks)
