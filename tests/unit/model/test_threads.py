@@ -185,7 +185,7 @@ def test_images_are_preprocessed_without_an_openmp_team_of_the_callers(monkeypat
 
     import torch
 
-    import session.engine.loop as engine_module
+    import session.engine.preparation as engine_module
     from session.config import EngineConfig
     from session.engine import Engine
 
