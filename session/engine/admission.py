@@ -24,6 +24,7 @@ from session.engine.requests import (
     AdapterRequest,
     CancelRequest,
     CloseRequest,
+    EngineRequest,
     GenerationRequest,
     Sequence,
     SessionAdminRequest,
@@ -53,7 +54,7 @@ class Admission:
         self.num_cancelled_queued = 0  # queued generations cancelled before they were admitted
         self.held: dict[str, list] = {}  # session_id -> requests that arrived while it was moving, in order
 
-    def admit(self, item) -> bool:
+    def admit(self, item: EngineRequest) -> bool:
         """Admit one request; True when it now waits or runs (a generation in flight)."""
         try:
             if isinstance(item, GenerationRequest):
@@ -78,7 +79,7 @@ class Admission:
             item.stream.put(Failed(exc))
         return False
 
-    def admit_next(self, item, session_id: str) -> None:
+    def admit_next(self, item: EngineRequest | None, session_id: str) -> None:
         """Admit the requests queued on a session until one of them is in flight again."""
         while item is not None and not self.admit(item):
             item = self.scheduler.next_pending(session_id)

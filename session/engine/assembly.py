@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from session.checkpoints import Checkpoint, locate
+from session.checkpoints import Checkpoint
 from session.config import EngineConfig
 from session.engine import admin
 from session.engine.executor import Executor
@@ -25,7 +25,7 @@ from session.families.vision import NO_IMAGES, ImagePreprocessor, Images
 from session.model.attention import describe_backend
 from session.model.backend import ModelBackend, Stepper
 from session.model.blocks import blocks_for
-from session.model.kv_cache import PoolAccounts
+from session.model.kv_cache import PagedKVCache, PoolAccounts
 from session.model.runner import ModelRunner, select_device
 from session.state.embeddings import EmbeddingCache
 from session.state.journal import Journal
@@ -74,7 +74,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     thread_tuner = _thread_tuner(config, runner)
     info = runner.info
     max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
-    tokenizer, image_processor = _load_processing(locate(config.model_path), runner)  # a valid config's
+    tokenizer, image_processor = _load_processing(runner.checkpoint, runner)  # the runner's own tokenizer
     vision = ImagePreprocessor.for_runner(runner, image_processor, config.max_image_pixels) if image_processor is not None else None
     if vision is not None:  # what one image may cost the KV budget (anyres, dynamic resolution: up to this)
         logger.info("images: up to %d tokens each", vision.max_tokens_per_image)
@@ -285,6 +285,7 @@ def step_peak(config: EngineConfig, runner: ModelRunner, max_context: int) -> in
         runner.configure_decode("batched")  # the eager batched step
         prefill = runner.new_kv_cache(block_tokens=block, max_tokens=max_context)
         decode = runner.new_kv_cache(block_tokens=block, max_tokens=max_context)
+        assert isinstance(prefill, PagedKVCache)  # new_kv_cache without static=True
         start = max(0, max_context - 1 - tokens) if choose_backend(prefill.pool) == "sdpa" else 0
         prefill.ensure_capacity(start + tokens)  # the scratch blocks before the measurement: KV, not the step's
         decode.ensure_capacity(1)

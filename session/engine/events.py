@@ -47,7 +47,7 @@ class AdminResult:
 
 @dataclass(frozen=True)
 class Failed:
-    error: Exception
+    error: BaseException  # a step that failed outside the guarded calls ends its rows with what it raised
 
 
 @dataclass(frozen=True)

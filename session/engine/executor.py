@@ -13,12 +13,17 @@ from __future__ import annotations
 import logging
 import time
 
+from session.config import EngineConfig
 from session.engine.admin import registry_or_404
+from session.engine.prompt import ChatFormatter
 from session.engine.requests import PrefillProgress, Sequence
 from session.errors import BadRequest, ContextLengthExceeded, ResidentError
+from session.model.backend import ModelBackend, Stepper
+from session.model.lora import AdapterRegistry
 from session.model.sampling import RowContext, ban_token, make_generator, process_logits, row_logprobs, sample_rows
+from session.model.threads import ThreadTuner
 from session.speculative.controller import SpeculationController, StepCosts, batch_should_speculate
-from session.speculative.decoder import SpecRow
+from session.speculative.decoder import SpecRow, SpeculativeDecoder
 from session.state.session import Tier
 from session.state.sessions import Sessions
 from session.types import redact
@@ -27,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 
 class Executor:
-    def __init__(self, *, runner, stepper, formatter, sessions: Sessions, adapters, speculator, config,
-                 max_context: int, thread_tuner=None):
+    def __init__(self, *, runner: ModelBackend, stepper: Stepper | None, formatter: ChatFormatter, sessions: Sessions,
+                 adapters: AdapterRegistry | None, speculator: SpeculativeDecoder | None, config: EngineConfig,
+                 max_context: int, thread_tuner: ThreadTuner | None = None):
         self.runner = runner  # embeddings, images, model info
         self.stepper = runner if stepper is None else stepper  # prefill/decode: dynamic or static shapes
         self.formatter = formatter
@@ -50,22 +56,20 @@ class Executor:
         first call begins the turn (``begin``); the call that feeds its last token commits it to the
         transcript and returns the first sampled token; the others return None (a chunk of a long
         prompt: the token-budget step). Raises with the session consistent: the engine rolls back."""
-        if seq.progress is None:
-            self.begin(seq)
-        progress, session = seq.progress, seq.session
+        progress, session = seq.progress or self.begin(seq), seq.session
         if self.thread_tuner is not None:
             self.thread_tuner.choose_for_prefill()
         count = progress.left if max_tokens is None else min(max_tokens, progress.left)
         end = progress.done + count
-        mrope = {} if progress.positions is None else {"positions": progress.positions[:, progress.done:end]}
+        positions = None if progress.positions is None else progress.positions[:, progress.done:end]
         logits = self.stepper.prefill(session.kv, progress.embeds[progress.done:end], adapter_slot=seq.adapter_slot,
-                                      **mrope)
+                                      positions=positions)
         progress.done = end
         self.num_prefill_chunks += 1
         if progress.left:
             return None
         seq.progress = None
-        self.sessions.commit_turn(seq.turn, seq.prompt_ids)
+        self.sessions.commit_turn(seq.turn, self.prompt_ids(seq))
         self.sessions.publish(session)  # its prompt's full blocks, for the next request that shares them
         self.num_prefilled_tokens += seq.prompt_tokens - seq.cached_tokens
         self.num_cached_tokens += seq.cached_tokens
@@ -78,7 +82,7 @@ class Executor:
             raise token
         return token
 
-    def begin(self, seq: Sequence) -> None:
+    def begin(self, seq: Sequence) -> PrefillProgress:
         """Begin the turn's prefill: check its length, take its adapter, its images and its memory
         (``Sessions.prepare_turn``: a shared prefix, a restore or a recompute) and embed what it feeds."""
         request, session = seq.request, seq.session
@@ -93,6 +97,7 @@ class Executor:
         embeds, positions = self.sessions.prepare_turn(seq.turn, new_ids, digests,
                                                        seq.prompt_tokens + request.sampling.max_tokens)
         seq.progress = PrefillProgress(embeds=embeds, positions=positions)
+        return seq.progress
 
     def prompt_ids(self, seq: Sequence) -> list[int]:
         """The turn's new ids (rendered once: the session cannot change while its request is in flight)."""
@@ -169,14 +174,14 @@ class Executor:
         """The rows that take a speculative step this time: every row with a controller, or none
         (``batch_should_speculate``: the rows share the step's target pass). While any does, the whole
         step is one batched speculative step (``speculate``); none: a plain batched ``decode``."""
-        chosen = [s for s in rows if s.controller is not None]
+        chosen = [(s, s.controller) for s in rows if s.controller is not None]
         if not chosen or any(not s.request.sampling.speculable for s in rows):
             return []  # a row with penalties, bias, top-k or log-probabilities needs the plain step's sampler
-        for seq in chosen:  # the costs it reads and records are this batch size's
-            seq.controller.batch_size = len(rows)
+        for _, controller in chosen:  # the costs it reads and records are this batch size's
+            controller.batch_size = len(rows)
         if len(rows) > self.config.speculative_max_batch:
             return []
-        return chosen if batch_should_speculate([s.controller for s in chosen]) else []
+        return [s for s, _ in chosen] if batch_should_speculate([c for _, c in chosen]) else []
 
     def decode(self, rows: list[Sequence]) -> list[int | ResidentError]:
         """One batched decode step: feeds each row's last token, returns each row's next token (or the
@@ -243,24 +248,29 @@ class Executor:
         chosen = {id(s) for s in speculating}
         states = generator_states(rows)
         spec_rows = [SpecRow(s.session.token_ids, s.session.kv, s.session.draft_kv,
-                             s.controller.k if id(s) in chosen else 0,
+                             s.controller.k if id(s) in chosen and s.controller is not None else 0,
                              max_new=s.request.sampling.max_tokens - len(s.generated), sampling=s.request.sampling,
                              generator=s.generator, adapter_slot=s.adapter_slot, matcher=s.matcher) for s in rows]
         try:
-            results = self.speculator.step_batch(spec_rows, self.runner.info.eos_token_ids)
+            results = self._decoder().step_batch(spec_rows, self.runner.info.eos_token_ids)
         except BaseException:
             for seq in rows:
                 self.rewind(seq)
             restore_generators(rows, states)
             raise
         for seq, result in zip(rows, results):
-            if id(seq) in chosen:
+            if id(seq) in chosen and seq.controller is not None:
                 seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
         return [list(result.token_ids) for result in results]
 
     def rewind(self, seq: Sequence) -> None:
         """Tokens of a speculative run after the one that ended the request were dropped: crop the caches."""
-        self.speculator.rewind(seq.session.token_ids, seq.session.kv, seq.session.draft_kv)
+        self._decoder().rewind(seq.session.token_ids, seq.session.kv, seq.session.draft_kv)
+
+    def _decoder(self) -> SpeculativeDecoder:
+        if self.speculator is None:  # a controller is only made when there is a draft model
+            raise RuntimeError("a speculative step without a speculative decoder")
+        return self.speculator
 
 
 def generator_states(rows: list[Sequence]) -> list:
@@ -271,5 +281,5 @@ def generator_states(rows: list[Sequence]) -> list:
 def restore_generators(rows: list[Sequence], states: list) -> None:
     """Undo what a failed step drew: each sampled row draws the same numbers when it runs again."""
     for seq, state in zip(rows, states):
-        if state is not None:
+        if state is not None and seq.generator is not None:
             seq.generator.set_state(state)

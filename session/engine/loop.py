@@ -36,7 +36,7 @@ from session.engine.events import Cancelled, EventStream, Failed, Finished
 from session.engine.faults import Fault, classify, device_failed, exit_worker
 from session.engine.plan_runner import PlanRunner
 from session.engine.preparation import Preparation
-from session.engine.requests import CancelRequest, GenerationRequest, Sequence
+from session.engine.requests import CancelRequest, EngineRequest, GenerationRequest, Sequence
 from session.engine.scheduler import StepPlan
 from session.engine.stats import EngineStats, snapshot
 from session.errors import (
@@ -73,7 +73,7 @@ class Engine(Preparation):
         super().__init__(config, parts)  # config, parts (typed: tests and benchmarks read them)
         self._steps = PlanRunner(executor=parts.executor, outputs=parts.outputs, device=parts.runner.device,
                                  end=self.end)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineRequest | None] = queue.SimpleQueue()
         self._num_submitted = 0  # submitted, not yet taken from the inbox; guarded by _submit_lock
         self._num_waiting = 0  # admitted, not yet prefilled (published by the loop thread)
         self._submit_lock = threading.Lock()
@@ -88,7 +88,7 @@ class Engine(Preparation):
         self.num_abandoned_prefills = 0  # requests that ended between two chunks of their prefill (rolled back)
         self.num_failed = 0
         self.num_invariant_violations = 0
-        self._stats: EngineStats | None = None
+        self._stats: EngineStats  # published before __init__ returns (_publish_stats)
         self.admission = Admission(
             scheduler=parts.scheduler, sessions=parts.sessions, adapters=parts.adapters,
             session_ttl_s=config.session_ttl_s, clock=clock, end=self.end, on_barrier=self._publish_stats)
@@ -108,7 +108,7 @@ class Engine(Preparation):
         self._inbox.put(None)
         self._compute.close(timeout)
 
-    def submit(self, request) -> None:
+    def submit(self, request: EngineRequest) -> None:
         """Queue a request; its events arrive on ``request.stream``. Raises CapacityExceeded when full."""
         with self._submit_lock:
             if self._stop.is_set():
@@ -202,7 +202,7 @@ class Engine(Preparation):
                     logger.exception("engine loop iteration failed")
                     continue
                 self.fatal_error = device_failed(exc)  # outside the executor's calls (admission, the reaper)
-                self._halt()
+                self._halt(self.fatal_error)
         self._fail_everything(ServiceStopping())
 
     def step(self) -> None:
@@ -230,7 +230,7 @@ class Engine(Preparation):
             scheduler.complete(plan, ended)
             self._after_step(plan)
         if self.fatal_error is not None:
-            self._halt()
+            self._halt(self.fatal_error)
 
     def end(self, seq: Sequence, event: Finished | Failed | Cancelled) -> None:
         """The one place a request ends: roll back a turn that did not finish, release what it held,
@@ -248,7 +248,7 @@ class Engine(Preparation):
             self.num_failed += isinstance(event, Failed)
             self.num_overloaded += isinstance(event, Failed) and isinstance(event.error, CapacityExceeded)
             self.num_oom_failures += isinstance(event, Failed) and isinstance(event.error, DeviceOutOfMemory)
-        if seq.adapter_slot:
+        if seq.adapter_slot and self.parts.adapters is not None and session.adapter is not None:
             self.parts.adapters.release(session.adapter)
             seq.adapter_slot = 0
         if self.parts.sessions.is_live(session):
@@ -309,17 +309,16 @@ class Engine(Preparation):
                 self._num_submitted -= 1
             self.admission.admit(item)
 
-    def _halt(self) -> None:
+    def _halt(self, error: DeviceFailed) -> None:
         """The device is lost (``fatal_error``): refuse new requests, fail every request with a 500,
         stop the loop and the heartbeat, and hand the CUDA error to ``on_fatal`` (once). Loop thread."""
-        error = self.fatal_error
         logger.critical("the device failed, failing every request and stopping the engine: %s", error.__cause__,
                         exc_info=error.__cause__)
         with self._submit_lock:  # submit() and precheck() refuse from here on (ServiceStopping)
             self._stop.set()
         self._fail_everything(error)
         self._publish_stats()
-        self.on_fatal(error.__cause__)
+        self.on_fatal(error.__cause__ or error)
 
     def _fail_everything(self, error: ResidentError) -> None:
         """At stop (or when the device is lost): every request in flight, queued or not yet admitted

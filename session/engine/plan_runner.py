@@ -77,9 +77,10 @@ class PlanRunner:
         Out of device memory, the same rows run again in smaller batches (``_decode_smaller``)."""
         speculating = self.executor.speculating(rows) if speculate else []
         error = None
+        tokens: list[list[int] | ResidentError] = []
         try:
             if speculating:
-                tokens = self.executor.speculate(rows, speculating)
+                tokens = list(self.executor.speculate(rows, speculating))
             else:  # a row that could not be sampled has its error in place of its token
                 tokens = [t if isinstance(t, ResidentError) else [t] for t in self.executor.decode(rows)]
         except Exception as exc:  # every row is as before the step (executor.decode, executor.speculate)

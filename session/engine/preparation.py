@@ -60,7 +60,9 @@ class Preparation:
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids as text (special tokens kept: a prompt echoed as it was given). Any thread."""
-        return self.parts.tokenizer.decode(token_ids)
+        text = self.parts.tokenizer.decode(token_ids)
+        assert isinstance(text, str)  # a list of ids decodes to one string (a batch would give a list)
+        return text
 
     def image_size_check(self):
         """The model's check of an image's (height, width), run on its header before the pixels are
@@ -102,4 +104,4 @@ class Preparation:
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's own text (log-probabilities name tokens by it). Any thread."""
-        return [self.parts.tokenizer.decode([token_id]) for token_id in token_ids]
+        return [self.decode([token_id]) for token_id in token_ids]

@@ -98,6 +98,10 @@ class SessionAdminRequest:
     request_id: str = ""
 
 
+# What ``Engine.submit`` queues for the loop thread (``Admission.admit`` takes each in turn).
+EngineRequest = GenerationRequest | CloseRequest | CancelRequest | AdapterRequest | SessionAdminRequest
+
+
 @dataclass(eq=False)
 class PrefillProgress:
     """A turn's prefill under way, in chunks across steps (the token-budget step): what it feeds and
