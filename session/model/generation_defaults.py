@@ -2,7 +2,7 @@
 
 transformers' ``generate`` applies a checkpoint's generation defaults to every call that does not
 override them; the engine decodes as its requests say (greedy unless a request sets a temperature,
-no penalties) and honours only the config's extra EOS ids (``ModelRunner._info``). So a checkpoint
+no penalties) and honours only the config's extra EOS ids (``model_info`` in session/model/loader.py). So a checkpoint
 whose defaults would change what ``generate`` produces (a repetition penalty, banned or forced
 tokens, a minimum length, beams, or sampling by default) answers differently from ``generate``
 run with those defaults, and says so once, in a start-up log line naming each setting.
