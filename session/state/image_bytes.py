@@ -59,8 +59,11 @@ class ImageBytes:
 
     def drop_journaled(self, digests: Iterable[str]) -> None:
         """The images of ``digests`` that the journal now holds leave memory (after a journal write)."""
+        journal = self.journal
+        if journal is None:  # without a journal it holds nothing: every kept image stays
+            return
         for digest in dict.fromkeys(digests):
-            if digest in self._kept and is_digest(digest) and self.journal.has_image(digest):
+            if digest in self._kept and is_digest(digest) and journal.has_image(digest):
                 self.drop(digest)
 
     def read(self, digest: str) -> bytes:

@@ -55,7 +55,7 @@ class KVManager:
     def can_admit(self, needs: list[KVNeed]) -> bool:
         """Could every one of these turns take its room now, together, counting free blocks, idle
         shared blocks and what demoting the sessions in no request would free?"""
-        fixed = Counter()  # pool -> blocks asked of it (fixed pools only: others grow)
+        fixed: Counter[KVPool] = Counter()  # pool -> blocks asked of it (fixed pools only: others grow)
         for need in needs:
             for pool, num_blocks in need.blocks:
                 if pool.blocks.fixed:

@@ -14,12 +14,15 @@ which tier, and the budget's arithmetic. Sessions in a request are never demoted
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from session.errors import CapacityExceeded
 from session.state.session import SessionState, Tier
 from session.state.store import SessionStore
+
+if TYPE_CHECKING:  # annotations only: this module needs nothing of the model at run time
+    from session.model.kv_cache import KVCache, KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ class BlockAccounts(Protocol):
 
     def evict_idle_bytes(self, num_bytes: int) -> int: ...
 
-    def fits(self, needs: list) -> bool: ...
+    def fits(self, needs: list[tuple[KVPool, int]]) -> bool: ...
 
 
 class MemoryManager:
@@ -67,7 +70,7 @@ class MemoryManager:
     def host_bytes(self) -> int:
         return sum(s.host_bytes for s in self.store.all_sessions())
 
-    def reserve(self, session: SessionState, num_bytes: int, blocks: list = ()) -> None:
+    def reserve(self, session: SessionState, num_bytes: int, blocks: Sequence[tuple[KVPool, int]] = ()) -> None:
         """Make room for ``num_bytes`` more device bytes for ``session`` by demoting idle sessions,
         least recently used first, and in each fixed pool for the blocks ``blocks`` asks of it ((pool,
         blocks) pairs: a target's pool and its draft's fill at their own pace, the draft holding no
@@ -78,7 +81,8 @@ class MemoryManager:
                                    f"{budget}", retry_after_s=5)
         over = 0 if budget <= 0 else self.device_bytes + self.idle_bytes + num_bytes - budget  # bytes to free
         while over > 0 or not self._pools_fit(blocks):
-            if self.idle_bytes and over > 0:  # cached prefixes go first: sessions are promises
+            # cached prefixes go first: sessions are promises (idle bytes exist only with pool accounts)
+            if self.blocks is not None and self.idle_bytes and over > 0:
                 self.blocks.evict_idle_bytes(over)
             else:  # (a fixed pool's own idle blocks count as room: allocating evicts them)
                 victim = _least_recent(s for s in self.store.all_sessions() if s is not session
@@ -89,8 +93,8 @@ class MemoryManager:
                 self.demote(victim)  # frees its own blocks; blocks it shared stay (or turn idle)
             over = 0 if budget <= 0 else self.device_bytes + self.idle_bytes + num_bytes - budget
 
-    def _pools_fit(self, blocks: list) -> bool:
-        return self.blocks is None or not blocks or self.blocks.fits(blocks)
+    def _pools_fit(self, blocks: Sequence[tuple[KVPool, int]]) -> bool:
+        return self.blocks is None or not blocks or self.blocks.fits(list(blocks))
 
     def note_usage(self) -> None:
         """Called after the device holdings changed; keeps the peak for tests and metrics."""
@@ -130,10 +134,12 @@ class MemoryManager:
             self.drop(victim)
         return True
 
-    def restore_from_host(self, session: SessionState, keys: list[bytes] = ()) -> None:
+    def restore_from_host(self, session: SessionState, keys: Sequence[bytes] = ()) -> None:
         """HOST -> DEVICE: copy the compact KV back into the session's (already sized) device cache;
         with its blocks' content ``keys``, the prefix other sessions published is shared, not copied."""
-        self.num_restored_shared_tokens += session.kv.load(*session.host_kv, keys=keys)
+        host_kv = session.host_kv
+        assert host_kv is not None, f"session {session.session_id} is restored from a host copy it does not hold"
+        self.num_restored_shared_tokens += session.kv.load(*host_kv, keys=keys)
         session.host_kv = None
         session.host_length = 0
         session.tier = Tier.DEVICE
@@ -144,6 +150,6 @@ def _least_recent(candidates: Iterable[SessionState]) -> SessionState | None:
     return min(candidates, key=lambda s: s.last_used_at, default=None)
 
 
-def kv_bytes(kv, num_tokens: int) -> int:
+def kv_bytes(kv: KVCache, num_tokens: int) -> int:
     """Device bytes a KV cache of ``kv``'s shape holds once sized for ``num_tokens``."""
     return kv.capacity_for(num_tokens) * kv.token_nbytes

@@ -20,9 +20,8 @@ live here again, so a session is never lost in transit (session/state/migration.
 from __future__ import annotations
 
 import logging
-from collections import ChainMap
-from collections.abc import Callable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Container, Mapping
+from typing import Protocol, cast
 
 import torch
 
@@ -114,8 +113,9 @@ class Sessions:
         self.moves.end(session.session_id)
         for digest in session.image_digests:
             self._release_image(digest)
-        if self.journal is not None and not session.ephemeral:
-            self._journal_io(session, lambda: self.journal.remove(session.session_id))
+        journal = self.journal
+        if journal is not None and not session.ephemeral:
+            self._journal_io(session, lambda: journal.remove(session.session_id))
 
     def reap(self) -> list[str]:
         expired = [sid for sid in self.store.expired_ids() if sid not in self.moves]  # a move ends first
@@ -204,9 +204,12 @@ class Sessions:
     def block_keys(self, session: SessionState, token_ids: list[int], digests: list[str]) -> list[bytes]:
         """The content keys of the full blocks of ``token_ids`` under the session's adapter and cache salt
         (session/model/prefix_cache.py); [] when an image's placeholder count is not known here."""
-        counts = [self.embeddings.get(d).num_tokens if d in self.embeddings else None for d in digests]
-        if None in counts:
-            return []
+        counts: list[int] = []
+        for digest in digests:
+            count = self.embeddings.get(digest).num_tokens if digest in self.embeddings else None
+            if count is None:
+                return []
+            counts.append(count)
         return block_keys(token_ids, self.share_block_tokens, salt=self.salt(session),
                           image_token_id=self.runner.info.image_token_id, image_digests=digests, image_counts=counts)
 
@@ -299,7 +302,8 @@ class Sessions:
             expires_at=session.expires_at, adapter=session.adapter, cache_salt=session.cache_salt,
             tenant=session.tenant,
         )
-        known = ChainMap(image_bytes, self.encoded_images.kept)  # this turn's images, and those kept before
+        # this turn's images (first), and those kept before; merged, as ChainMap's typing asks for mutable maps
+        known: Mapping[str, bytes] = {**self.encoded_images.kept, **image_bytes}
         session.recoverable = self._journal_io(session, lambda: journal.write_session(entry, known))
         if not session.recoverable:  # a stale entry would bring back an older transcript after a crash
             self._journal_io(None, lambda: journal.remove(session.session_id))
@@ -321,22 +325,25 @@ class Sessions:
     def restore_journal(self, now: float) -> None:
         """At start-up: every live journaled session comes back, without KV (DROPPED tier); expired
         entries and images no session uses are purged."""
-        for entry in self.journal.entries():
+        journal = self.journal
+        assert journal is not None, "restore_journal is called only with a journal (the engine loop checks)"
+        for entry in journal.entries():
             if entry.expires_at <= now or entry.session_id in self.store:
-                self.journal.remove(entry.session_id)
+                journal.remove(entry.session_id)
                 continue
             try:
                 check_token_ids(entry, self.runner.info.vocab_size)
             except BadRequest as exc:
                 logger.warning("skipping journal entry of session %s: %s", redact(entry.session_id), exc.message)
-                self.journal.remove(entry.session_id)
+                journal.remove(entry.session_id)
                 continue
             self._adopt(entry, now)
             self.num_journal_restored += 1
-        self.journal.remove_images_except(self.embeddings)
+        # EmbeddingCache is a collections.abc.Container at run time (it has ``__contains__``), but takes
+        # only str, which the typing of Container[str] (``__contains__(object)``) does not accept
+        journal.remove_images_except(cast("Container[str]", self.embeddings))
         if self.num_journal_restored:
-            logger.info("restored %d sessions from the journal at %s", self.num_journal_restored,
-                        self.journal.directory)
+            logger.info("restored %d sessions from the journal at %s", self.num_journal_restored, journal.directory)
 
     def _adopt(self, entry: JournalEntry, now: float) -> SessionState:
         session = self.open(entry.session_id, now=now, ttl_s=0, ephemeral=False, adapter=entry.adapter,
@@ -406,4 +413,5 @@ class Sessions:
     def check(self, active: Mapping[str, object]) -> list[str]:
         """Violations of the sessions' invariant (session/state/invariants.py); ``active``: session id ->
         the scheduler's sequence in flight, with its ``turn``. Who calls this: the engine, after a step."""
-        return session_problems(self.store, self.moves, active) + block_problems(self.store, self.memory.blocks)
+        # a snapshot of the moving ids: ``Moves`` has no ``__len__``, so it is no Collection
+        return session_problems(self.store, frozenset(self.moves), active) + block_problems(self.store, self.memory.blocks)

@@ -60,6 +60,8 @@ class TurnInputs:
         first = 0
         for index, digest in enumerate(digests):
             count = self.embeddings.get(digest).num_tokens
+            # a shared prefix (start > 0) was keyed by every image's count (``Sessions.block_keys``)
+            assert count is not None, f"image {digest[:12]} has no placeholder count"
             if placeholders[first + count - 1] >= start:
                 return index, max(0, sum(1 for p in placeholders[first:first + count] if p < start))
             first += count
@@ -72,9 +74,15 @@ class TurnInputs:
         rope delta the session carries once the turn commits."""
         if not self.runner.mrope:
             return None
-        grids = [self.embeddings.get(d).grid for d in digests]
-        positions, next_position = segment_positions(token_ids, self.runner.info.image_token_id, grids,
-                                                     self.runner.merge_size, first_position)
+        image_token_id = self.runner.info.image_token_id
+        assert image_token_id is not None, "an M-RoPE model has an image token"
+        grids: list[tuple[int, int, int]] = []
+        for digest in digests:  # each set when the image was described or encoded (an M-RoPE model has grids)
+            grid = self.embeddings.get(digest).grid
+            assert grid is not None, f"image {digest[:12]} has no grid"
+            grids.append(grid)
+        positions, next_position = segment_positions(token_ids, image_token_id, grids, self.runner.merge_size,
+                                                     first_position)
         turn.next_rope_delta = next_position - (turn.session.kv.length - skip + len(token_ids))
         return positions[:, skip:]
 
