@@ -33,7 +33,7 @@ class ApiResponse:
         return EVENT_STREAM if self.chunks is not None else JSON
 
 
-def error_response(exc: Exception, request_id: str = "", session_id: str | None = None) -> ApiResponse:
+def error_response(exc: BaseException, request_id: str = "", session_id: str | None = None) -> ApiResponse:
     if isinstance(exc, ResidentError):
         return ApiResponse(status=exc.status, body=exc.to_body(), headers=dict(exc.headers))
     logger.error("request %s (session %s) failed", request_id, redact(session_id), exc_info=exc)
