@@ -56,8 +56,8 @@ def _cgroup_folders(root: Path, proc_cgroup: Path) -> list[Path]:
 
 def _quota_in(folder: Path) -> float | None:
     try:
-        quota, period = (folder / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
+        quota_text, period_text = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota_text == "max" else int(quota_text) / int(period_text)
     except (OSError, ValueError):
         pass
     try:

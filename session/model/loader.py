@@ -16,10 +16,11 @@ import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
-from session.checkpoints import locate, reading_once
+from session.checkpoints import Checkpoint, locate, reading_once
 from session.errors import ConfigError
 from session.families.registry import Family, family_of
 from session.families.support import check_supported
@@ -49,7 +50,7 @@ def attention_windows(text_config, num_layers: int) -> list[int | None]:
 class LoadedModel:
     """What a runner runs, built once by ``ModelLoader.load``."""
 
-    hf_config: object  # the checkpoint's transformers config
+    hf_config: Any  # the checkpoint's transformers config: its fields are its family's (no common type names them)
     family: Family
     model: torch.nn.Module  # the transformers model, on the device, eval, no grads
     lm: torch.nn.Module  # its language model: embed_tokens, layers, norm, rotary_emb
@@ -72,10 +73,12 @@ class ModelLoader:
 
     def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True):
         self.device, self.dtype, self.cpu_kernels = device, dtype, cpu_kernels
-        self.checkpoint = locate(model_path)  # a Hugging Face folder or a GGUF file (session/checkpoints.py)
-        if self.checkpoint is None:
+        checkpoint = locate(model_path)  # a Hugging Face folder or a GGUF file (session/checkpoints.py)
+        if checkpoint is None:
             raise ConfigError(f"no Hugging Face checkpoint or GGUF file at {model_path!r}")
-        self.integer_method = None  # an integer checkpoint's quant_method (set by read_model: session/model/compressed.py)
+        self.checkpoint: Checkpoint = checkpoint
+        # an integer checkpoint's quant_method (set by read_model: session/model/compressed.py)
+        self.integer_method: str | None = None
         self.weights_folder = self.checkpoint.folder  # where the weights are read from (an AutoAWQ one: converted)
 
     def load(self, read_model: Callable | None = None, *, pack_weights: bool = True, quantization: str = "auto",
@@ -88,15 +91,15 @@ class ModelLoader:
             hf_config = AutoConfig.from_pretrained(self.checkpoint.folder, **self.checkpoint.kwargs)
             check_supported(hf_config)  # refuse, naming the feature, before any weight is read
             compressed.check_loadable(hf_config)
-            family = family_of(hf_config.model_type)  # known: check_supported passed
+            family = known_family(hf_config.model_type)
             text_config = hf_config.text_config if family.multimodal else hf_config
             model = (read_model or self.read_model)(hf_config)
-            lm = model.model.language_model if family.multimodal else model.model
-            layers = list(lm.layers)
+            lm = language_model(model, family)
+            layers = list(cast(torch.nn.ModuleList, lm.layers))
             # before packing and LoRA: they take what it leaves
-            quantization, gguf_report, compressed_report = self.quantize(model, layers, quantization, activations,
-                                                                         int4_group)
-        lm_head = model.lm_head  # int8 on our kernel quantizes the head too
+            report, gguf_report, compressed_report = self.quantize(model, layers, quantization, activations,
+                                                                   int4_group)
+        lm_head = cast(torch.nn.Module, model.lm_head)  # int8 on our kernel quantizes the head too
         packed, kernels = self.pack_linears(layers + [lm_head], pack_weights)
         vision_select = getattr(hf_config, "vision_feature_select_strategy", None) if family.multimodal else None
         unapplied = unapplied_generation_defaults(model.generation_config)
@@ -107,7 +110,7 @@ class ModelLoader:
             windows=attention_windows(text_config, len(layers)),
             info=model_info(hf_config, text_config, family, model, layers, vision_select),
             vision_feature_layer=getattr(hf_config, "vision_feature_layer", None) if family.multimodal else None,
-            vision_select=vision_select, quantization=quantization, gguf=gguf_report, compressed=compressed_report,
+            vision_select=vision_select, quantization=report, gguf=gguf_report, compressed=compressed_report,
             packed_linears=packed, linear_kernels=kernels)
 
     def read_model(self, hf_config) -> torch.nn.Module:
@@ -115,7 +118,7 @@ class ModelLoader:
         integer checkpoint's dequantized by transformers (``quantize`` keeps its integers packed)."""
         import transformers
 
-        cls = getattr(transformers, family_of(hf_config.model_type).hf_class)
+        cls = getattr(transformers, known_family(hf_config.model_type).hf_class)
         method = compressed.quant_method(hf_config)
         self.integer_method = method if method in ("compressed-tensors", "awq") else None
         if self.integer_method == "awq":
@@ -175,6 +178,20 @@ class ModelLoader:
                 logger.info("%s linears on oneDNN: %s", self.dtype, why)
         onednn = pack_linears(modules)  # whatever ours did not take
         return ours + onednn, {"resident": ours, "onednn": onednn}
+
+
+def known_family(model_type: str) -> Family:
+    """The registry's family of a model type ``check_supported`` admitted (it refuses every unregistered one)."""
+    family = family_of(model_type)
+    assert family is not None, f"{model_type!r} passed check_supported, which admits only registered families"
+    return family
+
+
+def language_model(model: torch.nn.Module, family: Family) -> torch.nn.Module:
+    """The decoder stack of a transformers model: ``model.model``, a multimodal one's ``.language_model``.
+    Casts: torch types a module's attributes as Tensor | Module, and these are modules."""
+    inner = cast(torch.nn.Module, model.model)
+    return cast(torch.nn.Module, inner.language_model) if family.multimodal else inner
 
 
 def model_info(hf_config, text_config, family: Family, model, layers, vision_select: str | None) -> ModelInfo:

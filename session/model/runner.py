@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from session.config import EngineConfig
@@ -46,6 +48,9 @@ from session.model.kv_cache import KVCache, KVPool, PagedKVCache, StaticKVCache,
 from session.model.loader import ModelLoader
 from session.model.quantize import INT4_DEFAULT_GROUP
 
+if TYPE_CHECKING:
+    from session.model.lora_bank import LoraBank
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,6 +76,18 @@ def default_attention(device: torch.device) -> str:
 def cpu_has_bf16() -> bool:
     """Native bfloat16 dot products on this CPU (the flags Linux reports in /proc/cpuinfo)."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def attention_scale(layer: nn.Module) -> float:
+    """A decoder layer's softmax scale, transformers' ``self_attn.scaling`` (a float: torch types a
+    module's attributes as Tensor | Module)."""
+    return cast(float, cast(nn.Module, layer.self_attn).scaling)
+
+
+class ImageEncoder(Protocol):
+    """A multimodal transformers model's inner ``model``: what ``encode_images`` calls of it."""
+
+    def get_image_features(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class ModelRunner:
@@ -103,9 +120,9 @@ class ModelRunner:
         # decode attention on CPU: our kernel, one call per layer (session/model/cpu/attention.py)
         self.pooled_decode = (cpu_kernels and self.device.type == "cpu" and self.info.head_dim % 16 == 0
                               and cpu_attention.supports(self.kv_dtype))
-        self.lora = None  # a LoraBank once enable_lora ran
+        self.lora: LoraBank | None = None  # set once enable_lora ran
         self.kv_pools: dict[int, KVPool] = {}  # block_tokens -> the pool of paged caches of that block size
-        self.path: PerRowPath | None = None  # how decode and extend run (configure_decode)
+        self.path: PerRowPath  # how decode and extend run: configure_decode, next, sets it
         self.configure_decode(default_attention(self.device))
 
     def _load(self, hf_config):
@@ -118,12 +135,12 @@ class ModelRunner:
         from session.model.lora import LoraBank, install_lora, target_shapes
 
         shapes = target_shapes(self.layers)
-        self.lora = LoraBank(shapes, num_slots, max_rank, self.dtype, self.device)
+        self.lora = bank = LoraBank(shapes, num_slots, max_rank, self.dtype, self.device)
         ours = self.cpu_kernels and self.device.type == "cpu" and self.dtype in fused_layer.KERNELS
         if ours and fused_layer.load(self.dtype):  # decode rows' deltas by our kernel (csrc/lora.h)
-            self.lora.kernel = fused_layer.op("lora_add", self.dtype)
-        install_lora(self.layers, self.lora)
-        return self.lora, shapes
+            bank.kernel = fused_layer.op("lora_add", self.dtype)
+        install_lora(self.layers, bank)
+        return bank, shapes
 
     def set_adapters(self, slots: list[int] | None) -> None:
         """The adapter slot of each row of the next forward (callers: prefill/decode, static runner)."""
@@ -175,9 +192,10 @@ class ModelRunner:
         pixels are: LLaVA-1.5 [3, H, W]; LLaVA-NeXT its own [tiles, 3, tile, tile], with its original
         (height, width) in ``sizes`` (features come back packed: unpadded, ``image_newline`` after each
         row, base tile first); Qwen-VL its [t*h*w, patch values] with its (t, h, w) in ``grids``."""
+        encoder = cast(ImageEncoder, self.model.model)
         if self.family.image_tokens == "grid":
-            out = self.model.model.get_image_features(torch.cat(list(pixels)).to(self.device, self.dtype),
-                                                      torch.tensor(grids, device=self.device))
+            out = encoder.get_image_features(torch.cat(list(pixels)).to(self.device, self.dtype),
+                                             torch.tensor(grids, device=self.device))
             return [f.contiguous() for f in out.pooler_output]
         kwargs = {}
         if self.family.image_tokens == "anyres":
@@ -185,7 +203,7 @@ class ModelRunner:
             pixel_values = torch.cat(list(pixels))
         else:
             pixel_values = torch.stack(list(pixels))
-        out = self.model.model.get_image_features(
+        out = encoder.get_image_features(
             pixel_values=pixel_values.to(self.device, self.dtype),
             vision_feature_layer=self.vision_feature_layer,
             vision_feature_select_strategy=self.vision_select, **kwargs,
@@ -199,7 +217,7 @@ class ModelRunner:
         """[T] ids -> [T, hidden]; image placeholder positions take ``image_embeds`` in order. The
         placeholders are found in the host's list, not by a mask on the device (a boolean index waits
         for the device to count its hits); ids and positions go over without blocking."""
-        embeds = self.lm.embed_tokens(to_device(token_ids, self.device))
+        embeds = cast(nn.Module, self.lm.embed_tokens)(to_device(token_ids, self.device))
         if image_embeds:
             image_token = self.info.image_token_id
             places = [index for index, token in enumerate(token_ids) if token == image_token]
@@ -223,26 +241,26 @@ class ModelRunner:
         h = embeds[None]  # [1, T, D]
         if positions is None:
             positions = torch.arange(start, end)
-        cos, sin = self.lm.rotary_emb(h, positions.to(self.device)[..., None, :])  # [1, T] or [3, 1, T]
+        cos, sin = cast(nn.Module, self.lm.rotary_emb)(h, positions.to(self.device)[..., None, :])  # [1, T] or [3, 1, T]
         # query i (absolute position start+i) sees keys 0 .. start+i; in a sliding-window layer of W,
         # only the last W of them (keys j > start+i-W)
         paged = self.paged_prefill(kv, num_new)
         masks = causal_masks(start, num_new, self.windows, self.device) if paged is None else {}
         gqa = self.info.num_heads != self.info.num_kv_heads
         for index, layer in enumerate(self.layers):
-            attn = layer.self_attn
+            scale = attention_scale(layer)
             window = self.windows[index]
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
             if paged is not None:  # writes the new keys and attends through the block table, in place
-                o = paged(index, q, k, v, window=window, scale=attn.scaling)
+                o = paged(index, q, k, v, window=window, scale=scale)
                 h = self.finish_layer(layer, h, o)
                 continue
             kv.write(index, start, k[0], v[0])
             if self.in_place(kv, window):  # the cache's runs of blocks in place, however it grew
-                o = attend_runs(q, kv.runs(index, 0, end), attn.scaling, gqa, masks[window])
+                o = attend_runs(q, kv.runs(index, 0, end), scale, gqa, masks[window])
             else:
                 o = F.scaled_dot_product_attention(q, kv.keys(index, end)[None], kv.values(index, end)[None],
-                                                   attn_mask=masks[window], scale=attn.scaling, enable_gqa=gqa)
+                                                   attn_mask=masks[window], scale=scale, enable_gqa=gqa)
             h = self.finish_layer(layer, h, o)
         kv.length = end
         return self.logits(h)[0] if all_logits else self.logits(h[:, -1:])[0, 0]
@@ -259,7 +277,7 @@ class ModelRunner:
         plan = to_device(plan_rows([kv], num_new)[0], self.device)[None]
         return PagedAttention(kv.pool, to_batch(plan, num_new), self.windows, backend)
 
-    def in_place(self, kv: KVCache, window: int | None) -> bool:
+    def in_place(self, kv: KVCache, window: int | None) -> TypeGuard[PagedKVCache]:
         """Attend over a paged cache's runs of blocks in place (``attend_runs``) rather than a gathered
         copy: on CPU, in layers without a sliding window (whose masks can hide a whole run from a query)."""
         return self.device.type == "cpu" and window is None and isinstance(kv, PagedKVCache)
@@ -312,7 +330,8 @@ class ModelRunner:
         for kv, length in zip(kvs, lengths):
             kv.ensure_capacity(length + 1)
         self.set_adapters(adapter_slots)
-        offsets = list(position_offsets) if any(position_offsets or ()) else None  # host values: see the paths
+        # host values: see the paths
+        offsets = list(position_offsets) if position_offsets is not None and any(position_offsets) else None
         logits = self.path.decode(kvs, token_ids, lengths, offsets, adapter_slots)
         for kv, length in zip(kvs, lengths):
             kv.length = length + 1
@@ -325,13 +344,13 @@ class ModelRunner:
         CUDA graphs capture it). ``position_offsets`` [B]: M-RoPE rope deltas added to the rotary positions
         (the masks keep following token indices). Callers: ``decode``, DecodeGraphs; a multi-token verify
         can call it with T > 1."""
-        h = self.lm.embed_tokens(ids)  # [B, T, D]
+        h = cast(nn.Module, self.lm.embed_tokens)(ids)  # [B, T, D]
         positions = batch.positions if position_offsets is None else batch.positions + position_offsets[:, None]
-        cos, sin = self.lm.rotary_emb(h, positions)
+        cos, sin = cast(nn.Module, self.lm.rotary_emb)(h, positions)
         attention = PagedAttention(pool, batch, self.windows, choose_backend(pool))
         for index, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
-            o = attention(index, q, k, v, window=self.windows[index], scale=layer.self_attn.scaling)
+            o = attention(index, q, k, v, window=self.windows[index], scale=attention_scale(layer))
             h = self.finish_layer(layer, h, o)
         return self.logits(h)
 
@@ -360,7 +379,7 @@ class ModelRunner:
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, h):
-        return self.lm_head(self.lm.norm(h)).float()
+        return self.lm_head(cast(nn.Module, self.lm.norm)(h)).float()
 
     @torch.inference_mode()
     def extend(self, kvs: list[KVCache], token_rows: list[list[int]],
