@@ -16,8 +16,10 @@ Environment (besides RESIDENT_FRONT_* for the front, session/front/server.py, an
 Backend i creates session ids ``<uuid4>-<instance tag>b<i>`` (RESIDENT_SESSION_ID_TAG), so that any
 front, restarted or a replica, routes a session by its id alone (docs/ROUTING.md).
 On a CUDA machine backend i gets RESIDENT_DEVICE=cuda:<i mod #GPUs>; on a Neuron one
-NEURON_RT_VISIBLE_CORES=<i mod #cores>; on CPU the cores are shared out with RESIDENT_THREADS. A
-RESIDENT_DEVICE / RESIDENT_THREADS set by the caller is passed to every backend unchanged; a
+NEURON_RT_VISIBLE_CORES=<i mod #cores>; on CPU the cores are shared out with RESIDENT_MAX_THREADS (each
+backend's thread tuner measures 1 thread and its share, so it falls back to 1 when a neighbour takes a
+core). RESIDENT_DEVICE / RESIDENT_THREADS / RESIDENT_MAX_THREADS set by the caller are passed to every
+backend unchanged; a
 RESIDENT_JOURNAL_DIR becomes <dir>/backend-<i>, one journal per backend.
 
 The front's ``GET /v1/models`` lists the model under the name the backends serve it
@@ -155,8 +157,9 @@ def backend_env(index: int, num: int, devices: Devices, environ: Mapping[str, st
         env["RESIDENT_DEVICE"] = f"cuda:{index % devices.count}"
     elif devices.kind == "neuron":
         env["NEURON_RT_VISIBLE_CORES"] = str(index % devices.count)
-    elif devices.kind == "cpu" and "RESIDENT_THREADS" not in environ:
-        env["RESIDENT_THREADS"] = str(max(1, usable_cores() // num))  # affinity and container quota
+    elif devices.kind == "cpu" and not {"RESIDENT_THREADS", "RESIDENT_MAX_THREADS"} & environ.keys():
+        # a ceiling, not a count: a fixed count cannot leave a core a neighbour took (the tuner does)
+        env["RESIDENT_MAX_THREADS"] = str(max(1, usable_cores() // num))  # affinity and container quota
     return env
 
 

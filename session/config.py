@@ -99,6 +99,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # the most proposals per step; adapted to the observed acceptance
     speculative_max_batch: int = 16  # speculate only while at most this many requests decode (batched)
     threads: int = 0  # torch intra-op threads; 0 = auto: measured while serving on CPU (session/model/threads.py), torch's default on CUDA
+    max_threads: int = 0  # auto's most threads on CPU (a backend's share of the cores); 0 = every usable core
     seed: int = 0  # default sampling seed when a request gives none
 
     @classmethod
@@ -141,7 +142,7 @@ class EngineConfig:
         for name in ("session_ttl_s", "reaper_interval_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a finite number, got {getattr(self, name)}")
-        for name in ("max_context_tokens", "threads", "max_sessions_per_tenant", "device_budget_bytes", "host_budget_bytes",
+        for name in ("max_context_tokens", "threads", "max_threads", "max_sessions_per_tenant", "device_budget_bytes", "host_budget_bytes",
                      "max_session_tokens", "max_device_adapters", "max_host_adapters", "journal_max_bytes",
                      "journal_session_max_bytes", "journal_tenant_max_bytes", "max_embedding_bytes", "prefix_cache_bytes"):
             if getattr(self, name) < 0:

@@ -179,7 +179,7 @@ def _thread_tuner(config: EngineConfig, runner: ModelRunner):
         return None
     from session.model.threads import ThreadTuner, cpu_candidates
 
-    return ThreadTuner(cpu_candidates())
+    return ThreadTuner(cpu_candidates(config.max_threads))
 
 
 def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):

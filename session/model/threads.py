@@ -16,8 +16,17 @@ and a count that became faster (a neighbour left) is found within the interval. 
 its first step that is far slower than the best; a new bucket starts from its nearest measured
 bucket's verdict (without these two rules, a loaded machine re-tried the slow count in every new
 bucket: docs/MEASUREMENTS.md, "Thread count"). The
-first step after a switch is not counted (the OpenMP pool resizes). Steps with a prefill are not
-measured.
+first step after a switch is not counted (the OpenMP pool resizes), unless it collapsed. Steps with a
+prefill are not measured.
+
+A collapse is a step ``collapse_ratio`` times slower than another count's figure: with a core taken
+by a neighbour, every OpenMP barrier of a two-thread step waits for the thread that shares that core
+to get its time slice, and a 15 ms step took 0.3 to 1 s (benchmarks/neighbour.py). Such a step is
+believed at once: the count in use is left after one step (not after the running figure catches up,
+which cost seconds per request), a re-measure ends at its first step even when that is the one after
+the switch (a pool resize costs about 1.1x, not 4x), and the collapsed count is re-measured again soon
+(``first_probe_after`` steps, doubling while it stays slower), so that the count comes back once the
+neighbour leaves.
 
 Who calls this: the executor, on the engine loop thread: ``choose`` before a decode step,
 ``observe`` after it, ``choose_for_prefill`` before a prefill. Nothing here is thread-safe.
@@ -43,10 +52,11 @@ def bucket_of(batch: int) -> int:
     return 1 << (max(1, batch).bit_length() - 1)
 
 
-def cpu_candidates() -> tuple[int, ...]:
+def cpu_candidates(ceiling: int = 0) -> tuple[int, ...]:
     """One thread, and every core this process may keep busy (its affinity, capped by its container's
-    CPU quota: session/model/cpu_quota.py), when there is more than one."""
-    cores = usable_cores()
+    CPU quota: session/model/cpu_quota.py, and by ``ceiling`` when given: its share beside other
+    backends), when there is more than one."""
+    cores = min(usable_cores(), ceiling) if ceiling > 0 else usable_cores()
     return (1, cores) if cores > 1 else (1,)
 
 
@@ -66,13 +76,15 @@ class _Probe:
 class ThreadTuner:
     def __init__(self, candidates: tuple[int, ...], *, probe_steps: int = 4, refresh_steps: int = 256,
                  max_refresh_steps: int = 2048, first_probe_after: int = 8, abort_ratio: float = 1.5,
-                 smoothing: float = 0.1, set_threads: Callable[[int], None] = torch.set_num_threads):
+                 collapse_ratio: float = 4.0, smoothing: float = 0.1,
+                 set_threads: Callable[[int], None] = torch.set_num_threads):
         self.candidates = tuple(sorted(set(candidates)))
         self.probe_steps = probe_steps  # measured steps per probe (after the discarded first)
         self.refresh_steps = refresh_steps
         self.max_refresh_steps = max_refresh_steps
         self.first_probe_after = first_probe_after  # steps before the first measure of another count
         self.abort_ratio = abort_ratio  # a probe step this much slower than the best ends the probe
+        self.collapse_ratio = collapse_ratio  # a step this much slower than the best: believed at once
         self._prior: dict[int, int] = {}  # bucket -> the count its nearest measured bucket found best
         self.smoothing = smoothing  # weight of a new step in the running figure of the count in use
         self._set_threads = set_threads
@@ -141,14 +153,15 @@ class ThreadTuner:
         figures = self._figures[bucket]
         for candidate, figure in figures.items():
             figure.age += candidate != self.threads
-        if self._discard_next:
-            self._discard_next = False
-            return
         figure = figures[self.threads]
+        others = [f.seconds for c, f in figures.items() if c != self.threads and f.seconds is not None]
+        collapsed = bool(others) and seconds > self.collapse_ratio * min(others)
+        discard, self._discard_next = self._discard_next, False
+        if discard and not collapsed:
+            return
         probe = self._probes.get(bucket)
         if probe is not None and probe.threads == self.threads:
             probe.samples.append(seconds)
-            others = [f.seconds for c, f in figures.items() if c != self.threads and f.seconds is not None]
             far_slower = bool(others) and seconds > self.abort_ratio * min(others)  # no need to see more
             if len(probe.samples) >= self.probe_steps or far_slower:
                 figure.seconds, figure.age = statistics.median(probe.samples), 0
@@ -158,6 +171,9 @@ class ThreadTuner:
                 del self._probes[bucket]
             return
         figure.age = 0
+        if collapsed:  # left at the next step; re-measured soon, in case it was a passing stall
+            figure.seconds, figure.interval = seconds, self.first_probe_after
+            return
         figure.seconds = seconds if figure.seconds is None else (
             (1 - self.smoothing) * figure.seconds + self.smoothing * seconds)
 

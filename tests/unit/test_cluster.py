@@ -44,9 +44,10 @@ def settings(index, num, devices, environ):
 
 def test_a_cpu_quota_caps_the_backends_share_of_the_cores(monkeypatch):
     monkeypatch.setattr("launch.cluster.usable_cores", lambda: 1)  # a container limited to 1 CPU on a big host
-    assert settings(0, 2, CPU, {}) == {"RESIDENT_THREADS": "1"}
+    assert settings(0, 2, CPU, {}) == {"RESIDENT_MAX_THREADS": "1"}
     monkeypatch.setattr("launch.cluster.usable_cores", lambda: 8)
-    assert settings(1, 2, CPU, {}) == {"RESIDENT_THREADS": "4"}
+    assert settings(1, 2, CPU, {}) == {"RESIDENT_MAX_THREADS": "4"}
+    assert settings(0, 1, CPU, {}) == {"RESIDENT_MAX_THREADS": "8"}  # make serve: a ceiling, still tuned
 
 
 def test_each_backend_gets_its_device_or_its_share_of_the_cores():
@@ -54,8 +55,9 @@ def test_each_backend_gets_its_device_or_its_share_of_the_cores():
         {"RESIDENT_DEVICE": "cuda:0"}, {"RESIDENT_DEVICE": "cuda:1"}, {"RESIDENT_DEVICE": "cuda:0"}]
     assert settings(1, 2, CUDA, {"RESIDENT_DEVICE": "cpu"}) == {}  # the caller's choice stands
     assert settings(3, 4, NEURON, {}) == {"NEURON_RT_VISIBLE_CORES": "3"}
-    assert settings(0, 2, CPU, {}) == {"RESIDENT_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
+    assert settings(0, 2, CPU, {}) == {"RESIDENT_MAX_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
     assert settings(0, 2, CPU, {"RESIDENT_THREADS": "8"}) == {}
+    assert settings(0, 2, CPU, {"RESIDENT_MAX_THREADS": "2"}) == {}
 
 
 def test_each_backend_gets_its_own_journal():

@@ -47,7 +47,7 @@ def test_defaults(model_dir):
             "heartbeat_file": "", "check_invariants": False, "session_id_tag": "", "adapters_dir": "",
         "max_device_adapters": 8, "max_host_adapters": 32, "max_lora_rank": 64, "pinned_adapters": "",
         "admin_token": "", "speculative": "auto", "draft_model_path": "", "num_speculative_tokens": 4,
-        "speculative_max_batch": 16, "threads": 0, "seed": 0,
+        "speculative_max_batch": 16, "threads": 0, "max_threads": 0, "seed": 0,
     }
 
 
