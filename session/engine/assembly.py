@@ -177,9 +177,11 @@ def _thread_tuner(config: EngineConfig, runner: ModelRunner):
         return None
     if runner.device.type != "cpu":
         return None
+    from session.model.cpu_load import BusyElsewhere
     from session.model.threads import ThreadTuner, cpu_candidates
 
-    return ThreadTuner(cpu_candidates(config.max_threads))
+    load = BusyElsewhere.for_this_process()
+    return ThreadTuner(cpu_candidates(config.max_threads), free_cores=None if load is None else load.free_cores)
 
 
 def _stepper(config: EngineConfig, runner: ModelRunner, max_context: int):

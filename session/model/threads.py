@@ -77,7 +77,8 @@ class ThreadTuner:
     def __init__(self, candidates: tuple[int, ...], *, probe_steps: int = 4, refresh_steps: int = 256,
                  max_refresh_steps: int = 2048, first_probe_after: int = 8, abort_ratio: float = 1.5,
                  collapse_ratio: float = 4.0, smoothing: float = 0.1,
-                 set_threads: Callable[[int], None] = torch.set_num_threads):
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 free_cores: Callable[[], float] | None = None, taken_at: float = 0.75):
         self.candidates = tuple(sorted(set(candidates)))
         self.probe_steps = probe_steps  # measured steps per probe (after the discarded first)
         self.refresh_steps = refresh_steps
@@ -88,6 +89,8 @@ class ThreadTuner:
         self._prior: dict[int, int] = {}  # bucket -> the count its nearest measured bucket found best
         self.smoothing = smoothing  # weight of a new step in the running figure of the count in use
         self._set_threads = set_threads
+        self._free_cores = free_cores  # cores other processes leave (session/model/cpu_load.py)
+        self.taken_at = taken_at  # a core busy elsewhere this much of the time is not ours to use
         self._figures: dict[int, dict[int, _Figure]] = {}
         self._probes: dict[int, _Probe] = {}  # bucket -> the candidate being re-measured there
         self._discard_next = False
@@ -102,6 +105,7 @@ class ThreadTuner:
         returns it; the next decode step's time is not counted if it switched."""
         bucket = self._last_bucket
         threads = self._best(bucket) if bucket in self._figures else self.threads
+        threads = min(threads, self._allowed())
         if threads != self.threads:
             self._set_threads(threads)
             self.threads, self._discard_next = threads, True
@@ -112,9 +116,13 @@ class ThreadTuner:
         """Before a decode step of ``batch`` rows: sets (and returns) the thread count to run it with."""
         bucket = self._last_bucket = bucket_of(batch)
         figures = self._figures.get(bucket) or self._new_bucket(bucket)
-        best = self._best(bucket)
+        allowed = self._allowed()
+        best = min(self._best(bucket), allowed)
+        if bucket in self._probes and self._probes[bucket].threads > allowed:
+            del self._probes[bucket]  # a neighbour took the cores it would measure
         if bucket not in self._probes:
-            stale = [c for c in self.candidates if c != best and figures[c].age >= figures[c].interval]
+            stale = [c for c in self.candidates
+                     if c != best and c <= allowed and figures[c].age >= figures[c].interval]
             if stale:
                 self._probes[bucket] = _Probe(stale[0])
         probe = self._probes.get(bucket)
@@ -124,6 +132,15 @@ class ThreadTuner:
             self.threads, self._discard_next = threads, True
             self.num_switches += 1
         return threads
+
+    def _allowed(self) -> int:
+        """The most threads the cores other processes leave allow (every candidate without a reader):
+        ``taken_at`` of a core busy elsewhere counts as the whole core, on which a thread of ours would
+        wait for time slices at every barrier."""
+        if self._free_cores is None:
+            return self.candidates[-1]
+        free = self._free_cores() + self.taken_at
+        return max([c for c in self.candidates if c <= free], default=self.candidates[0])
 
     def _new_bucket(self, bucket: int) -> dict[int, _Figure]:
         """A batch size not seen yet starts from the nearest measured bucket's verdict: its best count runs

@@ -254,3 +254,18 @@ def test_only_a_step_past_the_collapse_ratio_is_believed_at_once():
 
     assert once(7) == [2, 2, 2]  # 0.105 s: a stall of the process moves the running figure a little
     assert once(10) == [2, 1, 1]  # 0.150 s: a collapse; one thread until it is re-measured
+
+
+def test_cores_taken_elsewhere_cap_the_count_before_any_step_collapses():
+    """The load reader sees a neighbour before a step does: no step (or prompt) runs on its core."""
+    free = {"cores": 2.0}
+    tuner = ThreadTuner((1, 2), refresh_steps=64, set_threads=lambda n: None, free_cores=lambda: free["cores"])
+    serve(tuner, 300, lambda threads, rows, step: QUIET[threads])
+    assert tuner.threads == 2
+    free["cores"] = 1.2  # the front and the clients: 0.8 of a core elsewhere, over taken_at
+    assert tuner.choose_for_prefill() == 1
+    used = serve(tuner, 500, lambda threads, rows, step: {1: 0.016, 2: 0.5}[threads], start=300)
+    assert used == [1] * 500  # not one probe of two threads while the core is taken
+    free["cores"] = 1.4  # 0.6 elsewhere: under taken_at, both counts are the tuner's to measure
+    used = serve(tuner, 100, lambda threads, rows, step: QUIET[threads], start=800)
+    assert used[0] == 2 and used[-50:].count(2) >= 45  # its quiet figure, never collapsed, is the best again
