@@ -11,7 +11,8 @@ block bookkeeping, ``blocks`` block arithmetic and ``prefix_cache`` the content 
 blocks; ``attention`` batched attention over the pool; ``cuda_graphs`` captured decode steps;
 ``sampling`` choosing the next token; ``grammar`` constrained decoding; ``lora`` many LoRA adapters
 on one base (the registry; ``lora_weights`` one adapter's weights, ``lora_bank`` their device
-slots); ``threads`` the CPU thread count. ``cpu/`` holds our C++ CPU kernels (``cpu/csrc``) and
+slots); ``threads`` the CPU thread count, measured, capped by ``cpu_quota`` (the cores a container
+allows) and ``cpu_load`` (the cores other processes keep busy). ``cpu/`` holds our C++ CPU kernels (``cpu/csrc``) and
 their Python faces.
 
 May import: ``families`` and the top modules. Never ``engine``, ``state``, ``speculative``,
