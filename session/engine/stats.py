@@ -54,7 +54,8 @@ def snapshot(engine) -> EngineStats:
                 "prefill_chunks": parts.executor.num_prefill_chunks,
                 "prompts_passed_over": parts.scheduler.num_passed_over,
                 "prompts_waited_for_kv_room": parts.scheduler.num_waited_for_room,
-                "prefills_abandoned": engine.num_abandoned_prefills, **_prefix_events(memory.blocks)},
+                "prefills_abandoned": engine.num_abandoned_prefills, "thread_switches": _thread_switches(parts.executor),
+                **_prefix_events(memory.blocks)},
         not_recoverable_sessions=not_recoverable,
         tokens={"generated": parts.outputs.num_generated_tokens, "prefilled": parts.executor.num_prefilled_tokens,
                 "cached": parts.executor.num_cached_tokens},
@@ -84,3 +85,8 @@ def _prefix_events(blocks) -> dict[str, int]:
         return {}
     counters = blocks.counters()
     return {"prefix_hit_blocks": counters["hit_blocks"], "prefix_evicted_blocks": counters["evicted_blocks"]}
+
+
+def _thread_switches(executor) -> int:
+    """Changes of the CPU thread count (session/model/threads.py): a neighbour arriving or leaving."""
+    return 0 if executor.thread_tuner is None else executor.thread_tuner.num_switches

@@ -174,6 +174,9 @@ def test_engine_loads_and_decodes_on_its_loop_thread(monkeypatch, tiny_model_pat
         while not isinstance(event := stream.get(timeout=60), Finished):
             assert not hasattr(event, "error"), event
         assert len(event.token_ids) == 3
+        tuner = engine.parts.executor.thread_tuner
+        assert tuner is not None  # RESIDENT_THREADS=0 on CPU: measured
+        assert engine.fresh_stats().events["thread_switches"] == tuner.num_switches
     finally:
         engine.stop()
     assert threads["decode"] == threads["load"] != threading.get_ident()
