@@ -19,8 +19,7 @@ On a CUDA machine backend i gets RESIDENT_DEVICE=cuda:<i mod #GPUs>; on a Neuron
 NEURON_RT_VISIBLE_CORES=<i mod #cores>; on CPU the cores are shared out with RESIDENT_MAX_THREADS (each
 backend's thread tuner measures 1 thread and its share, so it falls back to 1 when a neighbour takes a
 core). RESIDENT_DEVICE / RESIDENT_THREADS / RESIDENT_MAX_THREADS set by the caller are passed to every
-backend unchanged; a
-RESIDENT_JOURNAL_DIR becomes <dir>/backend-<i>, one journal per backend.
+backend unchanged; a RESIDENT_JOURNAL_DIR becomes <dir>/backend-<i>, one journal per backend.
 
 The front's ``GET /v1/models`` lists the model under the name the backends serve it
 (RESIDENT_SERVED_MODEL_NAME, else the checkpoint's folder name) with its context length

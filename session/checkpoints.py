@@ -54,6 +54,14 @@ def locate(path: str | Path) -> Checkpoint | None:
     return Checkpoint(str(where), files[0].name) if files else None
 
 
+def require(path: str | Path) -> Checkpoint:
+    """The checkpoint ``path`` names; ConfigError where it names none."""
+    checkpoint = locate(path)
+    if checkpoint is None:
+        raise ConfigError(f"no Hugging Face checkpoint or GGUF file at {str(path)!r}")
+    return checkpoint
+
+
 @contextmanager
 def reading_once() -> Iterator[None]:
     """While a model loads, each GGUF file is parsed once and each gguf ``TensorNameMap`` built once.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from session.checkpoints import Checkpoint, locate
+from session.checkpoints import Checkpoint, require
 from session.config import EngineConfig
 from session.engine import admin
 from session.engine.executor import Executor
@@ -74,7 +74,7 @@ def assemble(config: EngineConfig, runner: ModelRunner | None = None, clock=None
     thread_tuner = _thread_tuner(config, runner)
     info = runner.info
     max_context = min(config.max_context_tokens or info.max_positions, info.max_positions)
-    tokenizer, image_processor = _load_processing(_checkpoint(config.model_path), runner)
+    tokenizer, image_processor = _load_processing(require(config.model_path), runner)
     vision = ImagePreprocessor.for_runner(runner, image_processor, config.max_image_pixels) if image_processor is not None else None
     if vision is not None:  # what one image may cost the KV budget (anyres, dynamic resolution: up to this)
         logger.info("images: up to %d tokens each", vision.max_tokens_per_image)
@@ -149,13 +149,6 @@ class SessionCaches:
     def draft_text_tokens(self, token_ids: list[int]) -> int:
         image_id = self.runner.info.image_token_id
         return len(token_ids) - (token_ids.count(image_id) if image_id is not None else 0)
-
-
-def _checkpoint(path: str) -> Checkpoint:
-    checkpoint = locate(path)
-    if checkpoint is None:  # EngineConfig checked it; a runner built elsewhere may have been given
-        raise ConfigError(f"{path} is neither a Hugging Face folder nor a GGUF file")
-    return checkpoint
 
 
 def preprocess_images(vision: ImagePreprocessor | None, images: list) -> Images:

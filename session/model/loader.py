@@ -20,8 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from session.checkpoints import Checkpoint, locate, reading_once
-from session.errors import ConfigError
+from session.checkpoints import Checkpoint, reading_once, require
 from session.families.registry import Family, family_of
 from session.families.support import check_supported
 from session.model import compressed, gguf
@@ -73,10 +72,7 @@ class ModelLoader:
 
     def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True):
         self.device, self.dtype, self.cpu_kernels = device, dtype, cpu_kernels
-        checkpoint = locate(model_path)  # a Hugging Face folder or a GGUF file (session/checkpoints.py)
-        if checkpoint is None:
-            raise ConfigError(f"no Hugging Face checkpoint or GGUF file at {model_path!r}")
-        self.checkpoint: Checkpoint = checkpoint
+        self.checkpoint: Checkpoint = require(model_path)  # a Hugging Face folder or a GGUF file
         # an integer checkpoint's quant_method (set by read_model: session/model/compressed.py)
         self.integer_method: str | None = None
         self.weights_folder = self.checkpoint.folder  # where the weights are read from (an AutoAWQ one: converted)

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from session.checkpoints import Checkpoint, locate
+from session.checkpoints import Checkpoint, locate, require
 from session.errors import ConfigError
 from session.model import gguf
 from session.model.cpu import linear as cpu_linear
@@ -107,6 +107,10 @@ def test_locate(tmp_path):
     assert locate(one / "model.Q4_K_M.gguf").kwargs == {"gguf_file": "model.Q4_K_M.gguf"}
     assert locate(one).gguf_path == one / "model.Q4_K_M.gguf"
     assert locate(tmp_path / "missing") is None and locate(hf / "config.json") is None
+    assert require(hf) == Checkpoint(str(hf))
+    with pytest.raises(ConfigError) as info:
+        require(tmp_path / "missing")
+    assert str(info.value) == f"no Hugging Face checkpoint or GGUF file at {str(tmp_path / 'missing')!r}"
     (one / "other.gguf").write_bytes(b"")
     with pytest.raises(ConfigError, match="several GGUF files .*model.Q4_K_M.gguf, other.gguf"):
         locate(one)
