@@ -103,7 +103,7 @@ class PoolAccounts:
     def idle_bytes(self) -> int:
         return sum(len(p.blocks.prefix.idle) * p.block_nbytes for p in self.pools)
 
-    def fits(self, needs: list[tuple[KVPool, int]]) -> bool:
+    def fits(self, needs: Sequence[tuple[KVPool, int]]) -> bool:
         """Can each pool hand out the blocks asked of it (``needs``: pool, blocks) without growing?"""
         return all(pool.blocks.can_take(blocks) for pool, blocks in needs)
 

@@ -49,7 +49,7 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, digest: str) -> bool:
+    def __contains__(self, digest: object) -> bool:
         return digest in self._entries
 
     @property

@@ -37,7 +37,7 @@ class BlockAccounts(Protocol):
 
     def evict_idle_bytes(self, num_bytes: int) -> int: ...
 
-    def fits(self, needs: list[tuple[KVPool, int]]) -> bool: ...
+    def fits(self, needs: Sequence[tuple[KVPool, int]]) -> bool: ...
 
 
 class MemoryManager:
@@ -94,7 +94,7 @@ class MemoryManager:
             over = 0 if budget <= 0 else self.device_bytes + self.idle_bytes + num_bytes - budget
 
     def _pools_fit(self, blocks: Sequence[tuple[KVPool, int]]) -> bool:
-        return self.blocks is None or not blocks or self.blocks.fits(list(blocks))
+        return self.blocks is None or not blocks or self.blocks.fits(blocks)
 
     def note_usage(self) -> None:
         """Called after the device holdings changed; keeps the peak for tests and metrics."""

@@ -36,11 +36,14 @@ class Moves:
         self.timeout_s = timeout_s
         self._deadlines: dict[str, float] = {}  # session_id -> when its move times out (the engine's clock)
 
-    def __contains__(self, session_id: str) -> bool:
+    def __contains__(self, session_id: object) -> bool:
         return session_id in self._deadlines
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._deadlines)
+
+    def __len__(self) -> int:
+        return len(self._deadlines)
 
     def begin(self, session_id: str, now: float) -> None:
         self._deadlines[session_id] = now + self.timeout_s

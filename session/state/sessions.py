@@ -20,8 +20,8 @@ live here again, so a session is never lost in transit (session/state/migration.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Container, Mapping
-from typing import Protocol, cast
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 
@@ -339,9 +339,7 @@ class Sessions:
                 continue
             self._adopt(entry, now)
             self.num_journal_restored += 1
-        # EmbeddingCache is a collections.abc.Container at run time (it has ``__contains__``), but takes
-        # only str, which the typing of Container[str] (``__contains__(object)``) does not accept
-        journal.remove_images_except(cast("Container[str]", self.embeddings))
+        journal.remove_images_except(self.embeddings)
         if self.num_journal_restored:
             logger.info("restored %d sessions from the journal at %s", self.num_journal_restored, journal.directory)
 
@@ -413,5 +411,4 @@ class Sessions:
     def check(self, active: Mapping[str, object]) -> list[str]:
         """Violations of the sessions' invariant (session/state/invariants.py); ``active``: session id ->
         the scheduler's sequence in flight, with its ``turn``. Who calls this: the engine, after a step."""
-        # a snapshot of the moving ids: ``Moves`` has no ``__len__``, so it is no Collection
-        return session_problems(self.store, frozenset(self.moves), active) + block_problems(self.store, self.memory.blocks)
+        return session_problems(self.store, self.moves, active) + block_problems(self.store, self.memory.blocks)
