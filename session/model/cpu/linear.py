@@ -42,6 +42,9 @@ Who calls this: ``ModelRunner`` at load (probe, pack), then its forward passes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -224,15 +227,20 @@ def dequantize_q8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return (weights * scales[..., None] + offsets[..., None]).view(blocks * LANES, k)[:n]
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k_block: int) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k_block: int,
+           several_from: int | None = None, several_block: int = 0) -> torch.Tensor:
     """x [..., K] -> [..., n] by the kernel, inputs summed in blocks of ``k_block``; ``packed``'s dtype
     names the format (bfloat16 pairs, float32 lines, int8 lines with their groups' scales: ``pack_int8``,
-    int4 lines with their groups' scales and offsets: ``pack_int4``; on both ``k_block`` is the group)."""
+    int4 lines with their groups' scales and offsets: ``pack_int4``; on both ``k_block`` is the group).
+    ``several_from`` (bfloat16 and float32): the rows of x's flattened [M, K] from it on sum in blocks of
+    ``several_block`` instead."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     op = getattr(torch.ops.resident, OPERATORS[packed.dtype])
-    return op(rows, packed, bias, n, k_block).view(*x.shape[:-1], n)
+    if several_from is None:
+        return op(rows, packed, bias, n, k_block).view(*x.shape[:-1], n)
+    return op(rows, packed, bias, n, k_block, several_from, several_block).view(*x.shape[:-1], n)
 
 
 def reference(dtype: torch.dtype):
@@ -329,9 +337,27 @@ def probe(shapes: set[tuple[int, int]], seed: int = 0,
     return {shape: blocking for shape, blocking in found.items() if blocking is not None}
 
 
+# A packed step's rows ([N, 1, K]: one token each) from this index on are a prefill's tokens, which sum
+# in the several-row blocks; the rows before are decode rows (``several_rows_from``). None: by shape.
+SEVERAL_ROWS_FROM: ContextVar[int | None] = ContextVar("SEVERAL_ROWS_FROM", default=None)
+
+
+@contextmanager
+def several_rows_from(first: int) -> Iterator[None]:
+    """Within this block, a KernelLinear's one-token rows from ``first`` on sum as a prefill's tokens do
+    (the several-row blocks), those before as decode rows: a step that packs decode rows and prefill
+    chunks into one pass gives each row the bits its own pass would (session/model/packed_step.py)."""
+    token = SEVERAL_ROWS_FROM.set(first)
+    try:
+        yield
+    finally:
+        SEVERAL_ROWS_FROM.reset(token)
+
+
 class KernelLinear(nn.Linear):
     """An ``nn.Linear`` whose bfloat16 weight is packed for our kernel (``packed``). Only forward works.
-    One token per sequence (x [..., 1, K]) sums in the one-row blocks, several in the several-row ones."""
+    One token per sequence (x [..., 1, K]) sums in the one-row blocks, several in the several-row ones;
+    in a packed step (``several_rows_from``) the rows from its index on in the several-row ones."""
 
     packed: torch.Tensor
     one_row_block: int
@@ -339,6 +365,9 @@ class KernelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         one = x.dim() < 2 or x.shape[-2] == 1
+        first = SEVERAL_ROWS_FROM.get()
+        if one and first is not None and self.one_row_block != self.rows_block:
+            return linear(x, self.packed, self.bias, self.out_features, self.one_row_block, first, self.rows_block)
         return linear(x, self.packed, self.bias, self.out_features, self.one_row_block if one else self.rows_block)
 
     def extra_repr(self) -> str:

@@ -1,7 +1,7 @@
 // bfloat16 linear layers on CPU with AVX512-BF16: y = x W^T for a few rows, from weights packed once.
 //
-// resident::linear_bf16(x [M, K] bfloat16, packed [NB, KP, 32] bfloat16, bias [n] or None, n, k_block)
-// -> [M, n]
+// resident::linear_bf16(x [M, K] bfloat16, packed [NB, KP, 32] bfloat16, bias [n] or None, n, k_block,
+// several_from = -1, several_block = 0) -> [M, n]; rows from several_from on sum in blocks of several_block
 // packed: W [n, K] in blocks of 16 outputs (NB = ceil(n / 16)) and pairs of inputs (KP = ceil(K / 2)),
 // packed[b, p] = W[16b, 2p], W[16b, 2p+1], W[16b+1, 2p], ..., W[16b+15, 2p+1] (zero past n and K): the
 // operand layout of VDPBF16PS, one output per float32 lane. See session/model/cpu/linear.py.
@@ -26,7 +26,8 @@
 #include "linear_tiles.h"
 
 TORCH_LIBRARY_FRAGMENT(resident, m) {
-  m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n, int k_block) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n, int k_block, int several_from=-1, "
+        "int several_block=0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(resident, CPU, m) { m.impl("linear_bf16", &linear<Bf16Pairs>); }
+TORCH_LIBRARY_IMPL(resident, CPU, m) { m.impl("linear_bf16", &linear_split<Bf16Pairs>); }

@@ -1,7 +1,7 @@
 // float32 linear layers on CPU with AVX-512: y = x W^T for a few rows, from weights packed once.
 //
-// resident::linear_f32(x [M, K] float32, packed [NB, K, 16] float32, bias [n] or None, n, k_block)
-// -> [M, n]
+// resident::linear_f32(x [M, K] float32, packed [NB, K, 16] float32, bias [n] or None, n, k_block,
+// several_from = -1, several_block = 0) -> [M, n]; rows from several_from on sum in blocks of several_block
 // packed: W [n, K] in blocks of 16 outputs (NB = ceil(n / 16)), packed[b, k] = W[16b .. 16b+15, k]
 // (zero past n): one 64-byte line per input, one output per float32 lane. See session/model/cpu/linear.py.
 //
@@ -20,7 +20,8 @@
 #include "linear_tiles.h"
 
 TORCH_LIBRARY_FRAGMENT(resident, m) {
-  m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias, int n, int k_block) -> Tensor");
+  m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias, int n, int k_block, int several_from=-1, "
+        "int several_block=0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(resident, CPU, m) { m.impl("linear_f32", &linear<F32Lines>); }
+TORCH_LIBRARY_IMPL(resident, CPU, m) { m.impl("linear_f32", &linear_split<F32Lines>); }

@@ -235,12 +235,12 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
   }
 }
 
-// Every row, in tiles of kRowTile rows and the rest, for the output blocks b0 .. b0+NR-1.
+// Rows first .. end-1, in tiles of kRowTile rows and the rest, for the output blocks b0 .. b0+NR-1.
 template <typename F, int NR>
-void rows_of(const Problem<F>& pb, int64_t rows, int64_t b0) {
-  int64_t m0 = 0;
-  for (; m0 + kRowTile <= rows; m0 += kRowTile) tile<F, kRowTile, NR>(pb, m0, b0);
-  switch (rows - m0) {
+void rows_of(const Problem<F>& pb, int64_t first, int64_t end, int64_t b0) {
+  int64_t m0 = first;
+  for (; m0 + kRowTile <= end; m0 += kRowTile) tile<F, kRowTile, NR>(pb, m0, b0);
+  switch (end - m0) {
     case 5: tile<F, 5, NR>(pb, m0, b0); break;
     case 4: tile<F, 4, NR>(pb, m0, b0); break;
     case 3: tile<F, 3, NR>(pb, m0, b0); break;
@@ -274,7 +274,8 @@ struct Prepared {
   using Elem = typename F::Elem;
   at::Tensor x, y, scratch, bias_sums;
   Problem<F> pb;
-  int64_t rows = 0, column_tiles = 0;
+  Problem<F> rest;  // rows from ``split`` on: pb summed in blocks of another size (``several_from``)
+  int64_t rows = 0, column_tiles = 0, split = 0;
 
   Prepared(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
            int64_t k_block) {
@@ -314,16 +315,34 @@ struct Prepared {
                     steps, n, k_block, bias_sums.defined() ? bias_sums.data_ptr<float>() : nullptr,
                     reinterpret_cast<Elem*>(y.data_ptr()), scratch.data_ptr<float>()};
     column_tiles = rows == 0 ? 0 : (blocks + kBlockTile - 1) / kBlockTile;
+    rest = pb;
+    split = rows;
+  }
+
+  template <int NR>
+  void both(int64_t b0) const {
+    rows_of<F, NR>(pb, 0, split, b0);
+    rows_of<F, NR>(rest, split, rows, b0);
   }
 
  public:
+  // Rows ``first`` .. M-1 sum in blocks of ``k_block`` inputs, the rows before them in the constructor's
+  // (a step that packs decode rows, summed as one row each, before a prefill's tokens, summed as
+  // several). Only for formats without a trailer (its lines follow the group size): bfloat16, float32.
+  void several_from(int64_t first, int64_t k_block) {
+    TORCH_CHECK(F::trailer_lines(pb.steps, 1) == 0, "several_from: a format whose weights have no trailer");
+    TORCH_CHECK(k_block > 0 && k_block % F::kInputs == 0, "k_block: a positive multiple of ", F::kInputs);
+    split = std::clamp<int64_t>(first, 0, rows);
+    rest.k_block = k_block;
+  }
+
   void run_tile(int64_t t) const {  // output blocks kBlockTile t .. kBlockTile (t + 1) - 1 for every row
     const int64_t b0 = t * kBlockTile, blocks = (pb.n + kLanes - 1) / kLanes;
     switch (std::min<int64_t>(kBlockTile, blocks - b0)) {
-      case 4: rows_of<F, 4>(pb, rows, b0); break;
-      case 3: rows_of<F, 3>(pb, rows, b0); break;
-      case 2: rows_of<F, 2>(pb, rows, b0); break;
-      default: rows_of<F, 1>(pb, rows, b0); break;
+      case 4: both<4>(b0); break;
+      case 3: both<3>(b0); break;
+      case 2: both<2>(b0); break;
+      default: both<1>(b0); break;
     }
   }
 };
@@ -350,6 +369,17 @@ template <typename F>
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
                   int64_t k_block) {
   const Prepared<F> linear(input, packed, bias, n, k_block);
+  run_linears<F>({&linear});
+  return linear.y;
+}
+
+// linear_bf16 and linear_f32: as ``linear``, with the rows from ``several_from`` on summed in blocks of
+// ``several_block`` (several_from >= M: every row in k_block's).
+template <typename F>
+at::Tensor linear_split(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                        int64_t n, int64_t k_block, int64_t several_from, int64_t several_block) {
+  Prepared<F> linear(input, packed, bias, n, k_block);
+  if (several_from >= 0 && several_from < linear.rows) linear.several_from(several_from, several_block);
   run_linears<F>({&linear});
   return linear.y;
 }

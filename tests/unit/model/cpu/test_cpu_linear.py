@@ -148,6 +148,28 @@ def test_a_decode_batch_computes_each_row_as_alone():
             assert torch.equal(prefill, F.linear(x, w)[None])
 
 
+def test_a_packed_step_sums_decode_rows_as_alone_and_prefill_tokens_as_a_prefill():
+    """In a step that packs 5 decode rows before a 9-token prefill chunk ([14, 1, K] within
+    ``several_rows_from(5)``), the decode rows get the bits of their own decode step ([5, 1, K]) and the
+    chunk's tokens those of their own prefill ([1, 9, K]): one call, two block sizes."""
+    n, k = 512, 1376
+    x, w = cancelling(14, n, k, torch.Generator().manual_seed(6))
+    module = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(w)
+    assert cpu_linear.pack_linears([module]) == (1, "")
+    assert module.one_row_block != module.rows_block  # K past 1024: the sizes differ
+    with torch.inference_mode():
+        with cpu_linear.several_rows_from(5):
+            packed = module(x[:, None])  # [14, 1, n]
+        decode, prefill = module(x[:5, None]), module(x[None, 5:])
+        assert torch.equal(packed[:5], decode)
+        assert torch.equal(packed[5:, 0], prefill[0])
+        assert not torch.equal(module(x[:, None])[5:, 0], prefill[0])  # without it: the one-row sums
+        with cpu_linear.several_rows_from(0):  # no decode rows: every token a prefill's
+            assert torch.equal(module(x[:, None])[:, 0], module(x[None])[0])
+
+
 def test_small_products_stay_on_onednn():
     """Under about 16^3 multiply-adds torch's one-row product takes another kernel: the probe finds no
     block size there, so such a linear is left for oneDNN, with the reason (with AMX, where no size
