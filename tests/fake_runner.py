@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from session.families.registry import FAMILIES
-from session.model.backend import ModelInfo
+from session.model.backend import Chunk, DecodeRows, ModelInfo, separate_passes
 from session.model.kv_cache import KVCache, KVPool
 
 
@@ -95,6 +95,7 @@ class FakeRunner:
         self.num_ooms = 0  # OOMs raised
         self.num_calls = 0  # prefill, decode and extend calls, failed ones too
         self.num_decode_rows = 0
+        self.num_steps = 0  # ``step`` calls
         self.bank = FakeBank()
         self.pools: dict[int, KVPool] = {}  # block_tokens -> pool
 
@@ -146,6 +147,11 @@ class FakeRunner:
     def embed(self, token_ids: list[int], image_embeds: list[torch.Tensor]) -> torch.Tensor:
         # Image placeholders keep their id: the images' content does not steer the fake model.
         return torch.tensor(token_ids, dtype=torch.float64)[:, None]
+
+    def step(self, chunks: list[Chunk], rows: DecodeRows | None) -> torch.Tensor:
+        """A pass per part, each failing as ``prefill`` and ``decode`` do."""
+        self.num_steps += 1
+        return separate_passes(self, chunks, rows)
 
     def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False, adapter_slot: int = 0,
                 positions: torch.Tensor | None = None):

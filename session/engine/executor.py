@@ -18,7 +18,7 @@ from session.engine.admin import registry_or_404
 from session.engine.prompt import ChatFormatter
 from session.engine.requests import PrefillProgress, Sequence
 from session.errors import BadRequest, ContextLengthExceeded, ResidentError
-from session.model.backend import ModelBackend, Stepper
+from session.model.backend import Chunk, DecodeRows, ModelBackend, Stepper
 from session.model.lora import AdapterRegistry
 from session.model.sampling import RowContext, ban_token, make_generator, process_logits, row_logprobs, sample_rows
 from session.model.threads import ThreadTuner
@@ -29,6 +29,9 @@ from session.state.sessions import Sessions
 from session.types import redact
 
 logger = logging.getLogger(__name__)
+
+# per chunk: the first token, None (more chunks), or its error; per decode row: its token or its error
+StepResults = tuple[list[int | Exception | None], list[int | ResidentError]]
 
 
 class Executor:
@@ -52,22 +55,100 @@ class Executor:
     # ------------------------------------------------------------------ prefill
 
     def prefill(self, seq: Sequence, max_tokens: int | None = None) -> int | None:
-        """Prefill up to ``max_tokens`` more of the turn's uncached tokens (all of them: None). The
-        first call begins the turn (``begin``); the call that feeds its last token commits it to the
-        transcript and returns the first sampled token; the others return None (a chunk of a long
-        prompt: the token-budget step). Raises with the session consistent: the engine rolls back."""
-        progress, session = seq.progress or self.begin(seq), seq.session
+        """Prefill up to ``max_tokens`` more of the turn's uncached tokens (all of them: None), alone in
+        its step. The first call begins the turn (``begin``); the call that feeds its last token commits
+        it and returns the first sampled token; the others return None. Raises with the session
+        consistent: the engine rolls back."""
+        progress = seq.progress or self.begin(seq)
+        [result], _ = self.step([(seq, progress.left if max_tokens is None else max_tokens)], [])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def step(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence]) -> StepResults:
+        """One step's model work in ONE stepper call (``Stepper.step``: a packed pass where the model
+        packs it): each begun turn's next chunk, of at most its share of the step's tokens, and one
+        decode row for each sequence in ``rows``. Returns, per chunk, the turn's first token once it fed
+        its last prompt token (the turn is then committed), None while chunks remain, or the error its
+        request fails with; per row, its next token or its error (``sample_rows``). When it raises (the
+        pass, or the draw of its tokens), every cache and generator is as before the step: the caller
+        may run the parts again apart, and each gets what it would have got."""
+        seqs = [seq for seq, _ in chunks]
+        kvs = [s.session.kv for s in rows] + [s.session.kv for s in seqs]
+        lengths, states = [kv.length for kv in kvs], generator_states(rows + seqs)
         if self.thread_tuner is not None:
-            self.thread_tuner.choose_for_prefill()
-        count = progress.left if max_tokens is None else min(max_tokens, progress.left)
-        end = progress.done + count
+            if chunks:
+                self.thread_tuner.choose_for_prefill()
+            else:
+                self.thread_tuner.choose(len(rows))
+        began = time.perf_counter()
+        parts = [self._chunk(seq, max_tokens) for seq, max_tokens in chunks]
+        decode = None
+        if rows:
+            mrope = {"position_offsets": [s.session.rope_delta for s in rows]} if self.runner.mrope else {}
+            decode = DecodeRows([s.session.kv for s in rows], [s.next_token for s in rows],
+                                adapter_slots=[s.adapter_slot for s in rows], **mrope)
+        try:
+            logits = self.stepper.step(parts, decode)
+            if rows and not chunks and self.thread_tuner is not None:
+                self.thread_tuner.observe(len(rows), time.perf_counter() - began)
+            # the turns this chunk ends are drawn with their prompt in the transcript, not yet committed
+            finishing = [i for i, ((seq, _), part) in enumerate(zip(chunks, parts))
+                         if seq.progress is not None and part.embeds.shape[0] == seq.progress.left]
+            drawn = rows + [seqs[i] for i in finishing]
+            picked = list(range(len(rows))) + [len(rows) + i for i in finishing]
+            transcripts = [s.session.token_ids for s in rows] + [
+                seqs[i].session.token_ids + self.prompt_ids(seqs[i]) for i in finishing]
+            tokens = self._sample(drawn, logits if len(picked) == logits.shape[0] else logits[picked],
+                                  transcripts) if drawn else []
+        except BaseException:
+            for kv, length in zip(kvs, lengths):
+                kv.crop(length)  # the stepper advances lengths after its pass, sampling comes later
+            restore_generators(rows + seqs, states)
+            raise
+        if rows and not chunks:
+            step_s = time.perf_counter() - began  # the cost speculation has to beat, at this batch size
+            for seq in rows:
+                if seq.controller is not None:
+                    seq.controller.observe_plain(step_s)
+        return self._advance(chunks, parts, dict(zip(finishing, tokens[len(rows):]))), tokens[:len(rows)]
+
+    def _chunk(self, seq: Sequence, max_tokens: int) -> Chunk:
+        """The turn's next chunk: up to ``max_tokens`` of what its prefill still feeds."""
+        progress = seq.progress
+        if progress is None:
+            raise RuntimeError("a prefill chunk of a turn not begun")
+        end = progress.done + min(max_tokens, progress.left)
         positions = None if progress.positions is None else progress.positions[:, progress.done:end]
-        logits = self.stepper.prefill(session.kv, progress.embeds[progress.done:end], adapter_slot=seq.adapter_slot,
-                                      positions=positions)
-        progress.done = end
-        self.num_prefill_chunks += 1
-        if progress.left:
-            return None
+        return Chunk(seq.session.kv, progress.embeds[progress.done:end], seq.adapter_slot, positions)
+
+    def _advance(self, chunks: list[tuple[Sequence, int]], parts: list[Chunk],
+                 first_tokens: dict[int, int | ResidentError]) -> list[int | Exception | None]:
+        """After the pass: each chunk's progress; the turns that fed their last token committed, each
+        with its first token (``first_tokens``, by chunk index), or the error it fails with alone."""
+        results: list[int | Exception | None] = [None] * len(chunks)
+        for index, ((seq, _), part) in enumerate(zip(chunks, parts)):
+            progress = seq.progress
+            assert progress is not None  # _chunk checked
+            progress.done += part.embeds.shape[0]
+            self.num_prefill_chunks += 1
+            if index not in first_tokens:
+                continue
+            token = first_tokens[index]
+            if isinstance(token, ResidentError):  # the engine rolls the turn back
+                results[index] = token
+                continue
+            try:
+                self._commit(seq)
+            except Exception as exc:  # its request fails alone (the engine rolls the turn back)
+                results[index] = exc
+            else:
+                results[index] = token
+        return results
+
+    def _commit(self, seq: Sequence) -> None:
+        """The turn fed its last prompt token: into the transcript, its blocks published, its draft synced."""
+        session = seq.session
         seq.progress = None
         self.sessions.commit_turn(seq.turn, self.prompt_ids(seq))
         self.sessions.publish(session)  # its prompt's full blocks, for the next request that shares them
@@ -77,10 +158,6 @@ class Executor:
             k = self.config.num_speculative_tokens
             seq.controller = SpeculationController(k_max=k, k=min(4, k), costs=self.step_costs)
             self.speculator.sync_draft(session.token_ids, session.draft_kv, self.sessions.salt(session))
-        [token] = self._sample([seq], logits[None])
-        if isinstance(token, ResidentError):
-            raise token
-        return token
 
     def begin(self, seq: Sequence) -> PrefillProgress:
         """Begin the turn's prefill: check its length, take its adapter, its images and its memory
@@ -184,44 +261,21 @@ class Executor:
         return [s for s, _ in chosen] if batch_should_speculate([c for _, c in chosen]) else []
 
     def decode(self, rows: list[Sequence]) -> list[int | ResidentError]:
-        """One batched decode step: feeds each row's last token, returns each row's next token (or the
-        error of a row that could not be sampled: it fails alone, ``sample_rows``). When it raises,
-        every row is as before the step (cache length, sampling generator), so the engine may run the
-        same rows again and each gets the token it would have got (its retry after an OOM)."""
-        lengths = [s.session.kv.length for s in rows]
-        states = generator_states(rows)
-        try:
-            return self._decode(rows)
-        except BaseException:
-            for seq, length in zip(rows, lengths):
-                seq.session.kv.crop(length)  # the stepper advances lengths after its pass, sampling comes later
-            restore_generators(rows, states)
-            raise
+        """One batched decode step alone (``step`` without chunks): feeds each row's last token, returns
+        each row's next token (or the error of a row that could not be sampled: it fails alone). When it
+        raises, every row is as before the step, so the engine may run the same rows again and each
+        gets the token it would have got (its retry after an OOM)."""
+        return self.step([], rows)[1]
 
-    def _decode(self, rows: list[Sequence]) -> list[int | ResidentError]:
-        if self.thread_tuner is not None:
-            self.thread_tuner.choose(len(rows))
-        began = time.perf_counter()
-        mrope = {"position_offsets": [s.session.rope_delta for s in rows]} if self.runner.mrope else {}
-        logits = self.stepper.decode([s.session.kv for s in rows], [s.next_token for s in rows],
-                                     adapter_slots=[s.adapter_slot for s in rows], **mrope)
-        if self.thread_tuner is not None:
-            self.thread_tuner.observe(len(rows), time.perf_counter() - began)
-        tokens = self._sample(rows, logits)
-        step_s = time.perf_counter() - began  # the cost speculation has to beat, at this batch size
-        for seq in rows:
-            if seq.controller is not None:
-                seq.controller.observe_plain(step_s)
-        return tokens
-
-    def _sample(self, rows: list[Sequence], logits) -> list[int | ResidentError]:
+    def _sample(self, rows: list[Sequence], logits, transcripts: list[list[int]]) -> list[int | ResidentError]:
         """logits [B, V] -> each row's next token, or the error its request fails with (logged here).
+        ``transcripts``: each row's tokens so far (penalties read them; a turn's first token: with its prompt).
         Each row's processors (penalties, bias, its grammar's mask) apply first; a row that asked for
         log-probabilities gets the model's; a row's grammar matcher then takes its token."""
         logits = ban_token(logits, self.runner.info.image_token_id)
         params = [s.request.sampling for s in rows]
-        processed = process_logits(logits, [RowContext(p, s.generated, s.session.token_ids, s.matcher)
-                                             for p, s in zip(params, rows)],
+        processed = process_logits(logits, [RowContext(p, s.generated, transcript, s.matcher)
+                                             for p, s, transcript in zip(params, rows, transcripts)],
                                    self.runner.info.eos_token_ids, pin=logits.is_cuda)
         tokens = sample_rows(processed, params, [s.generator for s in rows])
         wanted = [p.logprobs for p in params]

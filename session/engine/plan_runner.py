@@ -1,13 +1,17 @@
 """A step's model work: the scheduler's plan run on the executor, its device faults handled.
 
 Who calls this: ``Engine.step`` (session/engine/loop.py), on the loop thread, once a step with the
-scheduler's plan. Each prefill chunk and the batched decode run on the executor; sampled tokens go
-to the output processor; a request that finishes or fails is ended through the engine's ``end`` and
-listed in ``ended`` (for ``scheduler.complete``).
+scheduler's plan. The plan's prefill chunks and decode rows go to the executor as ONE step (one
+forward pass where the model packs them: session/model/packed_step.py); a step that speculates runs
+its chunks, then its speculative step. Sampled tokens go to the output processor; a request that
+finishes or fails is ended through the engine's ``end`` and listed in ``ended`` (for
+``scheduler.complete``).
 
-Device faults (session/engine/faults.py): a decode step that runs out of device memory is run again
-in smaller batches within the same step, and a request that does not fit alone fails with a 503; a
-fatal CUDA error raises DeviceFailed, on which ``Engine.step`` fails every request and halts.
+Faults: a step of several parts whose pass fails is run again a pass per part (the failed pass left
+every cache as before it), so a request whose part fails fails alone. A decode step that runs out of
+device memory is run again in smaller batches within the same step, and a request that does not fit
+alone fails with a 503 (session/engine/faults.py); a fatal CUDA error raises DeviceFailed, on which
+``Engine.step`` fails every request and halts.
 """
 
 from __future__ import annotations
@@ -35,34 +39,80 @@ class PlanRunner:
         self.outputs = outputs
         self.device = device  # whose cached memory is freed after an OOM
         self.end = end
-        self.num_oom_retries = 0  # decode batches run again in smaller ones after an OOM
+        self.num_oom_retries = 0  # steps run again in smaller passes after an OOM (apart, halved)
+        self.num_steps_run_apart = 0  # steps whose one pass failed, run again a pass per part
 
     def run(self, plan: StepPlan, ended: list[Sequence]) -> None:
-        """The plan's prefill chunks, then its decode rows; what ends is appended to ``ended``.
-        Raises DeviceFailed on a fatal device error, other exceptions from outside the executor's
-        calls as they are (``Engine.step`` then ends the plan's requests)."""
-        for seq, tokens in zip(plan.prefill, plan.chunks):
-            self._run_prefill(seq, tokens, ended)
-        if plan.decode:
-            self._run_decode(plan.decode, ended)
+        """The plan's prefill chunks and decode rows in one executor step (one forward pass where the
+        model packs them); a step that speculates runs its chunks, then its speculative step. What ends
+        is appended to ``ended``. Raises DeviceFailed on a fatal device error, other exceptions from
+        outside the executor's calls as they are (``Engine.step`` then ends the plan's requests)."""
+        chunks = [(seq, tokens) for seq, tokens in zip(plan.prefill, plan.chunks) if self._begin(seq, ended)]
+        rows = list(plan.decode)
+        speculating = self.executor.speculating(rows) if rows else []
+        if speculating:
+            self._run_step(chunks, [], ended)
+            self._run_decode(rows, ended, speculating=speculating)
+        else:
+            self._run_step(chunks, rows, ended)
 
-    def _run_prefill(self, seq: Sequence, max_tokens: int, ended: list[Sequence]) -> None:
-        """One chunk of the turn's prefill (the scheduler's share of the step's token budget); the
-        last chunk starts the answer with its first token."""
+    def _begin(self, seq: Sequence, ended: list[Sequence]) -> bool:
+        """Begin the turn's prefill at its first chunk (``Executor.begin``); False: it failed and ended."""
+        if seq.progress is not None:
+            return True
+        try:
+            self.executor.begin(seq)
+            return True
+        except Exception as exc:
+            error = self._step_error(exc, self._what(seq))
+        self._fail(seq, error, ended)
+        return False
+
+    def _run_step(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence], ended: list[Sequence]) -> None:
+        """One executor step for the chunks and the rows. A step of several parts whose pass fails is
+        run again with its parts apart (each chunk alone, the rows in one decode step; the pass left
+        every cache as before it), so a request whose part fails fails alone, and after running out of
+        device memory the smaller passes may fit."""
+        if not chunks and not rows:
+            return
         error = None
         try:
-            token = self.executor.prefill(seq, max_tokens)
+            chunk_results, tokens = self.executor.step(chunks, rows)
         except Exception as exc:
-            error = self._step_error(exc, f"prefill of request {seq.request_id} (session "
-                                          f"{redact(seq.session.session_id)})")
+            if classify(exc) is Fault.FATAL:
+                raise device_failed(exc) from exc
+            error = exc
         if error is not None:  # out of the except block: the traceback no longer holds the pass's tensors
-            if isinstance(error, DeviceOutOfMemory):
-                free_cached_memory(self.device)
-            ended.append(seq)
-            self.end(seq, Failed(error))
+            if len(chunks) + bool(rows) > 1:
+                self._run_apart(chunks, rows, error, ended)
+            elif rows:
+                self._run_decode(rows, ended, speculating=[], failed=error)
+            else:
+                self._fail(chunks[0][0], self._step_error(error, self._what(chunks[0][0])), ended)
             return
-        if token is None:  # more chunks to come, in the next steps
-            return
+        for (seq, _), result in zip(chunks, chunk_results):
+            if isinstance(result, Exception):
+                self._fail(seq, self._step_error(result, self._what(seq)), ended)
+            elif result is not None:  # the turn's last chunk: its answer starts
+                self._start(seq, result, ended)
+        self._emit_rows(rows, tokens, ended)
+
+    def _run_apart(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence], error: Exception,
+                   ended: list[Sequence]) -> None:
+        self.num_steps_run_apart += 1
+        if classify(error) is Fault.OUT_OF_MEMORY:
+            self.num_oom_retries += 1
+            free_cached_memory(self.device)
+        elif not isinstance(error, ResidentError):
+            logger.warning("a step of %d prefill chunks and %d decode rows failed (%s); running its parts "
+                           "apart", len(chunks), len(rows), error)
+        for chunk in chunks:
+            self._run_step([chunk], [], ended)
+        if rows:
+            self._run_decode(rows, ended, speculating=[])
+
+    def _start(self, seq: Sequence, token: int, ended: list[Sequence]) -> None:
+        """The turn's prefill committed: ``Started``, then its first token."""
         session = seq.session
         self.outputs.start(seq)
         seq.request.stream.put(Started(
@@ -71,20 +121,36 @@ class PlanRunner:
             prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens))
         self._emit(seq, [token], ended)
 
-    def _run_decode(self, rows: list[Sequence], ended: list[Sequence], speculate: bool = True) -> None:
+    def _fail(self, seq: Sequence, error: Exception, ended: list[Sequence]) -> None:
+        if isinstance(error, DeviceOutOfMemory):
+            free_cached_memory(self.device)
+        ended.append(seq)
+        self.end(seq, Failed(error))
+
+    @staticmethod
+    def _what(seq: Sequence) -> str:
+        return f"prefill of request {seq.request_id} (session {redact(seq.session.session_id)})"
+
+    def _run_decode(self, rows: list[Sequence], ended: list[Sequence], speculating: list[Sequence] | None = None,
+                    failed: Exception | None = None) -> None:
         """One batched step for every decoding row: speculative (one target pass verifies every row's
-        proposals, plain rows ride along) when any row's controller wants it, else a plain decode.
-        Out of device memory, the same rows run again in smaller batches (``_decode_smaller``)."""
-        speculating = self.executor.speculating(rows) if speculate else []
+        proposals, plain rows ride along) when ``speculating`` has rows (None: ask the executor), else a
+        plain decode (``failed``: the error a plain decode of these rows already raised). Out of device
+        memory, the same rows run again in smaller batches (``_decode_smaller``)."""
+        if speculating is None:
+            speculating = self.executor.speculating(rows)
         error = None
         tokens: list[list[int] | ResidentError] = []
-        try:
-            if speculating:
-                tokens = list(self.executor.speculate(rows, speculating))
-            else:  # a row that could not be sampled has its error in place of its token
-                tokens = [t if isinstance(t, ResidentError) else [t] for t in self.executor.decode(rows)]
-        except Exception as exc:  # every row is as before the step (executor.decode, executor.speculate)
-            error = self._step_error(exc, f"decode step for {len(rows)} requests")
+        if failed is not None:
+            error = self._step_error(failed, f"decode step for {len(rows)} requests")
+        else:
+            try:
+                if speculating:
+                    tokens = list(self.executor.speculate(rows, speculating))
+                else:  # a row that could not be sampled has its error in place of its token
+                    tokens = [t if isinstance(t, ResidentError) else [t] for t in self.executor.decode(rows)]
+            except Exception as exc:  # every row is as before the step (executor.decode, executor.speculate)
+                error = self._step_error(exc, f"decode step for {len(rows)} requests")
         if isinstance(error, DeviceOutOfMemory):  # out of the except block: the failed pass's tensors are freed
             free_cached_memory(self.device)
             if len(rows) > 1 or speculating:
@@ -95,13 +161,17 @@ class PlanRunner:
                 ended.append(seq)
                 self.end(seq, Failed(error))
             return
+        self._emit_rows(rows, tokens, ended)
+
+    def _emit_rows(self, rows: list[Sequence], tokens, ended: list[Sequence]) -> None:
+        """Each decode row's tokens (a list, or one token), or its error: it fails alone (rolled back)."""
         for seq, row_tokens in zip(rows, tokens):
-            if isinstance(row_tokens, ResidentError):  # it fails alone (rolled back); the others go on
+            if isinstance(row_tokens, ResidentError):
                 ended.append(seq)
                 self.end(seq, Failed(out_of_memory(row_tokens) if classify(row_tokens) is Fault.OUT_OF_MEMORY
                                      else row_tokens))
             else:
-                self._emit(seq, row_tokens, ended)
+                self._emit(seq, row_tokens if isinstance(row_tokens, list) else [row_tokens], ended)
 
     def _decode_smaller(self, rows: list[Sequence], ended: list[Sequence]) -> None:
         """A decode step ran out of device memory: run the same rows again within this step, without
@@ -112,7 +182,7 @@ class PlanRunner:
         half = (len(rows) + 1) // 2  # one speculating row: run again alone, as a plain row
         for part in (rows[:half], rows[half:]):
             if part:
-                self._run_decode(part, ended, speculate=False)
+                self._run_decode(part, ended, speculating=[])
 
     def _step_error(self, exc: Exception, what: str) -> Exception:
         """What the requests of a failed executor call fail with: a 503 when it ran out of device

@@ -5,7 +5,8 @@ pools) and ``backend`` the ``ModelBackend`` protocol it, ``StaticShapeRunner`` (
 and the tests' fake satisfy; ``loader`` builds what a runner runs from a checkpoint (config checks,
 weights, packing, quantization: ``quantize``, ``gguf``, ``compressed``; ``generation_defaults``
 those it leaves unapplied); ``devices`` the device it runs on; ``decode_paths`` how a decode step
-runs (chosen once); ``buckets`` the fixed shapes graphs are made for; ``kv_cache`` the paged and
+runs (chosen once); ``packed_step`` a whole engine step (prefill chunks and decode rows) as one
+pass; ``buckets`` the fixed shapes graphs are made for; ``kv_cache`` the paged and
 fixed KV caches, ``kv_pool`` the paged pool's K/V tensors and layout, ``block_pool`` its torch-free
 block bookkeeping, ``blocks`` block arithmetic and ``prefix_cache`` the content keys of shared
 blocks; ``attention`` batched attention over the pool; ``cuda_graphs`` captured decode steps;

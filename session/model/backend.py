@@ -33,9 +33,41 @@ class ModelInfo:
     num_image_tokens: int  # placeholder tokens every image expands to; 0 where it varies (session/families/vision.py)
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's prefill chunk in a step: ``embeds`` [T, hidden] fed after its ``kv.length`` cached
+    tokens; ``positions``: M-RoPE's [3, T] (None: ``kv.length ..``)."""
+
+    kv: KVCache
+    embeds: torch.Tensor
+    adapter_slot: int = 0
+    positions: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A step's decode rows: token_ids[b] fed at position kvs[b].length (+ position_offsets[b], an M-RoPE
+    session's rope delta)."""
+
+    kvs: list[KVCache]
+    token_ids: list[int]
+    adapter_slots: list[int] | None = None
+    position_offsets: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.kvs)
+
+
 class Stepper(Protocol):
-    """A turn's prefill and a batched decode step. Who calls this: the engine's executor, on the
-    loop thread."""
+    """A step's forward work: its prefill chunks and decode rows (``step``), or a turn's prefill and a
+    batched decode step alone. Who calls this: the engine's executor, on the loop thread."""
+
+    def step(self, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
+        """Every decode row and every chunk of one engine step -> logits [rows + chunks, V]: each decode
+        row's, then each chunk's last position's. One forward pass where the stepper packs them
+        (``ModelRunner``: session/model/packed_step.py), else a pass each (``separate_passes``). On an
+        exception some caches may have advanced: the caller crops them back."""
+        ...
 
     def prefill(self, kv: KVCache, embeds: torch.Tensor, all_logits: bool = False, adapter_slot: int = 0,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,3 +120,15 @@ class ModelBackend(Stepper, Protocol):
     def extend(self, kvs: list[KVCache], token_rows: list[list[int]],
                adapter_slots: list[int] | None = None) -> torch.Tensor:
         ...
+
+
+def separate_passes(stepper: Stepper, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
+    """``Stepper.step`` as one pass per part: the decode rows' step, then each chunk's prefill."""
+    logits = []
+    if rows is not None and len(rows):
+        logits.append(stepper.decode(rows.kvs, rows.token_ids, adapter_slots=rows.adapter_slots,
+                                     position_offsets=rows.position_offsets))
+    for chunk in chunks:
+        logits.append(stepper.prefill(chunk.kv, chunk.embeds, adapter_slot=chunk.adapter_slot,
+                                      positions=chunk.positions)[None])
+    return torch.cat(logits)

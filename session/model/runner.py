@@ -35,6 +35,7 @@ from session.model.attention import (
     plan_rows,
     to_batch,
 )
+from session.model.backend import Chunk, DecodeRows, separate_passes
 from session.model.cpu import attention as cpu_attention, fused_layer
 from session.model.cpu.kernels import cpu_flags
 from session.model.decode_paths import BatchedPath, CpuKernelPath, PerRowPath
@@ -46,6 +47,7 @@ from session.model.devices import (  # NEURON_MISSING, neuron_found: importable 
 )
 from session.model.kv_cache import KVCache, KVPool, PagedKVCache, StaticKVCache, to_device
 from session.model.loader import ModelLoader
+from session.model.packed_step import packed_step, packs
 from session.model.quantize import INT4_DEFAULT_GROUP
 
 if TYPE_CHECKING:
@@ -123,6 +125,7 @@ class ModelRunner:
         self.lora: LoraBank | None = None  # set once enable_lora ran
         self.kv_pools: dict[int, KVPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.path: PerRowPath  # how decode and extend run: configure_decode, next, sets it
+        self.num_passes = 0  # forward passes over the layers run (prefill, decode, extend, packed step)
         self.configure_decode(default_attention(self.device))
 
     def _load(self, hf_config):
@@ -237,6 +240,7 @@ class ModelRunner:
         start, num_new = kv.length, embeds.shape[0]
         end = start + num_new
         kv.ensure_capacity(end)
+        self.num_passes += 1
         self.set_adapters([adapter_slot])
         h = embeds[None]  # [1, T, D]
         if positions is None:
@@ -312,6 +316,15 @@ class ModelRunner:
     def decode_attention(self, attention: str) -> None:
         self.configure_decode(attention)
 
+    @torch.inference_mode()
+    def step(self, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
+        """A whole engine step -> logits [rows + chunks, V] (``Stepper.step``): one packed pass where
+        session/model/packed_step.py takes it (CPU), else the decode step and each chunk's prefill."""
+        if packs(self, chunks, rows):
+            self.num_passes += 1
+            return packed_step(self, chunks, rows)
+        return separate_passes(self, chunks, rows)
+
     @property
     def plain_layers(self) -> bool:
         """The layers run as this class writes them (a subclass that changes a layer's arithmetic
@@ -329,6 +342,7 @@ class ModelRunner:
         lengths = [kv.length for kv in kvs]
         for kv, length in zip(kvs, lengths):
             kv.ensure_capacity(length + 1)
+        self.num_passes += 1
         self.set_adapters(adapter_slots)
         # host values: see the paths
         offsets = list(position_offsets) if position_offsets is not None and any(position_offsets) else None
@@ -393,6 +407,7 @@ class ModelRunner:
         layer of W only the last W of them, as in ``prefill``. Attention as ``decode`` runs it.
         """
         lengths = [kv.length for kv in kvs]
+        self.num_passes += 1
         self.set_adapters(adapter_slots)
         logits = self.path.extend(kvs, token_rows, lengths, adapter_slots)
         for kv, length, row in zip(kvs, lengths, token_rows):

@@ -27,12 +27,14 @@ It produces the same greedy tokens as the dynamic path (tests pin it).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from session.errors import ConfigError
+from session.model.backend import Chunk, DecodeRows, Stepper, separate_passes
 from session.model.buckets import bucket_for, power_buckets
 from session.model.kv_cache import STATIC_PAD_TOKENS, StaticKVCache
 from session.model.runner import ModelRunner
@@ -139,6 +141,10 @@ class StaticShapeRunner:
                              [scratch.v[:, :, :length] for _ in range(size)])  # a view each, as serving passes
             self.graph_shapes.add((kind, size, length))
         return len(self.graph_shapes)
+
+    def step(self, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
+        """``Stepper.step``: fixed shapes take a pass per part (the decode step, each chunk's prefill)."""
+        return separate_passes(cast(Stepper, self), chunks, rows)  # its caches: static ones
 
     # ------------------------------------------------------------------ prefill
 

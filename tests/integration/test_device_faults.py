@@ -146,16 +146,28 @@ def test_an_oom_in_prefill_fails_that_request_503_and_later_ones_are_served(make
     engine = make_engine()
     runner: FakeRunner = engine.parts.runner
     runner.fail["oom_prefill"] = 1
-    events = serve(engine, [request(p) for p in PROMPTS[:2]])
+    events = serve(engine, [request(PROMPTS[0])])  # alone in its step: nothing smaller to run
     assert len(events[0]) == 1 and isinstance(events[0][0], Failed)  # no Started: headers not sent yet
     error = events[0][0].error
     assert isinstance(error, DeviceOutOfMemory) and error.status == 503 and error.headers == {"Retry-After": "1"}
-    assert tokens(events[1]) == expected(PROMPTS[1])
-    later = serve(engine, [request(PROMPTS[2])])[0]
-    assert tokens(later) == expected(PROMPTS[2])
+    later = serve(engine, [request(p) for p in PROMPTS[1:3]])
+    assert [tokens(e) for e in later] == [expected(p) for p in PROMPTS[1:3]]
     stats = engine.stats()
     assert stats.events["oom_failures"] == 1 and stats.events["oom_retries"] == 0
     assert stats.requests["failed"] == 1 and engine.num_invariant_violations == 0
+
+
+def test_an_oom_in_a_step_of_two_prompts_runs_them_apart_and_both_are_served(make_engine):
+    """The two prompts share a step; its pass runs out of memory in the first one's prefill. The step
+    runs again a pass per prompt (the failed pass left both caches as before it): both answer exactly."""
+    engine = make_engine()
+    runner: FakeRunner = engine.parts.runner
+    runner.fail["oom_prefill"] = 1
+    events = serve(engine, [request(p) for p in PROMPTS[:2]])
+    assert [tokens(e) for e in events] == [expected(p) for p in PROMPTS[:2]]
+    stats = engine.stats()
+    assert stats.events["oom_failures"] == 0 and stats.events["oom_retries"] == 1
+    assert engine._steps.num_steps_run_apart == 1 and engine.num_invariant_violations == 0
 
 
 def test_an_oom_after_sampling_leaves_the_rows_as_before_and_sampled_answers_are_exact(make_engine, monkeypatch):
@@ -181,7 +193,8 @@ def test_an_oom_after_sampling_leaves_the_rows_as_before_and_sampled_answers_are
     events = serve(engine, [request(p, s) for p, s in zip(PROMPTS, samplings)])
     assert [tokens(e) for e in events] == baseline
     # the four share the first step's budget, so every decode step has four rows
-    assert num_raised == [4] * (MAX_TOKENS - 1) and engine.stats().events["oom_retries"] == MAX_TOKENS - 1
+    # the first step draws the four first tokens together, then each decode step its four rows
+    assert num_raised == [4] * MAX_TOKENS and engine.stats().events["oom_retries"] == MAX_TOKENS
     assert engine.num_invariant_violations == 0
 
 

@@ -1,0 +1,153 @@
+"""One forward pass for a whole engine step: its decode rows and its prefill chunks packed together.
+
+A step of the token-budget scheduler feeds some decode rows (one token each) and some prefill chunks
+(many tokens each). Run apart, that is one pass per chunk and one for the rows, each reading every
+weight; packed, the step's N tokens go through each layer's projections and MLP once, as [N, 1, D]
+(one token per row, as a decode step's rows: per-row LoRA slots and rotary positions apply as they
+do there), and only attention is per part:
+
+- the decode rows (first): every row of a layer in one call of our CPU kernel over the head-major
+  pool (session/model/cpu/attention.py), as ``CpuKernelPath`` runs a decode step;
+- each chunk: its queries over its session's blocks in place (``attend_runs``, causal) or, in a
+  sliding-window layer, a gathered copy, as ``ModelRunner.prefill`` runs it.
+
+Each row gets the bits its own pass would: our linears sum the decode rows in their one-row blocks
+and a chunk's tokens in the several-row ones (``several_rows_from``, session/model/cpu/linear.py), and
+the logits are taken at each part's last position only, as [R, 1, D] (one row each, as both passes do).
+
+Where it runs: CPU, every cache paged in the runner's one head-major pool, our decode attention
+kernel built (``ModelRunner.pooled_decode``). Elsewhere, and for a step of one part, the runner runs
+its passes apart (``separate_passes``). On CUDA the packed pass would go through the varlen paged
+kernels; it is not built yet. Who calls this: ``ModelRunner.step``, on the engine loop thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from session.model.attention import attend_runs, causal_masks
+from session.model.backend import Chunk, DecodeRows
+from session.model.cpu import attention as cpu_attention
+from session.model.cpu.linear import several_rows_from
+from session.model.decode_paths import window_start
+from session.model.kv_cache import PAD_BLOCK, KVCache, PagedKVCache, to_device
+
+if TYPE_CHECKING:
+    from session.model.runner import ModelRunner
+
+
+def packs(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None) -> bool:
+    """Does ``packed_step`` take this step (more than one part, on CPU, all caches in one head-major pool)?"""
+    kvs = [chunk.kv for chunk in chunks] + (list(rows.kvs) if rows is not None else [])
+    if len(chunks) + (1 if rows is not None and len(rows) else 0) < 2:
+        return False
+    if runner.device.type != "cpu" or not runner.pooled_decode or not isinstance(kvs[0], PagedKVCache):
+        return False
+    pool = kvs[0].pool
+    return pool.head_major and all(isinstance(kv, PagedKVCache) and kv.pool is pool for kv in kvs)
+
+
+def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
+    """The step as one pass (``packs`` said yes) -> logits [rows + chunks, V]: each decode row's, then
+    each chunk's last position's. Every cache's length advances by what it fed."""
+    decode = rows if rows is not None else DecodeRows([], [])
+    kvs: list[PagedKVCache] = [kv for kv in [*decode.kvs, *(chunk.kv for chunk in chunks)]
+                               if isinstance(kv, PagedKVCache)]
+    lengths = [kv.length for kv in kvs]
+    counts = [1] * len(decode) + [chunk.embeds.shape[0] for chunk in chunks]
+    for kv, length, count in zip(kvs, lengths, counts):
+        kv.ensure_capacity(length + count)
+    num_rows = len(decode)
+    runner.set_adapters([*(decode.adapter_slots or [0] * num_rows),
+                         *(chunk.adapter_slot for chunk, count in zip(chunks, counts[num_rows:])
+                           for _ in range(count))])
+    h = _embeddings(runner, decode, chunks)  # [N, 1, D]
+    cos, sin = cast(nn.Module, runner.lm.rotary_emb)(h, _positions(runner, decode, chunks, lengths))
+    slots = to_device([slot for kv, length, count in zip(kvs, lengths, counts)
+                       for slot in kv.slots(length, length + count)], runner.device)[:, None]  # [N, 1]
+    rows_attention = _RowsAttention(runner, kvs[:num_rows], lengths[:num_rows]) if num_rows else None
+    chunk_attention = [_ChunkAttention(runner, kv, length, count)
+                       for kv, length, count in zip(kvs[num_rows:], lengths[num_rows:], counts[num_rows:])]
+    pool = kvs[0].pool
+    with several_rows_from(num_rows):
+        for index, layer in enumerate(runner.layers):
+            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [N, H, 1, hd]; k, v: [N, KVH, 1, hd]
+            pool.write_rows(index, slots, k, v)
+            outs = [] if rows_attention is None else [rows_attention(index, layer, q[:num_rows])]
+            first = num_rows
+            for attention in chunk_attention:
+                outs.append(attention(index, layer, q[first:first + attention.count]))
+                first += attention.count
+            h = runner.finish_layer(layer, h, torch.cat(outs) if len(outs) > 1 else outs[0])
+    for kv, length, count in zip(kvs, lengths, counts):
+        kv.length = length + count
+    ends = torch.tensor(counts).cumsum(0) - 1  # each part's last token
+    last = h.index_select(0, ends.to(runner.device)) if len(ends) < h.shape[0] else h
+    return runner.logits(last)[:, 0]  # [R, 1, D]: the head sums as for one row each
+
+
+def _embeddings(runner: ModelRunner, decode: DecodeRows, chunks: Sequence[Chunk]) -> torch.Tensor:
+    """[N, 1, D]: the decode rows' tokens embedded, then every chunk's embeddings."""
+    parts = [chunk.embeds for chunk in chunks]
+    if len(decode):
+        parts.insert(0, cast(nn.Module, runner.lm.embed_tokens)(to_device(decode.token_ids, runner.device)))
+    return torch.cat(parts)[:, None] if len(parts) > 1 else parts[0][:, None]
+
+
+def _positions(runner: ModelRunner, decode: DecodeRows, chunks: Sequence[Chunk], lengths: list[int]) -> torch.Tensor:
+    """The rotary positions of the N tokens: [N, 1], or M-RoPE's [3, N, 1] (a decode row's in all three)."""
+    offsets = decode.position_offsets or [0] * len(decode)
+    parts = [torch.tensor([n + delta for n, delta in zip(lengths, offsets)], dtype=torch.long)]
+    for chunk, length in zip(chunks, lengths[len(decode):]):
+        count = chunk.embeds.shape[0]
+        parts.append(torch.arange(length, length + count) if chunk.positions is None else chunk.positions.cpu())
+    if runner.mrope:
+        parts = [part.expand(3, -1) if part.dim() == 1 else part for part in parts]
+    return torch.cat(parts, dim=-1)[..., None].to(runner.device)
+
+
+class _RowsAttention:
+    """The decode rows' attention, every row of a layer in one call of our kernel (``CpuKernelPath``'s)."""
+
+    def __init__(self, runner: ModelRunner, kvs: list[PagedKVCache], lengths: list[int]):
+        width = max(len(kv.block_ids) for kv in kvs)
+        self.pool = kvs[0].pool
+        self.table = torch.tensor([kv.block_ids + [PAD_BLOCK] * (width - len(kv.block_ids)) for kv in kvs],
+                                  dtype=torch.int32)
+        self.ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
+        self.starts = {window: torch.tensor([window_start(window, n) for n in lengths], dtype=torch.int32)
+                       for window in set(runner.windows)}  # window -> [B]: each row's first key
+        self.windows = runner.windows
+
+    def __call__(self, index: int, layer, q: torch.Tensor) -> torch.Tensor:
+        """q [B, H, 1, hd] -> [B, H, 1, hd]."""
+        o = cpu_attention.decode_attention(q[:, :, 0].contiguous(), self.pool.k[index], self.pool.v[index],
+                                           self.table, self.starts[self.windows[index]], self.ends,
+                                           layer.self_attn.scaling)
+        return o[:, :, None]
+
+
+class _ChunkAttention:
+    """One chunk's attention, causal over its session's cache, as ``ModelRunner.prefill`` runs it."""
+
+    def __init__(self, runner: ModelRunner, kv: KVCache, start: int, count: int):
+        self.runner, self.kv, self.count, self.end = runner, kv, count, start + count
+        self.masks = causal_masks(start, count, runner.windows, runner.device)
+        self.gqa = runner.info.num_heads != runner.info.num_kv_heads
+
+    def __call__(self, index: int, layer, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, 1, hd] (the chunk's tokens as rows) -> [T, H, 1, hd]."""
+        runner, kv, window = self.runner, self.kv, self.runner.windows[index]
+        scale = layer.self_attn.scaling
+        queries = q[:, :, 0].transpose(0, 1)[None]  # [1, H, T, hd]
+        if runner.in_place(kv, window):
+            o = attend_runs(queries, kv.runs(index, 0, self.end), scale, self.gqa, self.masks[window])
+        else:
+            o = F.scaled_dot_product_attention(queries, kv.keys(index, self.end)[None], kv.values(index, self.end)[None],
+                                               attn_mask=self.masks[window], scale=scale, enable_gqa=self.gqa)
+        return o[0].transpose(0, 1)[:, :, None]

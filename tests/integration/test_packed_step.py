@@ -1,0 +1,139 @@
+"""One forward pass per engine step (session/model/packed_step.py): a step's prefill chunks and decode
+rows go through the model together, and each request answers as it does alone.
+
+- On SmolLM2 (real weights, our CPU linears and attention kernel), a packed step's logits are, bit for
+  bit, those of its parts run apart: the decode step, then each chunk's prefill.
+- On the demo text Llama and Qwen2-VL (M-RoPE), with image prompts on the latter, an engine whose
+  16-token budget makes prompts span steps beside decoding rows counts its forward passes per step:
+  exactly one in every step, steps that mix chunks and rows among them; and every answer equals the
+  one its request gets alone.
+- A packed pass that fails is run again with its parts apart, so a fault in one request's part fails
+  that request alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from session.engine.events import TERMINAL, Failed, Finished
+from session.model.backend import Chunk, DecodeRows
+from session.model.runner import ModelRunner
+from tests.integration.test_shared_prefix import Ask, demo_engine, demo_paths
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_packed_step_gives_each_part_the_bits_of_its_own_pass(smollm2_path, dtype):
+    runner = ModelRunner(str(smollm2_path), dtype=dtype)
+    prompts = [list(range(100, 140)), list(range(200, 290)), list(range(300, 320))]
+
+    def caches():  # a decoding session, and two prompts 10 and 5 tokens in
+        kvs = [runner.new_kv_cache(block_tokens=16, max_tokens=512) for _ in prompts]
+        for kv, prompt, cached in zip(kvs, prompts, (40, 10, 5)):
+            runner.prefill(kv, runner.embed(prompt[:cached], []))
+        return kvs
+
+    a, b, c = caches()
+    before = runner.num_passes
+    packed = runner.step([Chunk(b, runner.embed(prompts[1][10:], [])), Chunk(c, runner.embed(prompts[2][5:], []))],
+                         DecodeRows([a], [7]))
+    assert runner.num_passes - before == 1
+    assert [kv.length for kv in (a, b, c)] == [41, 90, 20]
+    a, b, c = caches()
+    apart = torch.cat([runner.decode([a], [7]), runner.prefill(b, runner.embed(prompts[1][10:], []))[None],
+                       runner.prefill(c, runner.embed(prompts[2][5:], []))[None]])
+    assert torch.equal(packed, apart)
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_model_path):
+    return demo_paths(tiny_model_path)
+
+
+def requests_of(engine, with_image: bool) -> list:
+    """Three cold prompts of 20 to 44 tokens (an image in each where the family takes one) and two
+    short ones: under a 16-token budget they span steps while the others decode."""
+    ask = Ask(engine, with_image)
+    out = [ask.request(ask.placeholders + [50 + i] * (20 + 12 * i), images=int(with_image)) for i in range(3)]
+    return out + [ask.request([90 + i, 91, 92]) for i in range(2)]
+
+
+def answers(requests) -> list[list[int]]:
+    out = []
+    for request in requests:
+        while not isinstance(event := request.stream.get(timeout=60), TERMINAL):
+            pass
+        assert isinstance(event, Finished), event
+        out.append(event.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_vl"])
+def test_every_step_is_one_forward_pass_and_answers_as_alone(paths, family):
+    with_image = family != "llama"
+    engine = demo_engine(paths[family], step_token_budget=16, check_invariants=True)
+    try:
+        alone = []
+        for request in requests_of(engine, with_image):
+            engine.submit(request)
+            alone += answers([request])
+        runner, steps = engine.parts.runner, []
+        original = engine._steps.run
+
+        def counted(plan, ended):
+            before = runner.num_passes
+            original(plan, ended)
+            steps.append((len(plan.prefill), len(plan.decode), runner.num_passes - before))
+
+        engine._steps.run = counted
+        burst = requests_of(engine, with_image)
+        for request in burst:
+            engine.submit(request)
+        assert answers(burst) == alone
+        ran = [step for step in steps if step[0] or step[1]]
+        assert [passes for _, _, passes in ran] == [1] * len(ran)
+        assert any(chunks and rows for chunks, rows, _ in ran)  # chunks beside decode rows
+        assert any(chunks > 1 for chunks, _, _ in ran)  # several prompts' chunks in one pass
+        assert engine.num_invariant_violations == 0
+    finally:
+        engine.stop()
+
+
+def test_a_failed_packed_pass_runs_its_parts_apart_and_only_the_faulty_one_fails(paths, monkeypatch):
+    """Every pass that feeds one request's prompt raises, after it ran (the caches advanced): the step
+    is run again a pass per part, where that prompt's pass fails again and its request fails alone,
+    and every other request answers as it does alone."""
+    engine = demo_engine(paths["llama"], step_token_budget=16, check_invariants=True)
+    try:
+        ask = Ask(engine, False)
+        prompts = [[50 + i] * (20 + 12 * i) for i in range(3)] + [[77] * 30, [90, 91, 92]]
+        alone = []
+        for ids in prompts:
+            request = ask.request(ids)
+            engine.submit(request)
+            alone += answers([request])
+        runner = engine.parts.runner
+        poison = runner.embed([77], [])[0]
+        original = runner.step
+
+        def failing_step(chunks, rows):
+            out = original(chunks, rows)
+            if any(torch.equal(chunk.embeds[0], poison) for chunk in chunks):
+                raise RuntimeError("injected fault in a pass feeding the poisoned prompt")
+            return out
+
+        monkeypatch.setattr(runner, "step", failing_step)
+        burst = [ask.request(ids) for ids in prompts]
+        for request in burst:
+            engine.submit(request)
+        events = []
+        for request in burst:
+            while not isinstance(event := request.stream.get(timeout=60), TERMINAL):
+                pass
+            events.append(event)
+        assert isinstance(events[3], Failed) and "injected fault" in str(events[3].error)
+        assert [e.token_ids for i, e in enumerate(events) if i != 3] == [a for i, a in enumerate(alone) if i != 3]
+        assert engine._steps.num_steps_run_apart >= 1
+        assert engine.num_invariant_violations == 0
+    finally:
+        engine.stop()
