@@ -135,9 +135,10 @@ class Scheduler:
         begun = {id(s) for s in self.prefilling}
         beginning: list[Sequence] = []  # turns this plan begins: their room is asked for together
         short_of_room = False  # a turn waits for room: no later arrival begins before it
+        answering = False  # the step feeds a resident follow-up: only urgent prompts join it
         for seq in candidates:
-            if budget <= 0:
-                break
+            if budget <= 0 or (answering and not self._urgent(seq)):
+                break  # a step that answers a follow-up stays short: its first token comes sooner
             if id(seq) not in begun:
                 if short_of_room:
                     continue
@@ -147,6 +148,7 @@ class Scheduler:
                     continue
                 beginning.append(seq)
             tokens = min(max(1, self.kv.tokens_to_prefill(seq)), budget)
+            answering = answering or self._follow_up(seq)
             plan.prefill.append(seq)
             plan.chunks.append(tokens)
             budget -= tokens
@@ -174,11 +176,15 @@ class Scheduler:
         return not (plan.decode or plan.prefill or self.running or self.prefilling)
 
     def _priority(self, seq: Sequence) -> tuple[bool, int]:
-        """Sort key, first goes first: a follow-up over resident KV that fits one step, or a prompt
-        passed over ``max_passed_over`` times; then arrival order."""
-        urgent = seq.passed_over >= self.max_passed_over or (
-            self.kv.is_resident(seq) and self.kv.tokens_to_prefill(seq) <= self.token_budget)
-        return not urgent, seq.arrival
+        """Sort key, first goes first: the urgent (``_urgent``), then arrival order."""
+        return not self._urgent(seq), seq.arrival
+
+    def _urgent(self, seq: Sequence) -> bool:
+        """A follow-up over resident KV that fits one step, or a prompt passed over ``max_passed_over`` times."""
+        return seq.passed_over >= self.max_passed_over or self._follow_up(seq)
+
+    def _follow_up(self, seq: Sequence) -> bool:
+        return self.kv.is_resident(seq) and self.kv.tokens_to_prefill(seq) <= self.token_budget
 
     def complete(self, plan: StepPlan, ended: Iterable[Sequence]) -> None:
         """The step is over: sequences that did not end decode on, at the back of the queue; a prefill

@@ -207,9 +207,32 @@ def test_a_follow_up_longer_than_the_budget_is_served_in_arrival_order():
     small = model.need(seq("small"), 2, resident=True)
     for s in (cold, big, small):
         scheduler.add(s)
+    plan = scheduler.schedule()  # the short follow-up alone: its step stays short
+    assert plan.prefill == [small] and plan.chunks == [2]
+    model.run(scheduler, plan)
     plan = scheduler.schedule()
-    assert plan.prefill == [small, cold, big] and plan.chunks == [2, 4, 2]
-    assert big.passed_over == 0 and cold.passed_over == 0  # served, if not wholly
+    assert plan.prefill == [cold, big] and plan.chunks == [4, 3]  # small decodes: 7 tokens left
+    assert big.passed_over == 1 and cold.passed_over == 1  # a later arrival went first, once
+
+
+def test_a_step_that_answers_a_follow_up_carries_no_cold_chunk_until_the_cold_prompt_is_urgent():
+    """Cold chunks beside a follow-up would make its first token wait for them (one pass per step): the
+    follow-up's step feeds it and the decode rows only, until the cold prompt has been passed over
+    ``max_passed_over`` times; from then on the cold prompt goes first and shares every step."""
+    model = Model()
+    scheduler = model.scheduler(max_batch_size=8, token_budget=16, max_passed_over=2)
+    cold = model.need(seq("cold"), 100)
+    scheduler.add(cold)
+    model.run(scheduler, scheduler.schedule())  # its first 16 tokens
+    plans = []
+    for step in range(4):
+        scheduler.add(model.need(seq(f"f{step}"), 3, resident=True))
+        plan = scheduler.schedule()
+        plans.append(list(zip([s.session.session_id for s in plan.prefill], plan.chunks)))
+        model.run(scheduler, plan)
+    assert plans == [[("f0", 3)], [("f1", 3)], [("cold", 14)], [("cold", 14)]]  # 2 rows decode
+    plan = scheduler.schedule()  # f2 and f3 waited behind the urgent cold prompt
+    assert [s.session.session_id for s in plan.prefill][:1] == ["cold"]
 
 
 def decode_rows(plan, decodes: dict[int, int]) -> list[Sequence]:
