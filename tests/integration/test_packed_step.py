@@ -137,3 +137,47 @@ def test_a_failed_packed_pass_runs_its_parts_apart_and_only_the_faulty_one_fails
         assert engine.num_invariant_violations == 0
     finally:
         engine.stop()
+
+
+def test_adapters_mixed_in_a_packed_step_answer_as_alone(tiny_model_path, adapters_dir):
+    """Prompts under four LoRA adapters and the base, chunked under a 16-token budget beside decoding
+    rows: each token's adapter applies in the one pass (per-token slots), so every answer equals the
+    one its request gets alone, and every step is one pass."""
+    from session.config import EngineConfig
+    from session.engine import Engine
+    from session.engine.events import EventStream
+    from session.engine.requests import GenerationRequest
+    from session.types import SamplingParams
+
+    engine = Engine(EngineConfig(model_path=str(tiny_model_path), adapters_dir=str(adapters_dir),
+                                 step_token_budget=16, speculative="off", check_invariants=True)).start()
+    names = ["tone", "domain", "customer", "terse", None]
+
+    def burst():
+        return [GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=8), stream=EventStream(),
+                                  token_ids=[1] + [60 + i] * (10 + 7 * i), adapter=name)
+                for i, name in enumerate(names)]
+
+    try:
+        alone = []
+        for request in burst():
+            engine.submit(request)
+            alone += answers([request])
+        assert len(set(map(tuple, alone))) == len(names)  # each adapter changes the answer
+        runner, passes = engine.parts.runner, []
+        original = engine._steps.run
+
+        def counted(plan, ended):
+            before = runner.num_passes
+            original(plan, ended)
+            passes.append((len(plan.prefill), len(plan.decode), runner.num_passes - before))
+
+        engine._steps.run = counted
+        requests = burst()
+        for request in requests:
+            engine.submit(request)
+        assert answers(requests) == alone
+        ran = [step for step in passes if step[0] or step[1]]
+        assert all(count == 1 for _, _, count in ran) and any(c and r for c, r, _ in ran)
+    finally:
+        engine.stop()
