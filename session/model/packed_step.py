@@ -15,9 +15,10 @@ Each row gets the bits its own pass would: our linears sum the decode rows in th
 and a chunk's tokens in the several-row ones (``several_rows_from``, session/model/cpu/linear.py), and
 the logits are taken at each part's last position only, as [R, 1, D] (one row each, as both passes do).
 
-Where it runs: CPU, every cache paged in the runner's one head-major pool, our decode attention
-kernel built (``ModelRunner.pooled_decode``). Elsewhere, and for a step of one part, the runner runs
-its passes apart (``separate_passes``). On CUDA the packed pass would go through the varlen paged
+Where it runs: CPU, every cache paged in the runner's one pool. Without our decode attention kernel
+(``ModelRunner.pooled_decode``: RESIDENT_CPU_KERNELS=0, a head size or dtype it does not take) each
+decode row attends as a one-token chunk. Elsewhere, and for a step of one part, the runner runs its
+passes apart (``separate_passes``). On CUDA the packed pass would go through the varlen paged
 kernels; it is not built yet. Who calls this: ``ModelRunner.step``, on the engine loop thread.
 """
 
@@ -42,14 +43,14 @@ if TYPE_CHECKING:
 
 
 def packs(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None) -> bool:
-    """Does ``packed_step`` take this step (more than one part, on CPU, all caches in one head-major pool)?"""
+    """Does ``packed_step`` take this step (more than one part, on CPU, all caches in one pool)?"""
     kvs = [chunk.kv for chunk in chunks] + (list(rows.kvs) if rows is not None else [])
     if len(chunks) + (1 if rows is not None and len(rows) else 0) < 2:
         return False
-    if runner.device.type != "cpu" or not runner.pooled_decode or not isinstance(kvs[0], PagedKVCache):
+    if runner.device.type != "cpu" or not isinstance(kvs[0], PagedKVCache):
         return False
     pool = kvs[0].pool
-    return pool.head_major and all(isinstance(kv, PagedKVCache) and kv.pool is pool for kv in kvs)
+    return all(isinstance(kv, PagedKVCache) and kv.pool is pool for kv in kvs)
 
 
 def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
@@ -70,16 +71,18 @@ def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows |
     cos, sin = cast(nn.Module, runner.lm.rotary_emb)(h, _positions(runner, decode, chunks, lengths))
     slots = to_device([slot for kv, length, count in zip(kvs, lengths, counts)
                        for slot in kv.slots(length, length + count)], runner.device)[:, None]  # [N, 1]
-    rows_attention = _RowsAttention(runner, kvs[:num_rows], lengths[:num_rows]) if num_rows else None
-    chunk_attention = [_ChunkAttention(runner, kv, length, count)
-                       for kv, length, count in zip(kvs[num_rows:], lengths[num_rows:], counts[num_rows:])]
     pool = kvs[0].pool
+    kernel = bool(num_rows) and runner.pooled_decode and pool.head_major  # else each row a one-token chunk
+    rows_attention = _RowsAttention(runner, kvs[:num_rows], lengths[:num_rows]) if kernel else None
+    first_chunk = num_rows if kernel else 0
+    chunk_attention = [_ChunkAttention(runner, kv, length, count, all_keys=index < num_rows)
+                       for index, (kv, length, count) in enumerate(zip(kvs, lengths, counts)) if index >= first_chunk]
     with several_rows_from(num_rows):
         for index, layer in enumerate(runner.layers):
             q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [N, H, 1, hd]; k, v: [N, KVH, 1, hd]
             pool.write_rows(index, slots, k, v)
             outs = [] if rows_attention is None else [rows_attention(index, layer, q[:num_rows])]
-            first = num_rows
+            first = first_chunk
             for attention in chunk_attention:
                 outs.append(attention(index, layer, q[first:first + attention.count]))
                 first += attention.count
@@ -135,9 +138,10 @@ class _RowsAttention:
 class _ChunkAttention:
     """One chunk's attention, causal over its session's cache, as ``ModelRunner.prefill`` runs it."""
 
-    def __init__(self, runner: ModelRunner, kv: KVCache, start: int, count: int):
+    def __init__(self, runner: ModelRunner, kv: KVCache, start: int, count: int, all_keys: bool = False):
+        """``all_keys``: a decode row (one query, no mask where every key is its past, as its decode step)."""
         self.runner, self.kv, self.count, self.end = runner, kv, count, start + count
-        self.masks = causal_masks(start, count, runner.windows, runner.device)
+        self.masks = causal_masks(start, count, runner.windows, runner.device, all_keys=all_keys)
         self.gqa = runner.info.num_heads != runner.info.num_kv_heads
 
     def __call__(self, index: int, layer, q: torch.Tensor) -> torch.Tensor:
@@ -148,6 +152,7 @@ class _ChunkAttention:
         if runner.in_place(kv, window):
             o = attend_runs(queries, kv.runs(index, 0, self.end), scale, self.gqa, self.masks[window])
         else:
-            o = F.scaled_dot_product_attention(queries, kv.keys(index, self.end)[None], kv.values(index, self.end)[None],
-                                               attn_mask=self.masks[window], scale=scale, enable_gqa=self.gqa)
+            keys, values = kv.keys(index, self.end)[None], kv.values(index, self.end)[None]
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.masks[window], scale=scale,
+                                               enable_gqa=self.gqa)
         return o[0].transpose(0, 1)[:, :, None]

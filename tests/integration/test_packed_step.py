@@ -68,10 +68,11 @@ def answers(requests) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_vl"])
-def test_every_step_is_one_forward_pass_and_answers_as_alone(paths, family):
+@pytest.mark.parametrize("family,cpu_kernels", [("llama", True), ("qwen2_vl", True), ("llama", False)])
+def test_every_step_is_one_forward_pass_and_answers_as_alone(paths, family, cpu_kernels):
+    """Without our CPU kernels (torch's linears and attention) the decode rows attend as one-token chunks."""
     with_image = family != "llama"
-    engine = demo_engine(paths[family], step_token_budget=16, check_invariants=True)
+    engine = demo_engine(paths[family], step_token_budget=16, check_invariants=True, cpu_kernels=cpu_kernels)
     try:
         alone = []
         for request in requests_of(engine, with_image):
