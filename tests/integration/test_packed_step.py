@@ -58,14 +58,35 @@ def requests_of(engine, with_image: bool) -> list:
     return out + [ask.request([90 + i, 91, 92]) for i in range(2)]
 
 
-def answers(requests) -> list[list[int]]:
+def finals(requests) -> list:
+    """Each request's final event (its stream read to the end)."""
     out = []
     for request in requests:
         while not isinstance(event := request.stream.get(timeout=60), TERMINAL):
             pass
-        assert isinstance(event, Finished), event
-        out.append(event.token_ids)
+        out.append(event)
     return out
+
+
+def answers(requests) -> list[list[int]]:
+    events = finals(requests)
+    assert all(isinstance(event, Finished) for event in events), events
+    return [event.token_ids for event in events]
+
+
+def count_passes(engine) -> list[tuple[int, int, int]]:
+    """From now on, per step of ``engine``: (prefill chunks, decode rows, forward passes run)."""
+    runner, steps = engine.parts.runner, []
+    original = engine._steps.run
+
+    def counted(plan, ended):
+        before = runner.num_passes
+        original(plan, ended)
+        if plan.prefill or plan.decode:
+            steps.append((len(plan.prefill), len(plan.decode), runner.num_passes - before))
+
+    engine._steps.run = counted
+    return steps
 
 
 @pytest.mark.parametrize("family,cpu_kernels", [("llama", True), ("qwen2_vl", True), ("llama", False)])
@@ -78,20 +99,11 @@ def test_every_step_is_one_forward_pass_and_answers_as_alone(paths, family, cpu_
         for request in requests_of(engine, with_image):
             engine.submit(request)
             alone += answers([request])
-        runner, steps = engine.parts.runner, []
-        original = engine._steps.run
-
-        def counted(plan, ended):
-            before = runner.num_passes
-            original(plan, ended)
-            steps.append((len(plan.prefill), len(plan.decode), runner.num_passes - before))
-
-        engine._steps.run = counted
+        ran = count_passes(engine)
         burst = requests_of(engine, with_image)
         for request in burst:
             engine.submit(request)
         assert answers(burst) == alone
-        ran = [step for step in steps if step[0] or step[1]]
         assert [passes for _, _, passes in ran] == [1] * len(ran)
         assert any(chunks and rows for chunks, rows, _ in ran)  # chunks beside decode rows
         assert any(chunks > 1 for chunks, _, _ in ran)  # several prompts' chunks in one pass
@@ -127,11 +139,7 @@ def test_a_failed_packed_pass_runs_its_parts_apart_and_only_the_faulty_one_fails
         burst = [ask.request(ids) for ids in prompts]
         for request in burst:
             engine.submit(request)
-        events = []
-        for request in burst:
-            while not isinstance(event := request.stream.get(timeout=60), TERMINAL):
-                pass
-            events.append(event)
+        events = finals(burst)
         assert isinstance(events[3], Failed) and "injected fault" in str(events[3].error)
         assert [e.token_ids for i, e in enumerate(events) if i != 3] == [a for i, a in enumerate(alone) if i != 3]
         assert engine._steps.num_steps_run_apart >= 1
@@ -165,20 +173,11 @@ def test_adapters_mixed_in_a_packed_step_answer_as_alone(tiny_model_path, adapte
             engine.submit(request)
             alone += answers([request])
         assert len(set(map(tuple, alone))) == len(names)  # each adapter changes the answer
-        runner, passes = engine.parts.runner, []
-        original = engine._steps.run
-
-        def counted(plan, ended):
-            before = runner.num_passes
-            original(plan, ended)
-            passes.append((len(plan.prefill), len(plan.decode), runner.num_passes - before))
-
-        engine._steps.run = counted
+        ran = count_passes(engine)
         requests = burst()
         for request in requests:
             engine.submit(request)
         assert answers(requests) == alone
-        ran = [step for step in passes if step[0] or step[1]]
         assert all(count == 1 for _, _, count in ran) and any(c and r for c, r, _ in ran)
     finally:
         engine.stop()

@@ -124,15 +124,21 @@ def test_packed_layout():
     assert packed[2, 0, 16:].eq(0).all()  # outputs 40..47 do not exist: zeros
 
 
-def test_a_decode_batch_computes_each_row_as_alone():
-    """x [B, 1, K] (one new token per sequence) sums in the one-row blocks for every row: each row's
-    bits are F.linear's on that row alone, which oneDNN's own batched product does not keep."""
-    n, k = 512, 1376
-    x, w = cancelling(12, n, k, torch.Generator().manual_seed(5))
+def kernel_linear(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+    """``cancelling`` rows x and weight w, and a bfloat16 linear of w packed for our kernel."""
+    x, w = cancelling(rows, n, k, torch.Generator().manual_seed(seed))
     module = nn.Linear(k, n, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         module.weight.copy_(w)
     assert cpu_linear.pack_linears([module]) == (1, "")
+    return x, w, module
+
+
+def test_a_decode_batch_computes_each_row_as_alone():
+    """x [B, 1, K] (one new token per sequence) sums in the one-row blocks for every row: each row's
+    bits are F.linear's on that row alone, which oneDNN's own batched product does not keep."""
+    n, k = 512, 1376
+    x, w, module = kernel_linear(12, n, k, seed=5)
     assert type(module) is KernelLinear and "weight" not in dict(module.named_parameters())  # no dense copy
     with torch.inference_mode():
         # AMX: each row as ours computes it alone (torch's bits are out of reach: test_bits_equal...)
@@ -152,12 +158,7 @@ def test_a_packed_step_sums_decode_rows_as_alone_and_prefill_tokens_as_a_prefill
     """In a step that packs 5 decode rows before a 9-token prefill chunk ([14, 1, K] within
     ``several_rows_from(5)``), the decode rows get the bits of their own decode step ([5, 1, K]) and the
     chunk's tokens those of their own prefill ([1, 9, K]): one call, two block sizes."""
-    n, k = 512, 1376
-    x, w = cancelling(14, n, k, torch.Generator().manual_seed(6))
-    module = nn.Linear(k, n, bias=False).to(torch.bfloat16)
-    with torch.no_grad():
-        module.weight.copy_(w)
-    assert cpu_linear.pack_linears([module]) == (1, "")
+    x, _, module = kernel_linear(14, 512, 1376, seed=6)
     assert module.one_row_block != module.rows_block  # K past 1024: the sizes differ
     with torch.inference_mode():
         with cpu_linear.several_rows_from(5):
