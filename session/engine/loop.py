@@ -171,8 +171,13 @@ class Engine(Preparation):
 
     @property
     def num_oom_retries(self) -> int:
-        """Decode batches run again in smaller ones after an OOM (``PlanRunner``); loop thread only."""
+        """Steps run again in smaller passes after an OOM (``PlanRunner``); loop thread only."""
         return self._steps.num_oom_retries
+
+    @property
+    def num_steps_run_apart(self) -> int:
+        """Steps whose one pass failed, run again a pass per part (``PlanRunner``); loop thread only."""
+        return self._steps.num_steps_run_apart
 
     @property
     def max_batch_seen(self) -> int:

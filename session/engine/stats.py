@@ -51,6 +51,7 @@ def snapshot(engine) -> EngineStats:
                 "embedding_misses": embeddings.num_misses, "embedding_evictions": embeddings.num_evictions,
                 "overloaded": overloaded, "journal_write_errors": sessions.num_journal_write_errors,
                 "oom_retries": engine.num_oom_retries, "oom_failures": engine.num_oom_failures,
+                "steps_run_apart": engine.num_steps_run_apart,
                 "prefill_chunks": parts.executor.num_prefill_chunks,
                 "prompts_passed_over": parts.scheduler.num_passed_over,
                 "prompts_waited_for_kv_room": parts.scheduler.num_waited_for_room,

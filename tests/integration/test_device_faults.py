@@ -167,7 +167,7 @@ def test_an_oom_in_a_step_of_two_prompts_runs_them_apart_and_both_are_served(mak
     assert [tokens(e) for e in events] == [expected(p) for p in PROMPTS[:2]]
     stats = engine.stats()
     assert stats.events["oom_failures"] == 0 and stats.events["oom_retries"] == 1
-    assert engine._steps.num_steps_run_apart == 1 and engine.num_invariant_violations == 0
+    assert stats.events["steps_run_apart"] == 1 and engine.num_invariant_violations == 0
 
 
 def test_an_oom_after_sampling_leaves_the_rows_as_before_and_sampled_answers_are_exact(make_engine, monkeypatch):

@@ -142,7 +142,7 @@ def test_a_failed_packed_pass_runs_its_parts_apart_and_only_the_faulty_one_fails
         events = finals(burst)
         assert isinstance(events[3], Failed) and "injected fault" in str(events[3].error)
         assert [e.token_ids for i, e in enumerate(events) if i != 3] == [a for i, a in enumerate(alone) if i != 3]
-        assert engine._steps.num_steps_run_apart >= 1
+        assert engine.fresh_stats().events["steps_run_apart"] >= 1
         assert engine.num_invariant_violations == 0
     finally:
         engine.stop()
