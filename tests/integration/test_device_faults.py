@@ -121,7 +121,7 @@ def test_a_request_that_runs_out_of_memory_alone_fails_503_and_the_others_finish
     assert engine.parts.store.peek("s1").token_ids == transcript
 
     runner.oom_token = POISON
-    follow_up = [9, POISON]  # last to prefill: it first decodes in a batch of all four
+    follow_up = [9, POISON]  # a resident follow-up: its step first, then it decodes beside the 3 prompts' chunks
     events = serve(engine, [request(p) for p in PROMPTS[:3]] + [request(follow_up, session_id="s1")])
     assert [tokens(e) for e in events[:3]] == [expected(p) for p in PROMPTS[:3]]
     started, failed = events[3][0], events[3][-1]
@@ -129,10 +129,11 @@ def test_a_request_that_runs_out_of_memory_alone_fails_503_and_the_others_finish
     error = failed.error
     assert isinstance(error, DeviceOutOfMemory) and error.status == 503 and error.headers == {"Retry-After": "1"}
     assert error.type == "capacity_exceeded"
-    # 4 rows OOM -> halves [r1 r2] (fit) and [r3 s1] (OOM) -> [r3] (fits) and [s1] (OOMs alone: fails).
-    assert runner.num_ooms == 3
+    # The step of 3 chunks and s1's decode row OOMs -> run apart: the chunks fit, s1's row OOMs alone: fails.
+    assert runner.num_ooms == 2
     stats = engine.stats()
-    assert stats.events["oom_retries"] == 2 and stats.events["oom_failures"] == 1
+    assert stats.events["oom_retries"] == 1 and stats.events["oom_failures"] == 1
+    assert stats.events["steps_run_apart"] == 1
     assert stats.requests["overloaded"] == 1 and stats.requests["failed"] == 1
     # Rolled back: the session is as before the failed turn, and answers the next one exactly.
     assert engine.parts.store.peek("s1").token_ids == transcript
