@@ -93,10 +93,14 @@ class Sessions:
         kv = self.caches.new_kv()
         if tier is not Tier.DEVICE:
             kv.release()
-        session = self.store.open(SessionState(
-            session_id=session_id, kv=kv, created_at=now, last_used_at=now, expires_at=now + ttl_s,
-            ephemeral=ephemeral, tier=tier, adapter=adapter, cache_salt=cache_salt, tenant=tenant,
-        ))
+        try:
+            session = self.store.open(SessionState(
+                session_id=session_id, kv=kv, created_at=now, last_used_at=now, expires_at=now + ttl_s,
+                ephemeral=ephemeral, tier=tier, adapter=adapter, cache_salt=cache_salt, tenant=tenant,
+            ))
+        except BaseException:
+            kv.release()
+            raise
         session.draft_kv = self.caches.new_draft_kv()
         return session
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from cachetools import LRUCache
 
-from session.errors import CapacityExceeded, SessionNotFound, TooManyRequests
+from session.errors import CapacityExceeded, SessionExists, SessionNotFound, TooManyRequests
 from session.state.session import SessionState
 
 
@@ -41,6 +41,8 @@ class SessionStore:
         return len(self._sessions) < self.max_sessions
 
     def open(self, state: SessionState) -> SessionState:
+        if state.session_id in self._sessions:  # replacing it would leak the live one's KV, images and count
+            raise SessionExists(f"session {state.session_id} is already open on this worker")
         if not state.ephemeral and self.max_per_tenant and self.per_tenant[state.tenant] >= self.max_per_tenant:
             raise TooManyRequests(f"this tenant has {self.per_tenant[state.tenant]} sessions open on this worker, its "
                                   "share (RESIDENT_MAX_SESSIONS_PER_TENANT); close one (requestType CLOSE) or let one "

@@ -11,7 +11,7 @@ import torch
 from session.config import EngineConfig
 from session.engine import CloseRequest, Engine, GenerationRequest
 from session.engine.events import TERMINAL, Closed, EventStream, Failed, Finished, Started, TextDelta
-from session.errors import ContextLengthExceeded, SessionNotFound
+from session.errors import ContextLengthExceeded, SessionExists, SessionNotFound
 from session.families.vision import NO_IMAGES
 from session.types import ImagePart, Message, SamplingParams, TextPart
 from tests.conftest import make_image
@@ -244,6 +244,22 @@ def test_context_overflow_is_refused_and_leaves_the_session_usable(engine):
     ok = turn(engine, "ctx-1", QUESTIONS[1])
     assert ok[0].cached_tokens == len(before) - 1
     run(engine, CloseRequest("ctx-1", EventStream()))
+
+
+def test_opening_an_id_already_open_is_refused_409_and_leaves_the_session_whole(engine):
+    """An engine caller (the API always opens a fresh id) opening an id that is live: replacing the
+    session would leak its KV blocks, images and tenant count (the invariant check found blocks held
+    by no session). It is refused with 409 session_exists; the session answers on, and closes clean."""
+    turn(engine, "dup-1", QUESTIONS[0], open_session=True)
+    before = list(engine.parts.store.get("dup-1").token_ids)
+    held = engine.parts.memory.device_bytes
+    again = turn(engine, "dup-1", QUESTIONS[1], open_session=True)
+    assert isinstance(again[-1], Failed) and isinstance(again[-1].error, SessionExists)
+    assert again[-1].error.status == 409 and again[-1].error.type == "session_exists"
+    assert engine.parts.store.get("dup-1").token_ids == before and engine.parts.memory.device_bytes == held
+    ok = turn(engine, "dup-1", QUESTIONS[1])
+    assert ok[0].cached_tokens == len(before) - 1
+    run(engine, CloseRequest("dup-1", EventStream()))
 
 
 def test_requests_on_one_session_run_in_arrival_order(engine):
