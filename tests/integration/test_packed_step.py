@@ -181,3 +181,57 @@ def test_adapters_mixed_in_a_packed_step_answer_as_alone(tiny_model_path, adapte
         assert all(count == 1 for _, _, count in ran) and any(c and r for c, r, _ in ran)
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_bursts_keep_one_pass_per_step_and_every_answer(paths, seed):
+    """Random prompts (1 to 70 tokens), some continuing open sessions, arriving in random groups while
+    others decode, under a random token budget (3 to 48): every step is one pass, and every answer
+    equals the answer the same turn gets on an engine that serves one request at a time."""
+    import random
+
+    rng = random.Random(seed)
+    budget = rng.choice([3, 5, 16, 48])
+    turns = []  # (session or None, ids, max_tokens): a session's turns in order
+    for _ in range(14):
+        session = rng.choice([None, None, f"r{seed}-{rng.randrange(4)}"])
+        turns.append((session, [rng.randrange(40, 1500) for _ in range(rng.randint(1, 70))], rng.randint(1, 9)))
+
+    def request(ask, opened, session, ids, max_tokens):
+        extra = {"session_id": session, "open_session": session not in opened} if session else {}
+        opened.add(session)
+        out = ask.request(ids, **extra)
+        out.sampling = type(out.sampling)(max_tokens=max_tokens)
+        return out
+
+    def serve(engine, groups):
+        ask, answered, opened = Ask(engine, False), [], set()
+        for group in groups:  # a group is submitted together; the next waits for its answers
+            requests = [request(ask, opened, *turn) for turn in group]
+            for item in requests:
+                engine.submit(item)
+            answered += answers(requests)
+        return answered
+
+    alone_engine = demo_engine(paths["llama"], step_token_budget=4096)
+    engine = demo_engine(paths["llama"], step_token_budget=budget, check_invariants=True)
+    try:
+        alone = serve(alone_engine, [[turn] for turn in turns])
+        groups, start = [], 0
+        while start < len(turns):  # one session's turns in separate groups: a turn follows the one before
+            size = rng.randint(1, 5)
+            group, seen = [], set()
+            for turn in turns[start:start + size]:
+                if turn[0] is not None and turn[0] in seen:
+                    break
+                seen.add(turn[0])
+                group.append(turn)
+            groups.append(group)
+            start += len(group)
+        ran = count_passes(engine)
+        assert serve(engine, groups) == alone
+        assert [passes for _, _, passes in ran] == [1] * len(ran)
+        assert engine.num_invariant_violations == 0
+    finally:
+        alone_engine.stop()
+        engine.stop()
