@@ -138,7 +138,7 @@ def test_concurrent_sessions_speculate_in_one_batched_pass(plain, num_sessions, 
     try:
         for step in range(2):
             expected = [finished(run(plain, request)).token_ids
-                        for request in session_turns(num_sessions, step, f"plain-{num_sessions}")]
+                        for request in session_turns(num_sessions, step, f"plain-{num_sessions}-{attention}")]
             got = submit_all(engine, session_turns(num_sessions, step, f"spec-{num_sessions}"))
             assert got == expected
         assert max(verify_rows) == num_sessions
