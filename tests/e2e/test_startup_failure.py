@@ -98,11 +98,15 @@ def error_line(run: Run) -> str:
     return lines[0]
 
 
-def assert_it_started_torchserve_and_left_nothing(run: Run, num_instances: int) -> None:
+def assert_it_started_torchserve_and_left_nothing(run: Run, num_instances: int,
+                                                  at_least: int | None = None) -> None:
+    """``num_instances`` frontends started (``at_least``: at least that many and at most ``num_instances``:
+    a later backend may still be preparing when the first failure stops them all), none left running."""
     # a frontend's own children (its Python workers) carry its command line between fork and exec: not counted
     frontends = [pid for pid, cmd in run.commands.items() if "org.pytorch.serve.ModelServer" in cmd
                  and "org.pytorch.serve.ModelServer" not in run.commands.get(run.parents[pid], "")]
-    assert len(frontends) == num_instances, run.commands
+    lowest = num_instances if at_least is None else at_least
+    assert lowest <= len(frontends) <= num_instances, run.commands
     # The worker itself is not asserted seen: it may start and die between two samples of the process
     # tree (its error line and traceback, asserted by the callers, are what it leaves).
     gone, alive = psutil.wait_procs(list(run.started.values()), timeout=5)
@@ -133,4 +137,5 @@ def test_cluster_stops_every_backend_at_the_first_failure(broken_model, tmp_path
     line = error_line(run)
     assert "TemplateError: broken on purpose" in line, line
     assert f"(see build/cluster-{port}/backend-" in line and line.endswith("/logs/model_log.log)")
-    assert_it_started_torchserve_and_left_nothing(run, num_instances=2)
+    # backend 1 may still be archiving its model when backend 0's worker fails: its frontend never starts
+    assert_it_started_torchserve_and_left_nothing(run, num_instances=2, at_least=1)
