@@ -131,16 +131,14 @@ class PlanRunner:
     def _what(seq: Sequence) -> str:
         return f"prefill of request {seq.request_id} (session {redact(seq.session.session_id)})"
 
-    def _run_decode(self, rows: list[Sequence], ended: list[Sequence], speculating: list[Sequence] | None = None,
+    def _run_decode(self, rows: list[Sequence], ended: list[Sequence], speculating: list[Sequence],
                     failed: Exception | None = None) -> None:
         """One batched step for every decoding row: speculative (one target pass verifies every row's
-        proposals, plain rows ride along) when ``speculating`` has rows (None: ask the executor), else a
-        plain decode (``failed``: the error a plain decode of these rows already raised). Out of device
-        memory, the same rows run again in smaller batches (``_decode_smaller``)."""
-        if speculating is None:
-            speculating = self.executor.speculating(rows)
+        proposals, plain rows ride along) when ``speculating`` has rows, else a plain decode (``failed``:
+        the error a plain decode of these rows already raised). Out of device memory, the same rows run
+        again in smaller batches (``_decode_smaller``)."""
         error = None
-        tokens: list[list[int] | ResidentError] = []
+        tokens: list[list[int]] | list[int | ResidentError] = []
         if failed is not None:
             error = self._step_error(failed, f"decode step for {len(rows)} requests")
         else:
@@ -148,7 +146,7 @@ class PlanRunner:
                 if speculating:
                     tokens = list(self.executor.speculate(rows, speculating))
                 else:  # a row that could not be sampled has its error in place of its token
-                    tokens = [t if isinstance(t, ResidentError) else [t] for t in self.executor.decode(rows)]
+                    tokens = self.executor.decode(rows)
             except Exception as exc:  # every row is as before the step (executor.decode, executor.speculate)
                 error = self._step_error(exc, f"decode step for {len(rows)} requests")
         if isinstance(error, DeviceOutOfMemory):  # out of the except block: the failed pass's tensors are freed
