@@ -158,6 +158,7 @@ class PagedAttention:
         self.pool = pool
         self.batch = batch
         self.backend = backend
+        self.windows = windows
         if backend == "flash_attn":
             from flash_attn import flash_attn_with_kvcache
 
@@ -195,28 +196,29 @@ class PagedAttention:
             return (window - 1, 0)
         return (-1, -1) if num_new == 1 else (-1, 0)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None,
-                 scale: float) -> torch.Tensor:
-        """q: [B, H, T, hd]; k, v: [B, KVH, T, hd] (the new tokens) -> attention output [B, H, T, hd]."""
+    def __call__(self, index: int, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Layer ``index`` (a ``LayerAttention``, session/model/layer_attention.py): q [B, H, T, hd]; k, v
+        [B, KVH, T, hd] (the new tokens) -> attention output [B, H, T, hd]."""
         pool, batch = self.pool, self.batch
+        window, scale = self.windows[index], layer.self_attn.scaling
         if self.backend == "flash_attn":  # token-major pools only (CUDA: see choose_backend)
             # the kernel writes the new keys and values at cache_seqlens.. through the block table itself
             # (one kernel for the write and the attention), then attends over cache_seqlens + T keys
-            out = self.flash(q.transpose(1, 2), pool.k[layer], pool.v[layer], k=k.transpose(1, 2),
+            out = self.flash(q.transpose(1, 2), pool.k[index], pool.v[index], k=k.transpose(1, 2),
                              v=v.transpose(1, 2), cache_seqlens=self.cached, block_table=batch.block_table,
                              softmax_scale=scale, causal=True,
                              window_size=(-1, -1) if window is None else (window - 1, 0))  # [B, T, H, hd]
             return out.transpose(1, 2)
-        pool.write_rows(layer, batch.slots, k, v)
+        pool.write_rows(index, batch.slots, k, v)
         if self.backend == "varlen":
             rows, heads, num_new, head_dim = q.shape
-            out = self.varlen(q.transpose(1, 2).reshape(rows * num_new, heads, head_dim), pool.k[layer], pool.v[layer],
+            out = self.varlen(q.transpose(1, 2).reshape(rows * num_new, heads, head_dim), pool.k[index], pool.v[index],
                               self.cu_q, self.cu_k, num_new, self.max_k, scale=scale,
                               window_size=self._varlen_window(window, num_new),
                               enable_gqa=heads != pool.num_kv_heads, seqused_k=batch.seq_lens,
                               block_table=batch.block_table)  # [B*T, H, hd]
             return out.view(rows, num_new, heads, head_dim).transpose(1, 2)
-        keys, values = pool.gather(layer, batch.block_table)  # [B, KVH, S, hd]
+        keys, values = pool.gather(index, batch.block_table)  # [B, KVH, S, hd]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.masks[window], scale=scale,
                                               enable_gqa=q.shape[1] != keys.shape[1])
 

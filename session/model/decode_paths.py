@@ -27,22 +27,22 @@ import torch.nn.functional as F
 from session.model.attention import attend_runs, causal_masks, choose_backend, columns, plan_rows, to_batch
 from session.model.backend import ModelInfo
 from session.model.blocks import blocks_for, blocks_missing
-from session.model.cpu import attention as cpu_attention, fused_layer
-from session.model.kv_cache import PAD_BLOCK, KVCache, KVPool, PagedKVCache
+from session.model.cpu import fused_layer
+from session.model.kv_cache import KVCache, KVPool, PagedKVCache
+from session.model.layer_attention import KernelRowsAttention, LayerStack, block_table, gqa, run_layers, window_start
 
 if TYPE_CHECKING:
     from session.model.cuda_graphs import DecodeGraphs
     from session.model.lora_bank import LoraBank
 
 
-class Layers(Protocol):
+class Layers(LayerStack, Protocol):
     """What a path needs of its runner (``ModelRunner``): the model's layers and how one runs."""
 
     device: torch.device
     dtype: torch.dtype
     kv_dtype: torch.dtype
     info: ModelInfo
-    layers: list
     lm: Any  # transformers' decoder stack: embed_tokens, rotary_emb, norm (its class's own parts)
     lm_head: torch.nn.Module
     windows: list[int | None]
@@ -55,10 +55,6 @@ class Layers(Protocol):
     def lora(self) -> LoraBank | None: ...
 
     def set_adapters(self, slots: list[int] | None) -> None: ...
-
-    def attention_inputs(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor): ...
-
-    def finish_layer(self, layer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor: ...
 
     def logits(self, h: torch.Tensor) -> torch.Tensor: ...
 
@@ -79,33 +75,7 @@ class PerRowPath:
         values) of kvs[b]."""
         runner = self.runner
         h, cos, sin = step_inputs(runner, token_ids, lengths, offsets)
-        gqa = runner.info.num_heads != runner.info.num_kv_heads
-        pool, paged = shared_pool(kvs), paged_caches(kvs)
-        slots = step_slots(runner, paged, lengths)
-        row_runs: dict[int | None, list[list[tuple]]] = {}  # window -> runs_of_rows: once per step, not per layer
-        for index, layer in enumerate(runner.layers):
-            attn = layer.self_attn
-            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
-            rows = []
-            window = runner.windows[index]
-            if pool is not None:
-                pool.write_rows(index, slots, k, v)
-            for b, (kv, length) in enumerate(zip(kvs, lengths)):
-                if pool is None:
-                    kv.write(index, length, k[b], v[b])
-                if runner.device.type == "cpu":  # the session's blocks in place, however it grew
-                    if window not in row_runs:
-                        starts = [window_start(window, n) for n in lengths]
-                        row_runs[window] = runs_of_rows(paged, starts, [n + 1 for n in lengths])
-                    runs = [(keys[index], values[index]) for keys, values in row_runs[window][b]]
-                    rows.append(attend_runs(q[b : b + 1], runs, attn.scaling, gqa))
-                    continue
-                first = window_start(window, length)
-                rows.append(F.scaled_dot_product_attention(
-                    q[b : b + 1], kv.keys(index, length + 1)[None, :, first:],
-                    kv.values(index, length + 1)[None, :, first:], scale=attn.scaling, enable_gqa=gqa,
-                ))
-            h = runner.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
+        h = run_layers(runner, h, cos, sin, _RowDecodeAttention(runner, kvs, lengths))
         return runner.logits(h)[:, 0]
 
     def extend(self, kvs: list[KVCache], token_rows: list[list[int]], lengths: list[int],
@@ -122,41 +92,7 @@ class PerRowPath:
         h = runner.lm.embed_tokens(torch.tensor(padded, dtype=torch.long, device=device))  # [B, T, D]
         positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(width, device=device)
         cos, sin = runner.lm.rotary_emb(h, positions)  # positions: [B, T]
-        masks = [causal_masks(length, count, runner.windows, device, all_keys=count == 1)
-                 for length, count in zip(lengths, counts)]
-        gqa = runner.info.num_heads != runner.info.num_kv_heads
-        pool = shared_pool(kvs)
-        if pool is not None:  # every row's real new tokens (not its padding): row, column, and slot in the pool
-            new_rows = torch.tensor([b for b, count in enumerate(counts) for _ in range(count)], device=device)
-            new_columns = torch.tensor([t for count in counts for t in range(count)], device=device)
-            slots = torch.tensor([slot for kv, length, count in zip(paged_caches(kvs), lengths, counts)
-                                  for slot in kv.slots(length, length + count)], device=device)
-        row_runs = None  # runs_of_rows, built once per step for the layers that attend in place
-        for index, layer in enumerate(runner.layers):
-            attn = layer.self_attn
-            window = runner.windows[index]
-            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
-            if pool is not None:  # [N, KVH, hd] -> [KVH, N, hd]
-                pool.write(index, slots, k[new_rows, :, new_columns].transpose(0, 1),
-                           v[new_rows, :, new_columns].transpose(0, 1))
-            rows = []
-            for b, (kv, length, count) in enumerate(zip(kvs, lengths, counts)):
-                if pool is None:
-                    kv.write(index, length, k[b, :, :count], v[b, :, :count])
-                if runner.in_place(kv, window):
-                    if row_runs is None:
-                        row_runs = runs_of_rows(paged_caches(kvs), [0] * len(kvs),
-                                                [n + c for n, c in zip(lengths, counts)])
-                    runs = [(keys[index], values[index]) for keys, values in row_runs[b]]
-                    row = attend_runs(q[b:b + 1, :, :count], runs, attn.scaling, gqa, masks[b][window])
-                else:
-                    row = F.scaled_dot_product_attention(
-                        q[b:b + 1, :, :count], kv.keys(index, length + count)[None],
-                        kv.values(index, length + count)[None], attn_mask=masks[b][window],
-                        scale=attn.scaling, enable_gqa=gqa,
-                    )  # [1, H, count, hd]
-                rows.append(row if count == width else F.pad(row, (0, 0, 0, width - count)))  # padding: zeros
-            h = runner.finish_layer(layer, h, torch.cat(rows) if len(rows) > 1 else rows[0])
+        h = run_layers(runner, h, cos, sin, _RowExtendAttention(runner, kvs, lengths, counts, width))
         return runner.logits(h)
 
 
@@ -219,9 +155,6 @@ class CpuKernelPath(PerRowPath):
         rows at consecutive positions (``extend``): each attends up to its own position, as its decode step
         would, and every linear sums as for one row (session/model/cpu/linear.py). -> logits [B, V]."""
         runner, pool = self.runner, kvs[0].pool
-        width = max(len(kv.block_ids) for kv in kvs)
-        table = torch.tensor([kv.block_ids + [PAD_BLOCK] * (width - len(kv.block_ids)) for kv in kvs],
-                             dtype=torch.int32)
         stack = self.stack if offsets is None else None
         if stack is not None and max(lengths) < stack.positions:  # the whole step, one C++ call
             slot_ids = [kv.slots(n, n + 1)[0] for kv, n in zip(kvs, lengths)]
@@ -231,32 +164,26 @@ class CpuKernelPath(PerRowPath):
             bounds = torch.tensor([[window_start(w, n) for n in lengths] for w in stack.windows]
                                   + [[n + 1 for n in lengths]], dtype=torch.int32)
             lora, mask = self.lora_arguments()
-            out = stack.step.run(ints[:rows], ints[rows:2 * rows], pool.k, pool.v, ints[2 * rows:], table,
-                                 bounds[:-1], bounds[-1], lora, mask)
+            out = stack.step.run(ints[:rows], ints[rows:2 * rows], pool.k, pool.v, ints[2 * rows:],
+                                 block_table(kvs), bounds[:-1], bounds[-1], lora, mask)
             return out if stack.head else runner.lm_head(out[:, None])[:, 0].float()
-        slots = step_slots(runner, kvs, lengths)
-        ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
         h, cos, sin = step_inputs(runner, token_ids, lengths, offsets)
-        starts = {window: torch.tensor([window_start(window, n) for n in lengths], dtype=torch.int32)
-                  for window in set(runner.windows)}  # window -> [B]: each row's first key
+        slots = step_slots(runner, kvs, lengths)
+        attention = KernelRowsAttention(kvs, lengths, runner.windows, slots)
         fused = self.fused
         if fused is not None:  # the same operators from C++, a call per layer (session/model/cpu/fused_layer.py)
-            h, cos, sin, flat_slots = h[:, 0], cos[:, 0], sin[:, 0], slots[:, 0].contiguous()
+            h, cos, sin = h[:, 0], cos[:, 0], sin[:, 0]
+            flat_slots, table, starts = slots[:, 0].contiguous(), attention.table, attention.starts
             lora, mask = self.lora_arguments()
             for index, arguments in enumerate(fused):
                 h = fused_layer.run(h, arguments, cos, sin, pool.k[index], pool.v[index], flat_slots, table,
-                                    starts[runner.windows[index]], ends, lora[14 * index:14 * index + 14], mask)
+                                    starts[runner.windows[index]], attention.ends, lora[14 * index:14 * index + 14],
+                                    mask)
             if fused_layer.is_norm(runner.lm.norm):  # the final norm by the layer's own (checked at load)
                 h = fused_layer.norm(h, runner.lm.norm, fused)
                 return runner.lm_head(h[:, None])[:, 0].float()  # [B, 1, D]: the head sums as for one row each
             return runner.logits(h[:, None])[:, 0]
-        for index, layer in enumerate(runner.layers):
-            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
-            pool.write_rows(index, slots, k, v)
-            o = cpu_attention.decode_attention(q[:, :, 0].contiguous(), pool.k[index], pool.v[index], table,
-                                               starts[runner.windows[index]], ends, layer.self_attn.scaling)
-            h = runner.finish_layer(layer, h, o[:, :, None])
-        return runner.logits(h)[:, 0]
+        return runner.logits(run_layers(runner, h, cos, sin, attention))[:, 0]
 
     def lora_arguments(self) -> tuple[list, torch.Tensor | None]:
         """This step's LoRA deltas for the C++ layer (``fused_layer.lora_arguments``), the tensor list
@@ -314,6 +241,87 @@ class BatchedPath(PerRowPath):
         return runner.forward_paged(kvs[0].pool, columns(plan, 0, width), to_batch(plan[:, width:], width))
 
 
+class _RowDecodeAttention:
+    """``PerRowPath.decode``'s attention: each decode row over its own cache (on CPU its runs of blocks
+    in place, each layer's views cut once per step and window; elsewhere a view through SDPA)."""
+
+    def __init__(self, runner: Layers, kvs: list[KVCache], lengths: list[int]):
+        self.runner, self.kvs, self.lengths = runner, kvs, lengths
+        self.grouped = gqa(runner.info.num_heads, runner.info.num_kv_heads)
+        self.pool, self.paged = shared_pool(kvs), paged_caches(kvs)
+        self.slots = step_slots(runner, self.paged, lengths)
+        self.row_runs: dict[int | None, list[list[tuple]]] = {}  # window -> runs_of_rows: once per step
+
+    def __call__(self, index, layer, q, k, v):
+        """q [B, H, 1, hd]; k, v [B, KVH, 1, hd] -> [B, H, 1, hd]."""
+        runner, pool, scale = self.runner, self.pool, layer.self_attn.scaling
+        window = runner.windows[index]
+        if pool is not None:
+            pool.write_rows(index, self.slots, k, v)
+        rows = []
+        for b, (kv, length) in enumerate(zip(self.kvs, self.lengths)):
+            if pool is None:
+                kv.write(index, length, k[b], v[b])
+            if runner.device.type == "cpu":  # the session's blocks in place, however it grew
+                if window not in self.row_runs:
+                    starts = [window_start(window, n) for n in self.lengths]
+                    self.row_runs[window] = runs_of_rows(self.paged, starts, [n + 1 for n in self.lengths])
+                runs = [(keys[index], values[index]) for keys, values in self.row_runs[window][b]]
+                rows.append(attend_runs(q[b : b + 1], runs, scale, self.grouped))
+                continue
+            first = window_start(window, length)
+            rows.append(F.scaled_dot_product_attention(
+                q[b : b + 1], kv.keys(index, length + 1)[None, :, first:],
+                kv.values(index, length + 1)[None, :, first:], scale=scale, enable_gqa=self.grouped,
+            ))
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
+class _RowExtendAttention:
+    """``PerRowPath.extend``'s attention: row b's counts[b] new tokens (of ``width``, the rest padding)
+    causal over its own cache; the padding positions' outputs are zeros."""
+
+    def __init__(self, runner: Layers, kvs: list[KVCache], lengths: list[int], counts: list[int], width: int):
+        device = runner.device
+        self.runner, self.kvs, self.lengths, self.counts, self.width = runner, kvs, lengths, counts, width
+        self.masks = [causal_masks(length, count, runner.windows, device, all_keys=count == 1)
+                      for length, count in zip(lengths, counts)]
+        self.grouped = gqa(runner.info.num_heads, runner.info.num_kv_heads)
+        self.pool = shared_pool(kvs)
+        if self.pool is not None:  # every row's real new tokens (not its padding): row, column, and slot in the pool
+            self.new_rows = torch.tensor([b for b, count in enumerate(counts) for _ in range(count)], device=device)
+            self.new_columns = torch.tensor([t for count in counts for t in range(count)], device=device)
+            self.slots = torch.tensor([slot for kv, length, count in zip(paged_caches(kvs), lengths, counts)
+                                       for slot in kv.slots(length, length + count)], device=device)
+        self.row_runs: list[list[tuple]] | None = None  # runs_of_rows, once per step for the layers in place
+
+    def __call__(self, index, layer, q, k, v):
+        """q [B, H, T, hd]; k, v [B, KVH, T, hd] -> [B, H, T, hd]."""
+        runner, pool, kvs, scale = self.runner, self.pool, self.kvs, layer.self_attn.scaling
+        window = runner.windows[index]
+        if pool is not None:  # [N, KVH, hd] -> [KVH, N, hd]
+            pool.write(index, self.slots, k[self.new_rows, :, self.new_columns].transpose(0, 1),
+                       v[self.new_rows, :, self.new_columns].transpose(0, 1))
+        rows = []
+        for b, (kv, length, count) in enumerate(zip(kvs, self.lengths, self.counts)):
+            if pool is None:
+                kv.write(index, length, k[b, :, :count], v[b, :, :count])
+            if runner.in_place(kv, window):
+                if self.row_runs is None:
+                    self.row_runs = runs_of_rows(paged_caches(kvs), [0] * len(kvs),
+                                                 [n + c for n, c in zip(self.lengths, self.counts)])
+                runs = [(keys[index], values[index]) for keys, values in self.row_runs[b]]
+                row = attend_runs(q[b:b + 1, :, :count], runs, scale, self.grouped, self.masks[b][window])
+            else:
+                row = F.scaled_dot_product_attention(
+                    q[b:b + 1, :, :count], kv.keys(index, length + count)[None],
+                    kv.values(index, length + count)[None], attn_mask=self.masks[b][window],
+                    scale=scale, enable_gqa=self.grouped,
+                )  # [1, H, count, hd]
+            rows.append(row if count == self.width else F.pad(row, (0, 0, 0, self.width - count)))  # padding: zeros
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
 def gathers_past_the_pool(kvs: list[PagedKVCache], num_new: int) -> bool:
     """Would the batched step's attention gather more blocks than the pool holds (SDPA over gathered
     blocks pads every row to the widest: rows x widest table)? Such a step attends per row, whose
@@ -348,12 +356,6 @@ def step_inputs(runner: Layers, token_ids: list[int], lengths: list[int], offset
 def step_slots(runner: Layers, kvs: list[PagedKVCache], lengths: list[int]) -> torch.Tensor:
     """[B, 1]: the pool slot of each row's new token (at position lengths[b])."""
     return torch.tensor([kv.slots(length, length + 1) for kv, length in zip(kvs, lengths)], device=runner.device)
-
-
-def window_start(window: int | None, length: int) -> int:
-    """The first key a decode query at position ``length`` sees: 0, or in a sliding window of W the
-    last W keys, its own included."""
-    return 0 if window is None else max(0, length + 1 - window)
 
 
 def runs_of_rows(kvs: list[PagedKVCache], starts: list[int], ends: list[int]) -> list[list[tuple]]:

@@ -7,9 +7,11 @@ weight; packed, the step's N tokens go through each layer's projections and MLP 
 do there), and only attention is per part:
 
 - the decode rows (first): every row of a layer in one call of our CPU kernel over the head-major
-  pool (session/model/cpu/attention.py), as ``CpuKernelPath`` runs a decode step;
+  pool (``KernelRowsAttention``), as ``CpuKernelPath`` runs a decode step;
 - each chunk: its queries over its session's blocks in place (``attend_runs``, causal) or, in a
-  sliding-window layer, a gathered copy, as ``ModelRunner.prefill`` runs it.
+  sliding-window layer, a gathered copy (``SpanAttention``), as ``ModelRunner.prefill`` runs it.
+
+(``PackedAttention`` in session/model/layer_attention.py, through the one loop ``run_layers``.)
 
 Each row gets the bits its own pass would: our linears sum the decode rows in their one-row blocks
 and a chunk's tokens in the several-row ones (``several_rows_from``, session/model/cpu/linear.py), and
@@ -28,15 +30,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from session.model.attention import attend_runs, causal_masks
 from session.model.backend import Chunk, DecodeRows
-from session.model.cpu import attention as cpu_attention
 from session.model.cpu.linear import several_rows_from
-from session.model.decode_paths import window_start
-from session.model.kv_cache import PAD_BLOCK, KVCache, PagedKVCache, to_device
+from session.model.kv_cache import PagedKVCache, to_device
+from session.model.layer_attention import KernelRowsAttention, PackedAttention, SpanAttention, gqa, run_layers
 
 if TYPE_CHECKING:
     from session.model.runner import ModelRunner
@@ -73,20 +72,15 @@ def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows |
                        for slot in kv.slots(length, length + count)], runner.device)[:, None]  # [N, 1]
     pool = kvs[0].pool
     kernel = bool(num_rows) and runner.pooled_decode and pool.head_major  # else each row a one-token chunk
-    rows_attention = _RowsAttention(runner, kvs[:num_rows], lengths[:num_rows]) if kernel else None
-    first_chunk = num_rows if kernel else 0
-    chunk_attention = [_ChunkAttention(runner, kv, length, count, all_keys=index < num_rows)
-                       for index, (kv, length, count) in enumerate(zip(kvs, lengths, counts)) if index >= first_chunk]
+    rows_attention = (KernelRowsAttention(kvs[:num_rows], lengths[:num_rows], runner.windows, slots[:num_rows])
+                      if kernel else None)
+    grouped = gqa(runner.info.num_heads, runner.info.num_kv_heads)
+    chunks_attention = [SpanAttention(kv, length, count, runner.windows, runner.device, grouped, all_keys=index < num_rows)
+                        for index, (kv, length, count) in enumerate(zip(kvs, lengths, counts))
+                        if index >= (num_rows if kernel else 0)]
+    attention = PackedAttention(pool, slots, rows_attention, num_rows, chunks_attention)
     with several_rows_from(num_rows):
-        for index, layer in enumerate(runner.layers):
-            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [N, H, 1, hd]; k, v: [N, KVH, 1, hd]
-            pool.write_rows(index, slots, k, v)
-            outs = [] if rows_attention is None else [rows_attention(index, layer, q[:num_rows])]
-            first = first_chunk
-            for attention in chunk_attention:
-                outs.append(attention(index, layer, q[first:first + attention.count]))
-                first += attention.count
-            h = runner.finish_layer(layer, h, torch.cat(outs) if len(outs) > 1 else outs[0])
+        h = run_layers(runner, h, cos, sin, attention)
     for kv, length, count in zip(kvs, lengths, counts):
         kv.length = length + count
     ends = torch.tensor(counts).cumsum(0) - 1  # each part's last token
@@ -112,47 +106,3 @@ def _positions(runner: ModelRunner, decode: DecodeRows, chunks: Sequence[Chunk],
     if runner.mrope:
         parts = [part.expand(3, -1) if part.dim() == 1 else part for part in parts]
     return torch.cat(parts, dim=-1)[..., None].to(runner.device)
-
-
-class _RowsAttention:
-    """The decode rows' attention, every row of a layer in one call of our kernel (``CpuKernelPath``'s)."""
-
-    def __init__(self, runner: ModelRunner, kvs: list[PagedKVCache], lengths: list[int]):
-        width = max(len(kv.block_ids) for kv in kvs)
-        self.pool = kvs[0].pool
-        self.table = torch.tensor([kv.block_ids + [PAD_BLOCK] * (width - len(kv.block_ids)) for kv in kvs],
-                                  dtype=torch.int32)
-        self.ends = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
-        self.starts = {window: torch.tensor([window_start(window, n) for n in lengths], dtype=torch.int32)
-                       for window in set(runner.windows)}  # window -> [B]: each row's first key
-        self.windows = runner.windows
-
-    def __call__(self, index: int, layer, q: torch.Tensor) -> torch.Tensor:
-        """q [B, H, 1, hd] -> [B, H, 1, hd]."""
-        o = cpu_attention.decode_attention(q[:, :, 0].contiguous(), self.pool.k[index], self.pool.v[index],
-                                           self.table, self.starts[self.windows[index]], self.ends,
-                                           layer.self_attn.scaling)
-        return o[:, :, None]
-
-
-class _ChunkAttention:
-    """One chunk's attention, causal over its session's cache, as ``ModelRunner.prefill`` runs it."""
-
-    def __init__(self, runner: ModelRunner, kv: KVCache, start: int, count: int, all_keys: bool = False):
-        """``all_keys``: a decode row (one query, no mask where every key is its past, as its decode step)."""
-        self.runner, self.kv, self.count, self.end = runner, kv, count, start + count
-        self.masks = causal_masks(start, count, runner.windows, runner.device, all_keys=all_keys)
-        self.gqa = runner.info.num_heads != runner.info.num_kv_heads
-
-    def __call__(self, index: int, layer, q: torch.Tensor) -> torch.Tensor:
-        """q [T, H, 1, hd] (the chunk's tokens as rows) -> [T, H, 1, hd]."""
-        runner, kv, window = self.runner, self.kv, self.runner.windows[index]
-        scale = layer.self_attn.scaling
-        queries = q[:, :, 0].transpose(0, 1)[None]  # [1, H, T, hd]
-        if runner.in_place(kv, window):
-            o = attend_runs(queries, kv.runs(index, 0, self.end), scale, self.gqa, self.masks[window])
-        else:
-            keys, values = kv.keys(index, self.end)[None], kv.values(index, self.end)[None]
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.masks[window], scale=scale,
-                                               enable_gqa=self.gqa)
-        return o[0].transpose(0, 1)[:, :, None]

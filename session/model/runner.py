@@ -20,21 +20,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from session.config import EngineConfig
 from session.errors import ConfigError
-from session.model.attention import (
-    PagedAttention,
-    PagedBatch,
-    attend_runs,
-    causal_masks,
-    choose_backend,
-    plan_rows,
-    to_batch,
-)
+from session.model.attention import PagedAttention, PagedBatch, choose_backend, plan_rows, to_batch
 from session.model.backend import Chunk, DecodeRows, separate_passes
 from session.model.cpu import attention as cpu_attention, fused_layer
 from session.model.cpu.kernels import cpu_flags
@@ -46,6 +37,7 @@ from session.model.devices import (  # NEURON_MISSING, neuron_found: importable 
     select_device,
 )
 from session.model.kv_cache import KVCache, KVPool, PagedKVCache, StaticKVCache, to_device
+from session.model.layer_attention import LayerAttention, SpanAttention, gqa, run_layers
 from session.model.loader import ModelLoader
 from session.model.packed_step import packed_step, packs
 from session.model.quantize import INT4_DEFAULT_GROUP
@@ -248,24 +240,9 @@ class ModelRunner:
         cos, sin = cast(nn.Module, self.lm.rotary_emb)(h, positions.to(self.device)[..., None, :])  # [1, T] or [3, 1, T]
         # query i (absolute position start+i) sees keys 0 .. start+i; in a sliding-window layer of W,
         # only the last W of them (keys j > start+i-W)
-        paged = self.paged_prefill(kv, num_new)
-        masks = causal_masks(start, num_new, self.windows, self.device) if paged is None else {}
-        gqa = self.info.num_heads != self.info.num_kv_heads
-        for index, layer in enumerate(self.layers):
-            scale = attention_scale(layer)
-            window = self.windows[index]
-            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
-            if paged is not None:  # writes the new keys and attends through the block table, in place
-                o = paged(index, q, k, v, window=window, scale=scale)
-                h = self.finish_layer(layer, h, o)
-                continue
-            kv.write(index, start, k[0], v[0])
-            if self.in_place(kv, window):  # the cache's runs of blocks in place, however it grew
-                o = attend_runs(q, kv.runs(index, 0, end), scale, gqa, masks[window])
-            else:
-                o = F.scaled_dot_product_attention(q, kv.keys(index, end)[None], kv.values(index, end)[None],
-                                                   attn_mask=masks[window], scale=scale, enable_gqa=gqa)
-            h = self.finish_layer(layer, h, o)
+        attention: LayerAttention = self.paged_prefill(kv, num_new) or SpanAttention(
+            kv, start, num_new, self.windows, self.device, gqa(self.info.num_heads, self.info.num_kv_heads))
+        h = run_layers(self, h, cos, sin, attention)
         kv.length = end
         return self.logits(h)[0] if all_logits else self.logits(h[:, -1:])[0, 0]
 
@@ -361,11 +338,7 @@ class ModelRunner:
         h = cast(nn.Module, self.lm.embed_tokens)(ids)  # [B, T, D]
         positions = batch.positions if position_offsets is None else batch.positions + position_offsets[:, None]
         cos, sin = cast(nn.Module, self.lm.rotary_emb)(h, positions)
-        attention = PagedAttention(pool, batch, self.windows, choose_backend(pool))
-        for index, layer in enumerate(self.layers):
-            q, k, v = self.attention_inputs(layer, h, cos, sin)  # q: [B, H, T, hd]; k, v: [B, KVH, T, hd]
-            o = attention(index, q, k, v, window=self.windows[index], scale=attention_scale(layer))
-            h = self.finish_layer(layer, h, o)
+        h = run_layers(self, h, cos, sin, PagedAttention(pool, batch, self.windows, choose_backend(pool)))
         return self.logits(h)
 
     def attention_inputs(self, layer, h, cos, sin):

@@ -37,6 +37,7 @@ from session.errors import ConfigError
 from session.model.backend import Chunk, DecodeRows, Stepper, separate_passes
 from session.model.buckets import bucket_for, power_buckets
 from session.model.kv_cache import STATIC_PAD_TOKENS, StaticKVCache
+from session.model.layer_attention import run_layers
 from session.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -190,18 +191,19 @@ class StaticShapeRunner:
     def _prefill_graph(self, embeds, positions, k_cache, v_cache):
         # embeds: [T, D]; positions: [T]; k_cache, v_cache: [layers, KVH, L, hd] (a KV-length bucket's view)
         runner = self.runner
-        lm, layers = _transformers_parts(runner)
+        lm = _decoder_stack(runner)
         h = embeds[None]
         cos, sin = lm.rotary_emb(h, positions[None])
         key_positions = torch.arange(k_cache.shape[2], device=positions.device)
         mask = key_positions[None, :] <= positions[:, None]  # [T, L]: causal, and nothing past the new tokens
-        for index, layer in enumerate(layers):
-            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
+
+        def attention(index, layer, q, k, v):  # q: [1, H, T, hd]; k, v: [1, KVH, T, hd]
             k_cache[index].index_copy_(1, positions, k[0])
             v_cache[index].index_copy_(1, positions, v[0])
-            o = F.scaled_dot_product_attention(q, k_cache[index][None], v_cache[index][None], attn_mask=mask,
-                                               scale=layer.self_attn.scaling, enable_gqa=_gqa(runner))
-            h = runner.finish_layer(layer, h, o)
+            return F.scaled_dot_product_attention(q, k_cache[index][None], v_cache[index][None], attn_mask=mask,
+                                                  scale=layer.self_attn.scaling, enable_gqa=_gqa(runner))
+
+        h = run_layers(runner, h, cos, sin, attention)
         return runner.lm_head(lm.norm(h)).float()[0]
 
     # ------------------------------------------------------------------ decode
@@ -237,19 +239,20 @@ class StaticShapeRunner:
         # ids, positions: [B]; k_caches[b], v_caches[b]: [layers, KVH, L, hd] (a KV-length bucket's
         # view), read only -> logits [B, V] and the step's keys and values [layers, B, KVH, hd]
         runner = self.runner
-        lm, layers = _transformers_parts(runner)
+        lm = _decoder_stack(runner)
         h = lm.embed_tokens(ids)[:, None]  # [B, 1, D]
         cos, sin = lm.rotary_emb(h, positions[:, None])
         key_positions = torch.arange(k_caches[0].shape[2], device=ids.device)
         masks = key_positions[None, :] < positions[:, None]  # [B, L]: the cached positions before each row's
         new_k, new_v = [], []
-        for index, layer in enumerate(layers):
-            q, k, v = runner.attention_inputs(layer, h, cos, sin)  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]
-            rows = [_attend(q[b], k_caches[b][index], v_caches[b][index], masks[b], k[b], v[b],
-                            layer.self_attn.scaling) for b in range(ids.shape[0])]
-            h = runner.finish_layer(layer, h, torch.stack(rows))
+
+        def attention(index, layer, q, k, v):  # q: [B, H, 1, hd]; k, v: [B, KVH, 1, hd]; the caches read only
             new_k.append(k[:, :, 0])
             new_v.append(v[:, :, 0])
+            return torch.stack([_attend(q[b], k_caches[b][index], v_caches[b][index], masks[b], k[b], v[b],
+                                        layer.self_attn.scaling) for b in range(ids.shape[0])])
+
+        h = run_layers(runner, h, cos, sin, attention)
         return runner.lm_head(lm.norm(h)).float()[:, 0], torch.stack(new_k), torch.stack(new_v)
 
     def _check(self, kv: StaticKVCache) -> None:
@@ -272,10 +275,10 @@ def _attend(q, k_cache, v_cache, mask, k_new, v_new, scale: float) -> torch.Tens
     return out.reshape(heads, 1, head_dim)
 
 
-def _transformers_parts(runner: ModelRunner) -> tuple[Any, list[Any]]:
-    """The runner's decoder stack and layers, transformers' modules: their parts (embed_tokens, rotary_emb,
-    norm, self_attn.scaling) are their classes' own, which torch's ``nn.Module`` typing cannot name."""
-    return runner.lm, runner.layers
+def _decoder_stack(runner: ModelRunner) -> Any:
+    """The runner's decoder stack, transformers' module: its parts (embed_tokens, rotary_emb, norm) are its
+    class's own, which torch's ``nn.Module`` typing cannot name."""
+    return runner.lm
 
 
 def _gqa(runner: ModelRunner) -> bool:

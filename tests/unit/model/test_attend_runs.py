@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from session.model.runner import attend_runs
+from session.model.attention import attend_runs
 
 
 def split(t: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:
