@@ -11,7 +11,9 @@ Phases, one request at a time (greedy, 32 new tokens, a distinct short question 
   seconds before the phase's requests (the time a server has to adapt), then a phase after it stops;
 - quota (root only, ``--quota-pids``): the server's processes (and their threads) moved into a cgroup
   v1 ``cpu`` group limited to ``--quota`` CPUs, as ``docker run --cpus`` does; moved back after.
-Reported per phase: median and worst latency, and the median's ratio to the quiet one. Results go to
+Reported per phase: median and worst latency, and the median's ratio to the quiet one. With
+``--rounds N`` the quiet and neighbour phases alternate N times and each kind's figures are over all
+its rounds' requests (a shared machine's drift then falls on both sides alike). Results go to
 benchmarks/results/neighbour-<label>.json.
 """
 
@@ -91,6 +93,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--adapt-s", type=float, default=15.0)
+    parser.add_argument("--rounds", type=int, default=1, help="quiet / busy core / after, alternated this often")
     parser.add_argument("--quota-pids", type=int, nargs="*", default=[])
     parser.add_argument("--quota", type=float, default=1.0, help="CPUs the quota phase allows")
     parser.add_argument("--compare", action="store_true")
@@ -100,21 +103,26 @@ def main() -> None:
     url, n, tokens = args.base_url.rstrip("/"), args.requests, args.max_tokens
     for i in range(3):
         chat(url, args.model, 100 + i, tokens)  # warm-up
-    phases = [phase(url, args.model, "quiet", n, tokens, 0)]
-    with busy_core():
+    rounds: dict[str, list[float]] = {"quiet": [], "busy core": [], "after": []}
+    for round_index in range(args.rounds):
+        offset = 3 * n * round_index
+        rounds["quiet"] += phase(url, args.model, "quiet", n, tokens, offset)["times_s"]
+        with busy_core():
+            time.sleep(args.adapt_s)
+            rounds["busy core"] += phase(url, args.model, "busy core", n, tokens, offset + n)["times_s"]
         time.sleep(args.adapt_s)
-        phases.append(phase(url, args.model, "busy core", n, tokens, n))
-    time.sleep(args.adapt_s)
-    phases.append(phase(url, args.model, "after", n, tokens, 2 * n))
+        rounds["after"] += phase(url, args.model, "after", n, tokens, offset + 2 * n)["times_s"]
+    phases = [{"phase": name, "median_s": statistics.median(times), "worst_s": max(times), "times_s": times}
+              for name, times in rounds.items()]
     if args.quota_pids:
         with cpu_quota(args.quota_pids, args.quota):
             time.sleep(args.adapt_s)
-            phases.append(phase(url, args.model, f"quota {args.quota:g} CPU", n, tokens, 3 * n))
+            phases.append(phase(url, args.model, f"quota {args.quota:g} CPU", n, tokens, 3 * n * args.rounds))
     quiet = phases[0]["median_s"]
     for row in phases:
         row["vs_quiet"] = row["median_s"] / quiet
     write_json(RESULTS / f"neighbour-{args.label}.json", {"label": args.label, "phases": phases,
-                                                         "max_tokens": tokens, "requests": n})
+                                                         "max_tokens": tokens, "requests": n, "rounds": args.rounds})
     print(format_table(["phase", "median s", "worst s", "vs quiet"],
                        [[p["phase"], f"{p['median_s']:.3f}", f"{p['worst_s']:.3f}", f"{p['vs_quiet']:.2f}x"]
                         for p in phases]))
