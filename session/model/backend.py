@@ -92,7 +92,7 @@ class ModelBackend(Stepper, Protocol):
     is_multimodal: bool
     mrope: bool  # 3-D positions (Qwen2-VL): prefill takes positions, decode offsets
     merge_size: int  # M-RoPE: image grid cells merged per token side (1 elsewhere)
-    decode_attention: str  # the decode path ``configure_decode`` chose: "per_row" or "batched"
+    decode_attention: str  # the decode path ``configure_decode`` chose: "per_row", "cpu_kernel" or "batched"
 
     def new_kv_cache(self, *, block_tokens: int, max_tokens: int, static: bool = False) -> KVCache:
         ...

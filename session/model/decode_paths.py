@@ -97,7 +97,10 @@ class PerRowPath:
 
 
 class CpuKernelPath(PerRowPath):
-    """Our CPU kernels for caches in one head-major pool; the per-row path for any other caches."""
+    """Our CPU kernels for caches in one head-major pool; the per-row path for any other caches.
+    RESIDENT_ATTENTION=per_row (auto on CPU) takes it where our decode kernel builds."""
+
+    name = "cpu_kernel"  # every row of a layer in one kernel call, not a call per row
 
     def __init__(self, runner: Layers):
         super().__init__(runner)

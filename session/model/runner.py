@@ -60,11 +60,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def default_attention(device: torch.device) -> str:
-    """The decode attention a device gets unless RESIDENT_ATTENTION says otherwise. CUDA: batched (one
-    kernel per layer instead of one per row). CPU: per_row, faster at many sessions
-    (benchmarks/attention_paths.py; docs/MEASUREMENTS.md, "Decode attention paths"): SDPA over gathered blocks copies every row's KV
+    """What RESIDENT_ATTENTION=auto resolves to, the one place it does (a new runner starts with it too).
+    CUDA: cuda_graphs (batched, one kernel per layer instead of one per row, replayed from graphs where
+    captured; eager until then). CPU: per_row, faster at many sessions (benchmarks/attention_paths.py;
+    docs/MEASUREMENTS.md, "Decode attention paths"): SDPA over gathered blocks copies every row's KV
     each step, while a row whose blocks are consecutive is read in place."""
-    return "batched" if device.type == "cuda" else "per_row"
+    return "cuda_graphs" if device.type == "cuda" else "per_row"
 
 
 def cpu_has_bf16() -> bool:
@@ -118,7 +119,7 @@ class ModelRunner:
         self.kv_pools: dict[int, KVPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.path: PerRowPath  # how decode and extend run: configure_decode, next, sets it
         self.num_passes = 0  # forward passes over the layers run (prefill, decode, extend, packed step)
-        self.configure_decode(default_attention(self.device))
+        self.configure_decode("auto")
 
     def _load(self, hf_config):
         """The checkpoint's model (``ModelLoader.read_model``), called once by the loader; a subclass that
@@ -270,7 +271,7 @@ class ModelRunner:
         speculative verify of ``verify_tokens`` a row per ``verify_buckets``; auto picks it on CUDA).
         Per row on a CPU our kernels serve take ``CpuKernelPath``."""
         if attention == "auto":
-            attention = "cuda_graphs" if self.device.type == "cuda" else default_attention(self.device)
+            attention = default_attention(self.device)
         if attention == "cuda_graphs":
             if self.device.type != "cuda":
                 raise ConfigError("RESIDENT_ATTENTION=cuda_graphs needs a CUDA device")
@@ -286,7 +287,7 @@ class ModelRunner:
 
     @property
     def decode_attention(self) -> str:
-        """The chosen path's name: "per_row" or "batched"."""
+        """The chosen path's name: "per_row", "cpu_kernel" (per_row where our CPU kernel serves) or "batched"."""
         return self.path.name
 
     @decode_attention.setter
