@@ -79,6 +79,7 @@ class FakeRunner:
     mrope = False
     merge_size = 1
     decode_attention = "per_row"  # how it decodes, whatever configure_decode is told
+    packs_steps = True  # a verify's rows join a step's chunks (its ``step`` then runs them a level at a time)
 
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], image_token_id: int,
                  num_image_tokens: int = 3, max_positions: int = 4096):

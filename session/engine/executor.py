@@ -93,8 +93,7 @@ class Executor:
             if rows and not chunks and self.thread_tuner is not None:
                 self.thread_tuner.observe(len(rows), time.perf_counter() - began)
             # the turns this chunk ends are drawn with their prompt in the transcript, not yet committed
-            finishing = [i for i, ((seq, _), part) in enumerate(zip(chunks, parts))
-                         if seq.progress is not None and part.embeds.shape[0] == seq.progress.left]
+            finishing = self._finishing(chunks, parts)
             drawn = rows + [seqs[i] for i in finishing]
             picked = list(range(len(rows))) + [len(rows) + i for i in finishing]
             transcripts = [s.session.token_ids for s in rows] + [
@@ -113,6 +112,12 @@ class Executor:
                     seq.controller.observe_plain(step_s)
         return self._advance(chunks, parts, dict(zip(finishing, tokens[len(rows):]))), tokens[:len(rows)]
 
+    @staticmethod
+    def _finishing(chunks: list[tuple[Sequence, int]], parts: list[Chunk]) -> list[int]:
+        """The indexes of the chunks that feed their turn's last prompt token."""
+        return [i for i, ((seq, _), part) in enumerate(zip(chunks, parts))
+                if seq.progress is not None and part.embeds.shape[0] == seq.progress.left]
+
     def _chunk(self, seq: Sequence, max_tokens: int) -> Chunk:
         """The turn's next chunk: up to ``max_tokens`` of what its prefill still feeds."""
         progress = seq.progress
@@ -123,7 +128,7 @@ class Executor:
         return Chunk(seq.session.kv, progress.embeds[progress.done:end], seq.adapter_slot, positions)
 
     def _advance(self, chunks: list[tuple[Sequence, int]], parts: list[Chunk],
-                 first_tokens: dict[int, int | ResidentError]) -> list[int | Exception | None]:
+                 first_tokens: dict[int, int | Exception]) -> list[int | Exception | None]:
         """After the pass: each chunk's progress; the turns that fed their last token committed, each
         with its first token (``first_tokens``, by chunk index), or the error it fails with alone."""
         results: list[int | Exception | None] = [None] * len(chunks)
@@ -135,7 +140,7 @@ class Executor:
             if index not in first_tokens:
                 continue
             token = first_tokens[index]
-            if isinstance(token, ResidentError):  # the engine rolls the turn back
+            if isinstance(token, Exception):  # the engine rolls the turn back
                 results[index] = token
                 continue
             try:
@@ -292,6 +297,11 @@ class Executor:
                              redact(seq.session.session_id), len(rows) - 1, token.message, exc_info=token.__cause__)
         return tokens
 
+    @property
+    def packs_verify(self) -> bool:
+        """Can a speculative step's verify pass feed the step's prefill chunks too (``step_speculative``)?"""
+        return self.speculator is not None and self.stepper.packs_steps
+
     def speculate(self, rows: list[Sequence], speculating: list[Sequence]) -> list[list[int]]:
         """One speculative step for every row of the step, in one target pass: the rows in ``speculating``
         draft (or look up) up to their k tokens, the others (requests that turned speculation off) ride
@@ -299,23 +309,61 @@ class Executor:
         transcript extended by them, but its last token. On failure every row's caches are rewound and
         its generator is as before the step (the error propagates: the rows fail, or after an OOM the
         engine decodes them again without speculation)."""
+        return self.step_speculative([], rows, speculating)[1]
+
+    def step_speculative(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence],
+                         speculating: list[Sequence]) -> tuple[list[int | Exception | None], list[list[int]]]:
+        """``speculate`` whose verify also feeds ``chunks`` (begun turns' next chunks, as ``step`` feeds
+        them): the verify's rows and the chunks in ONE target pass (``Stepper.step``, where the stepper
+        packs; ``packs_verify``). Returns per chunk what ``step`` returns, per row its accepted tokens.
+        When it raises, every cache and generator is as before the step (the caller may run the chunks
+        and the rows apart)."""
         chosen = {id(s) for s in speculating}
-        states = generator_states(rows)
+        seqs = [seq for seq, _ in chunks]
+        lengths, states = [s.session.kv.length for s in seqs], generator_states(rows + seqs)
         spec_rows = [SpecRow(s.session.token_ids, s.session.kv, s.session.draft_kv,
                              s.controller.k if id(s) in chosen and s.controller is not None else 0,
                              max_new=s.request.sampling.max_tokens - len(s.generated), sampling=s.request.sampling,
                              generator=s.generator, adapter_slot=s.adapter_slot, matcher=s.matcher) for s in rows]
+        parts = [self._chunk(seq, max_tokens) for seq, max_tokens in chunks]
+        chunk_logits = []
+
+        def verify(kvs, fed, adapter_slots):  # the target pass: the rows' fed tokens, then the chunks
+            targets = DecodeRows.verify(kvs, fed, adapter_slots)
+            logits = self.stepper.step(parts, targets)  # [rows' tokens + chunks, V]
+            chunk_logits.append(logits[len(targets):])
+            return targets.widen(logits[:len(targets)])
+
+        if chunks and self.thread_tuner is not None:
+            self.thread_tuner.choose_for_prefill()
         try:
-            results = self._decoder().step_batch(spec_rows, self.runner.info.eos_token_ids)
+            results = self._decoder().step_batch(spec_rows, self.runner.info.eos_token_ids, verify if chunks else None)
         except BaseException:
             for seq in rows:
                 self.rewind(seq)
-            restore_generators(rows, states)
+            for seq, length in zip(seqs, lengths):
+                seq.session.kv.crop(length)
+            restore_generators(rows + seqs, states)
             raise
-        for seq, result in zip(rows, results):
-            if id(seq) in chosen and seq.controller is not None:
+        for seq, result in zip(rows, results):  # a verify that fed chunks also paid for them: not a measure
+            if id(seq) in chosen and seq.controller is not None and not chunks:
                 seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
-        return [list(result.token_ids) for result in results]
+        first_tokens = self._draw_first(chunks, parts, chunk_logits[0]) if chunks else {}
+        return self._advance(chunks, parts, first_tokens), [list(result.token_ids) for result in results]
+
+    def _draw_first(self, chunks: list[tuple[Sequence, int]], parts: list[Chunk], logits) -> dict[int, int | Exception]:
+        """The first token of each turn its chunk finishes (by chunk index), from the chunks' logits [C, V],
+        drawn with its prompt in the transcript (not yet committed), or the error the turn fails with
+        alone: the rows' speculative step already took its tokens."""
+        finishing = self._finishing(chunks, parts)
+        if not finishing:
+            return {}
+        seqs = [chunks[i][0] for i in finishing]
+        try:
+            tokens = self._sample(seqs, logits[finishing], [s.session.token_ids + self.prompt_ids(s) for s in seqs])
+        except Exception as exc:
+            return dict.fromkeys(finishing, exc)
+        return dict(zip(finishing, tokens))
 
     def rewind(self, seq: Sequence) -> None:
         """Tokens of a speculative run after the one that ended the request were dropped: crop the caches."""

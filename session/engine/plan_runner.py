@@ -44,13 +44,16 @@ class PlanRunner:
 
     def run(self, plan: StepPlan, ended: list[Sequence]) -> None:
         """The plan's prefill chunks and decode rows in one executor step (one forward pass where the
-        model packs them); a step that speculates runs its chunks, then its speculative step. What ends
+        model packs them); a step that speculates feeds its chunks in its verify pass where the model
+        packs (``Executor.packs_verify``), else runs its chunks, then its speculative step. What ends
         is appended to ``ended``. Raises DeviceFailed on a fatal device error, other exceptions from
         outside the executor's calls as they are (``Engine.step`` then ends the plan's requests)."""
         chunks = [(seq, tokens) for seq, tokens in zip(plan.prefill, plan.chunks) if self._begin(seq, ended)]
         rows = list(plan.decode)
         speculating = self.executor.speculating(rows) if rows else []
-        if speculating:
+        if speculating and chunks and self.executor.packs_verify:
+            self._run_speculative_step(chunks, rows, speculating, ended)
+        elif speculating:
             self._run_step(chunks, [], ended)
             self._run_decode(rows, ended, speculating=speculating)
         else:
@@ -90,15 +93,37 @@ class PlanRunner:
             else:
                 self._fail(chunks[0][0], self._step_error(error, self._what(chunks[0][0])), ended)
             return
-        for (seq, _), result in zip(chunks, chunk_results):
+        self._finish_chunks(chunks, chunk_results, ended)
+        self._emit_rows(rows, tokens, ended)
+
+    def _run_speculative_step(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence],
+                              speculating: list[Sequence], ended: list[Sequence]) -> None:
+        """The chunks fed in the rows' speculative verify pass (``Executor.step_speculative``). If it fails,
+        its parts run again apart, as ``_run_step``'s do: each chunk alone, the rows' speculative step."""
+        error = None
+        try:
+            chunk_results, tokens = self.executor.step_speculative(chunks, rows, speculating)
+        except Exception as exc:
+            if classify(exc) is Fault.FATAL:
+                raise device_failed(exc) from exc
+            error = exc
+        if error is not None:  # out of the except block: the traceback no longer holds the pass's tensors
+            self._run_apart(chunks, rows, error, ended, speculating)
+            return
+        self._finish_chunks(chunks, chunk_results, ended)
+        self._emit_rows(rows, tokens, ended)
+
+    def _finish_chunks(self, chunks: list[tuple[Sequence, int]], results: list[int | Exception | None],
+                       ended: list[Sequence]) -> None:
+        """Each chunk's outcome: its turn fails alone, starts its answer (its last chunk), or goes on."""
+        for (seq, _), result in zip(chunks, results):
             if isinstance(result, Exception):
                 self._fail(seq, self._step_error(result, self._what(seq)), ended)
             elif result is not None:  # the turn's last chunk: its answer starts
                 self._start(seq, result, ended)
-        self._emit_rows(rows, tokens, ended)
 
     def _run_apart(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence], error: Exception,
-                   ended: list[Sequence]) -> None:
+                   ended: list[Sequence], speculating: list[Sequence] | None = None) -> None:
         self.num_steps_run_apart += 1
         if classify(error) is Fault.OUT_OF_MEMORY:
             self.num_oom_retries += 1
@@ -109,7 +134,7 @@ class PlanRunner:
         for chunk in chunks:
             self._run_step([chunk], [], ended)
         if rows:
-            self._run_decode(rows, ended, speculating=[])
+            self._run_decode(rows, ended, speculating=speculating or [])
 
     def _start(self, seq: Sequence, token: int, ended: list[Sequence]) -> None:
         """The turn's prefill committed: ``Started``, then its first token."""

@@ -46,21 +46,50 @@ class Chunk:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """A step's decode rows: token_ids[b] fed at position kvs[b].length (+ position_offsets[b], an M-RoPE
-    session's rope delta)."""
+    """A step's decode rows: token_ids[b] fed at position kvs[b].length (+ ahead[b]; + position_offsets[b],
+    an M-RoPE session's rope delta). ``ahead``: a speculative verify's rows (``verify``), a sequence's
+    several tokens at consecutive positions, each row attending up to its own as its decode step would;
+    None: one row per sequence."""
 
     kvs: list[KVCache]
     token_ids: list[int]
     adapter_slots: list[int] | None = None
     position_offsets: list[int] | None = None
+    ahead: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.kvs)
+
+    @classmethod
+    def verify(cls, kvs: list[KVCache], token_rows: list[list[int]],
+               adapter_slots: list[int] | None = None) -> DecodeRows:
+        """kvs[b] feeding token_rows[b] (a verify's last token and proposals), a row per token, each
+        sequence's rows together and in order."""
+        owners = [b for b, row in enumerate(token_rows) for _ in row]
+        return cls([kvs[b] for b in owners], [token for row in token_rows for token in row],
+                   None if adapter_slots is None else [adapter_slots[b] for b in owners],
+                   ahead=[t for row in token_rows for t in range(len(row))])
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """``verify``'s rows' logits [N, V] -> [B, T, V] as ``extend`` returns them (T the longest row;
+        a shorter row's padding positions zeros)."""
+        ahead = self.ahead or [0] * len(self)
+        owners = [0] * len(ahead)
+        for b in range(1, len(ahead)):  # a row ahead 0 starts the next sequence's rows
+            owners[b] = owners[b - 1] + (ahead[b] == 0)
+        wide = logits.new_zeros(owners[-1] + 1, max(ahead) + 1, logits.shape[-1])
+        wide[owners, ahead] = logits
+        return wide
 
 
 class Stepper(Protocol):
     """A step's forward work: its prefill chunks and decode rows (``step``), or a turn's prefill and a
     batched decode step alone. Who calls this: the engine's executor, on the loop thread."""
+
+    @property
+    def packs_steps(self) -> bool:
+        """Does ``step`` run a step's parts in one pass (a speculative verify's rows may then join its chunks)?"""
+        ...
 
     def step(self, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
         """Every decode row and every chunk of one engine step -> logits [rows + chunks, V]: each decode
@@ -126,9 +155,25 @@ def separate_passes(stepper: Stepper, chunks: Sequence[Chunk], rows: DecodeRows 
     """``Stepper.step`` as one pass per part: the decode rows' step, then each chunk's prefill."""
     logits = []
     if rows is not None and len(rows):
-        logits.append(stepper.decode(rows.kvs, rows.token_ids, adapter_slots=rows.adapter_slots,
-                                     position_offsets=rows.position_offsets))
+        logits.append(_decode_levels(stepper, rows) if rows.ahead else stepper.decode(
+            rows.kvs, rows.token_ids, adapter_slots=rows.adapter_slots, position_offsets=rows.position_offsets))
     for chunk in chunks:
         logits.append(stepper.prefill(chunk.kv, chunk.embeds, adapter_slot=chunk.adapter_slot,
                                       positions=chunk.positions)[None])
     return torch.cat(logits)
+
+
+def _decode_levels(stepper: Stepper, rows: DecodeRows) -> torch.Tensor:
+    """A verify's rows (``DecodeRows.ahead``) as decode steps, one per level: every sequence's row ahead 0,
+    then ahead 1, ..., each row the logits of its own decode step -> [N, V] in the rows' order."""
+    ahead = rows.ahead or [0] * len(rows)
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    for level in range(max(ahead) + 1):
+        picked = [b for b, a in enumerate(ahead) if a == level]
+        slots, offsets = rows.adapter_slots, rows.position_offsets
+        step = stepper.decode([rows.kvs[b] for b in picked], [rows.token_ids[b] for b in picked],
+                              adapter_slots=None if slots is None else [slots[b] for b in picked],
+                              position_offsets=None if offsets is None else [offsets[b] for b in picked])
+        for i, b in enumerate(picked):
+            out[b] = step[i]
+    return torch.stack([row for row in out if row is not None])

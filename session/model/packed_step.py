@@ -58,7 +58,10 @@ def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows |
     decode = rows if rows is not None else DecodeRows([], [])
     kvs: list[PagedKVCache] = [kv for kv in [*decode.kvs, *(chunk.kv for chunk in chunks)]
                                if isinstance(kv, PagedKVCache)]
-    lengths = [kv.length for kv in kvs]
+    # a verify's rows of one sequence (``DecodeRows.ahead``) sit at consecutive positions, in order: each
+    # row's length is its own, and the last row of a sequence leaves its cache's length past all of them
+    aheads = (decode.ahead or [0] * len(decode)) + [0] * len(chunks)
+    lengths = [kv.length + ahead for kv, ahead in zip(kvs, aheads)]
     counts = [1] * len(decode) + [chunk.embeds.shape[0] for chunk in chunks]
     for kv, length, count in zip(kvs, lengths, counts):
         kv.ensure_capacity(length + count)

@@ -294,6 +294,11 @@ class ModelRunner:
     def decode_attention(self, attention: str) -> None:
         self.configure_decode(attention)
 
+    @property
+    def packs_steps(self) -> bool:
+        """``step`` runs a step's parts in one pass (session/model/packed_step.py: on CPU)."""
+        return self.device.type == "cpu"
+
     @torch.inference_mode()
     def step(self, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
         """A whole engine step -> logits [rows + chunks, V] (``Stepper.step``): one packed pass where

@@ -143,6 +143,8 @@ class StaticShapeRunner:
             self.graph_shapes.add((kind, size, length))
         return len(self.graph_shapes)
 
+    packs_steps = False  # a fixed shape per part: its passes run apart
+
     def step(self, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
         """``Stepper.step``: fixed shapes take a pass per part (the decode step, each chunk's prefill)."""
         return separate_passes(cast(Stepper, self), chunks, rows)  # its caches: static ones

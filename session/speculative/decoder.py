@@ -96,6 +96,10 @@ class SpecRow:
     matcher: LLMatcher | None = None
 
 
+# The target's pass over a verify: (target caches, each row's fed tokens, adapter slots) -> logits [B, T, V]
+Verify = Callable[[list[KVCache], list[list[int]], list[int]], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class StepResult:
     token_ids: list[int]  # tokens for the transcript, in order: 1 .. k+1 (fewer if cut at EOS / max_new)
@@ -191,7 +195,8 @@ class SpeculativeDecoder:
             draft_kv.publish(keys)
         return len(missing)
 
-    def step_batch(self, rows: list[SpecRow], eos_token_ids: tuple[int, ...] = ()) -> list[StepResult]:
+    def step_batch(self, rows: list[SpecRow], eos_token_ids: tuple[int, ...] = (),
+                   verify: Verify | None = None) -> list[StepResult]:
         """One speculative step for several sequences: batched draft passes, then ONE target pass for all.
 
         Each row proposes up to its own k tokens (the draft's passes run batched over the rows still
@@ -204,6 +209,8 @@ class SpeculativeDecoder:
         ``adapter_slot``: the row's LoRA adapter, applied to the target only. The draft stays the base
         model's: an adapter shifts the target's distribution, so acceptance may drop, never exactness.
         draft_s / verify_s in the results are the whole batch's (the rows share the passes).
+        ``verify``: the target pass, in place of ``target.extend`` (the engine's, packing the rows with a
+        step's prefill chunks); same arguments, same logits.
         """
         ks = []
         for row in rows:
@@ -224,7 +231,7 @@ class SpeculativeDecoder:
         for row, (proposals, _) in zip(rows, proposed):
             row.target_kv.crop(len(row.token_ids) - 1)
             fed.append(row.token_ids[row.target_kv.length:] + proposals)  # usually [last] + proposals
-        logits = self.target.extend([row.target_kv for row in rows], fed, [row.adapter_slot for row in rows])
+        logits = (verify or self.target.extend)([row.target_kv for row in rows], fed, [row.adapter_slot for row in rows])
         logits = ban_token(logits, self.target.info.image_token_id)  # as in plain decoding: never a placeholder
         logits = _masked_positions(logits, rows, [p for p, _ in proposed], [len(f) for f in fed])
         greedy_tokens = logits.argmax(dim=-1).tolist()  # [B, T]: one host sync for every greedy row

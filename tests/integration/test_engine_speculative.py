@@ -8,7 +8,7 @@ import pytest
 
 from session.config import EngineConfig
 from session.engine import Engine, GenerationRequest
-from session.engine.events import Cancelled, EventStream, Failed, Finished
+from session.engine.events import TERMINAL, Cancelled, EventStream, Failed, Finished, Started
 from session.errors import ConfigError
 from session.types import SamplingParams
 from tests.conftest import REPO
@@ -144,6 +144,72 @@ def test_concurrent_sessions_speculate_in_one_batched_pass(plain, num_sessions, 
         assert max(verify_rows) == num_sessions
         stats = engine.stats()
         assert stats.speculation["accepted"] > 0
+        assert engine.num_invariant_violations == 0
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("mode,fault", [("draft", False), ("ngram", False), ("draft", True)],
+                         ids=["draft", "ngram", "draft, a faulty pass"])
+def test_a_verify_feeds_the_steps_prompt_chunks_in_its_one_target_pass(plain, mode, fault):
+    """Sessions speculate while new prompts arrive and are fed in 16-token chunks: a step that speculates
+    and feeds chunks runs ONE target pass (the verify's rows and the chunks packed), and every answer
+    equals plain decoding's token for token. With ``fault`` the first such pass raises after it ran
+    (its caches advanced): the step runs again with its parts apart, and every answer is still exact."""
+    engine = Engine(EngineConfig(model_path=str(PAIR / "target"), speculative=mode, step_token_budget=16,
+                                 draft_model_path=str(PAIR / "draft") if mode == "draft" else None,
+                                 check_invariants=True)).start()
+    runner, speculator = engine.parts.runner, engine.parts.executor.speculator
+    faults = [fault]
+    step = runner.step
+
+    def faulty_step(chunks, rows):
+        out = step(chunks, rows)
+        if faults and chunks and rows is not None and rows.ahead and faults.pop(0):
+            raise RuntimeError("injected fault in a verify pass with chunks")
+        return out
+
+    runner.step = faulty_step
+    steps: list[tuple[int, int, int]] = []  # per step with chunks: (chunks, rows that speculated, target passes)
+    original = engine._steps.run
+
+    def counted(plan, ended):
+        passes, speculated = runner.num_passes, speculator.num_steps
+        original(plan, ended)
+        if plan.prefill:
+            steps.append((len(plan.prefill), speculator.num_steps - speculated, runner.num_passes - passes))
+
+    engine._steps.run = counted
+
+    def ask(i: int, text: str, max_tokens: int) -> GenerationRequest:
+        return GenerationRequest(messages=user(text), sampling=SamplingParams(max_tokens=max_tokens),
+                                 stream=EventStream(), session_id=f"packed-{mode}-{fault}-{i}", open_session=True)
+
+    streams = [(QUESTIONS[i], 48) for i in range(2)]
+    prompts = [(QUESTIONS[2 + i % 2] + " Then explain it line by line." * (i + 1), 12) for i in range(3)]
+    try:
+        expected = [finished(run(plain, ask(100 + i, text, n))).token_ids
+                    for i, (text, n) in enumerate(streams + prompts)]
+        decoding = [ask(i, text, n) for i, (text, n) in enumerate(streams)]
+        for request in decoding:
+            engine.submit(request)
+        for request in decoding:  # both streams answer (and speculate) before the prompts arrive
+            while not isinstance(request.stream.get(timeout=60), Started):
+                pass
+        arriving = [ask(2 + i, text, n) for i, (text, n) in enumerate(prompts)]
+        got = submit_all(engine, arriving)
+        for request in decoding:
+            while not isinstance(event := request.stream.get(timeout=60), TERMINAL):
+                pass
+            got.insert(len(got) - len(arriving), finished([event]).token_ids)
+        assert got == expected
+        packed = [(chunks, passes) for chunks, speculated, passes in steps if speculated]
+        assert packed, steps  # steps that speculated and fed chunks
+        if fault:  # the faulty pass, then its parts apart: more than one pass in that step
+            assert faults == [] and engine.fresh_stats().events["steps_run_apart"] == 1
+            assert sum(passes != 1 for _, passes in packed) == 1, steps
+        else:
+            assert all(passes == 1 for _, passes in packed), steps
         assert engine.num_invariant_violations == 0
     finally:
         engine.stop()

@@ -45,6 +45,33 @@ def test_a_packed_step_gives_each_part_the_bits_of_its_own_pass(smollm2_path, dt
     assert torch.equal(packed, apart)
 
 
+def test_a_verify_packed_with_a_chunk_gives_the_bits_of_extend_and_of_the_prefill(smollm2_path):
+    """A speculative verify's rows (two sequences, 3 and 1 tokens) packed with a prompt's chunk: one pass,
+    each verify position the bits ``extend`` gives it (as its own decode step would), the chunk its
+    prefill's, every cache's length past what it fed."""
+    runner = ModelRunner(str(smollm2_path))
+    prompts = [list(range(100, 140)), list(range(200, 290)), list(range(300, 333))]
+    fed = [[7, 8, 9], [5]]
+
+    def caches():  # two decoding sessions, and a prompt 10 tokens in
+        kvs = [runner.new_kv_cache(block_tokens=16, max_tokens=512) for _ in prompts]
+        for kv, prompt, cached in zip(kvs, prompts, (40, 10, 33)):
+            runner.prefill(kv, runner.embed(prompt[:cached], []))
+        return kvs
+
+    a, b, c = caches()
+    rows = DecodeRows.verify([a, c], fed)
+    before = runner.num_passes
+    packed = runner.step([Chunk(b, runner.embed(prompts[1][10:], []))], rows)
+    assert runner.num_passes - before == 1 and len(rows) == 4
+    assert [kv.length for kv in (a, b, c)] == [43, 90, 34]
+    a, b, c = caches()
+    verify = runner.extend([a, c], fed)  # [2, 3, V], the second row's padding zeros
+    prefill = runner.prefill(b, runner.embed(prompts[1][10:], []))
+    assert torch.equal(rows.widen(packed[:4]), verify)
+    assert torch.equal(packed[4], prefill)
+
+
 @pytest.fixture(scope="module")
 def paths(tiny_model_path):
     return demo_paths(tiny_model_path)
