@@ -82,17 +82,18 @@ def report(streams: list[list[float]], burst: list[dict], began: float, follow: 
 # ---------------------------------------------------------------- ours
 
 
-def ours(model: Path, seeds: list[int], budget: int, threads: int) -> list[dict]:
-    from session.config import EngineConfig
-    from session.engine import Engine, GenerationRequest
-    from session.engine.events import Cancelled, EventStream, Failed, Finished, TextDelta
-    from session.types import SamplingParams
+class Client:
+    """Requests to one of our engines as a server's client threads send them: ``send`` submits and a
+    thread records the time of each streamed piece; ``wait`` blocks until they end."""
 
-    engine = Engine(EngineConfig(model_path=str(model), speculative="off", max_device_adapters=0, threads=threads,
-                                 step_token_budget=budget)).start()
+    def __init__(self, engine):
+        self.engine = engine
 
-    def send(ids, max_tokens, **kwargs) -> dict:
-        """Submit now; a thread records the time of each streamed piece (the first: the first token)."""
+    def send(self, ids, max_tokens, **kwargs) -> dict:
+        from session.engine import GenerationRequest
+        from session.engine.events import Cancelled, EventStream, Failed, Finished, TextDelta
+        from session.types import SamplingParams
+
         request = GenerationRequest(messages=(), sampling=SamplingParams(max_tokens=max_tokens), stream=EventStream(),
                                     token_ids=list(ids), request_id=f"q{random.random()}", **kwargs)
         record = {"sent": time.perf_counter(), "times": [], "tokens": 0, "id": request.request_id,
@@ -112,15 +113,26 @@ def ours(model: Path, seeds: list[int], budget: int, threads: int) -> list[dict]
                     record["done"].set()
                     return
 
-        engine.submit(request)
+        self.engine.submit(request)
         threading.Thread(target=read, daemon=True).start()
         return record
 
+    @staticmethod
     def wait(records):
         for r in records:
             r["done"].wait(600)
             if "error" in r:
                 raise RuntimeError(f"request failed: {r['error']}")
+
+
+def ours(model: Path, seeds: list[int], budget: int, threads: int) -> list[dict]:
+    from session.config import EngineConfig
+    from session.engine import Engine
+
+    engine = Engine(EngineConfig(model_path=str(model), speculative="off", max_device_adapters=0, threads=threads,
+                                 step_token_budget=budget)).start()
+    client = Client(engine)
+    send, wait = client.send, client.wait
 
     try:
         vocab = engine.parts.runner.info.vocab_size

@@ -51,6 +51,8 @@ class Executor:
         self.num_prefilled_tokens = 0
         self.num_cached_tokens = 0
         self.num_prefill_chunks = 0  # prefill passes run (a prompt in one step is one)
+        # a speculative step's verify pass feeds the step's prefill chunks too (``step_speculative``)
+        self.packs_verify = speculator is not None and self.stepper.packs_steps
 
     # ------------------------------------------------------------------ prefill
 
@@ -296,11 +298,6 @@ class Executor:
                 logger.error("request %s (session %s) failed, %d other(s) in its step went on: %s", seq.request_id,
                              redact(seq.session.session_id), len(rows) - 1, token.message, exc_info=token.__cause__)
         return tokens
-
-    @property
-    def packs_verify(self) -> bool:
-        """Can a speculative step's verify pass feed the step's prefill chunks too (``step_speculative``)?"""
-        return self.speculator is not None and self.stepper.packs_steps
 
     def speculate(self, rows: list[Sequence], speculating: list[Sequence]) -> list[list[int]]:
         """One speculative step for every row of the step, in one target pass: the rows in ``speculating``
