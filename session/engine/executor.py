@@ -342,9 +342,10 @@ class Executor:
                 seq.session.kv.crop(length)
             restore_generators(rows + seqs, states)
             raise
-        for seq, result in zip(rows, results):  # a verify that fed chunks also paid for them: not a measure
-            if id(seq) in chosen and seq.controller is not None and not chunks:
-                seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s)
+        for seq, result in zip(rows, results):  # a verify that fed chunks also paid for them: not its cost
+            if id(seq) in chosen and seq.controller is not None:
+                seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s,
+                                       timed=not chunks)
         first_tokens = self._draw_first(chunks, parts, chunk_logits[0]) if chunks else {}
         return self._advance(chunks, parts, first_tokens), [list(result.token_ids) for result in results]
 
@@ -356,11 +357,19 @@ class Executor:
         if not finishing:
             return {}
         seqs = [chunks[i][0] for i in finishing]
+        transcripts = [s.session.token_ids + self.prompt_ids(s) for s in seqs]
+        states = generator_states(seqs)
         try:
-            tokens = self._sample(seqs, logits[finishing], [s.session.token_ids + self.prompt_ids(s) for s in seqs])
-        except Exception as exc:
-            return dict.fromkeys(finishing, exc)
-        return dict(zip(finishing, tokens))
+            return dict(zip(finishing, self._sample(seqs, logits[finishing], transcripts)))
+        except Exception:  # drawn again one by one, so that only the turn whose draw raises fails
+            restore_generators(seqs, states)
+        drawn: dict[int, int | Exception] = {}
+        for index, seq, transcript in zip(finishing, seqs, transcripts):
+            try:
+                drawn[index] = self._sample([seq], logits[index:index + 1], [transcript])[0]
+            except Exception as exc:
+                drawn[index] = exc
+        return drawn
 
     def rewind(self, seq: Sequence) -> None:
         """Tokens of a speculative run after the one that ended the request were dropped: crop the caches."""

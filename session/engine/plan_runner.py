@@ -99,7 +99,8 @@ class PlanRunner:
     def _run_speculative_step(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence],
                               speculating: list[Sequence], ended: list[Sequence]) -> None:
         """The chunks fed in the rows' speculative verify pass (``Executor.step_speculative``). If it fails,
-        its parts run again apart, as ``_run_step``'s do: each chunk alone, the rows' speculative step."""
+        its parts run again apart, as ``_run_step``'s do: each chunk alone, then the rows in a plain
+        decode step (as after an OOM: the safe step, every row as before the failed one)."""
         error = None
         try:
             chunk_results, tokens = self.executor.step_speculative(chunks, rows, speculating)
@@ -108,7 +109,7 @@ class PlanRunner:
                 raise device_failed(exc) from exc
             error = exc
         if error is not None:  # out of the except block: the traceback no longer holds the pass's tensors
-            self._run_apart(chunks, rows, error, ended, speculating)
+            self._run_apart(chunks, rows, error, ended)
             return
         self._finish_chunks(chunks, chunk_results, ended)
         self._emit_rows(rows, tokens, ended)
@@ -123,7 +124,7 @@ class PlanRunner:
                 self._start(seq, result, ended)
 
     def _run_apart(self, chunks: list[tuple[Sequence, int]], rows: list[Sequence], error: Exception,
-                   ended: list[Sequence], speculating: list[Sequence] | None = None) -> None:
+                   ended: list[Sequence]) -> None:
         self.num_steps_run_apart += 1
         if classify(error) is Fault.OUT_OF_MEMORY:
             self.num_oom_retries += 1
@@ -134,7 +135,7 @@ class PlanRunner:
         for chunk in chunks:
             self._run_step([chunk], [], ended)
         if rows:
-            self._run_decode(rows, ended, speculating=speculating or [])
+            self._run_decode(rows, ended, speculating=[])
 
     def _start(self, seq: Sequence, token: int, ended: list[Sequence]) -> None:
         """The turn's prefill committed: ``Started``, then its first token."""

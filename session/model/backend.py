@@ -64,7 +64,10 @@ class DecodeRows:
     def verify(cls, kvs: list[KVCache], token_rows: list[list[int]],
                adapter_slots: list[int] | None = None) -> DecodeRows:
         """kvs[b] feeding token_rows[b] (a verify's last token and proposals), a row per token, each
-        sequence's rows together and in order."""
+        sequence's rows together and in order. No rope deltas: M-RoPE models do not speculate (the
+        engine's assembly refuses them)."""
+        if not all(token_rows):
+            raise ValueError("every verified sequence feeds at least its last token")
         owners = [b for b, row in enumerate(token_rows) for _ in row]
         return cls([kvs[b] for b in owners], [token for row in token_rows for token in row],
                    None if adapter_slots is None else [adapter_slots[b] for b in owners],

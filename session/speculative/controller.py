@@ -166,22 +166,29 @@ class SpeculationController:
         gap = min(self.probe_interval, math.ceil(marginal / self.probe_cost)) * self.probe_backoff
         return self.num_plain_since_probe >= gap
 
-    def observe(self, num_proposed: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
-        """Called after a speculative step with what it proposed, accepted and cost (the batch's costs)."""
+    def observe(self, num_proposed: int, num_accepted: int, draft_s: float, verify_s: float,
+                timed: bool = True) -> None:
+        """Called after a speculative step with what it proposed, accepted and cost (the batch's costs).
+        ``timed`` False: the step's pass also did other work (a verify that fed prompt chunks), so its
+        acceptance counts and its costs do not."""
         # a try against the odds: a speculative step after plain ones, taken while speculation did not pay
         probe = self.num_plain_since_probe > 0 and self.plain_step_s is not None and self.speedup() < self.min_speedup
         self.num_plain_since_probe = 0
         if num_proposed == 0:  # prompt lookup found nothing: it was a plain step in disguise
-            self.observe_plain(verify_s)
+            if timed:
+                self.observe_plain(verify_s)
+            else:
+                self.num_plain_since_probe += 1
             return
         w = self.smoothing
-        rate, steps = self.delivered.get(self.batch_size, (0.0, 0))
-        step_rate = (num_accepted + 1) / max(draft_s + verify_s, 1e-9)  # this row's tokens per second
-        self.delivered[self.batch_size] = (step_rate if steps == 0 else rate + w * (step_rate - rate), steps + 1)
+        if timed:
+            rate, steps = self.delivered.get(self.batch_size, (0.0, 0))
+            step_rate = (num_accepted + 1) / max(draft_s + verify_s, 1e-9)  # this row's tokens per second
+            self.delivered[self.batch_size] = (step_rate if steps == 0 else rate + w * (step_rate - rate), steps + 1)
+            self.costs.observe_speculative(num_proposed, draft_s, verify_s, self.batch_size)
         tested = num_accepted + (num_accepted < num_proposed)
         self.num_successes += w * (num_accepted - self.num_successes)
         self.num_trials += w * (tested - self.num_trials)
-        self.costs.observe_speculative(num_proposed, draft_s, verify_s, self.batch_size)
         self.k = self.best_k()
         if probe:  # a failed try waits twice as long for the next (bounded); one that pays resets the wait
             paid = self.speedup() >= self.min_speedup

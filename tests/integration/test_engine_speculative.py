@@ -155,7 +155,8 @@ def test_a_verify_feeds_the_steps_prompt_chunks_in_its_one_target_pass(plain, mo
     """Sessions speculate while new prompts arrive and are fed in 16-token chunks: a step that speculates
     and feeds chunks runs ONE target pass (the verify's rows and the chunks packed), and every answer
     equals plain decoding's token for token. With ``fault`` the first such pass raises after it ran
-    (its caches advanced): the step runs again with its parts apart, and every answer is still exact."""
+    (its caches advanced): the step runs again with its parts apart (the rows in a plain decode step),
+    and every answer is still exact."""
     engine = Engine(EngineConfig(model_path=str(PAIR / "target"), speculative=mode, step_token_budget=16,
                                  draft_model_path=str(PAIR / "draft") if mode == "draft" else None,
                                  check_invariants=True)).start()
@@ -203,13 +204,11 @@ def test_a_verify_feeds_the_steps_prompt_chunks_in_its_one_target_pass(plain, mo
                 pass
             got.insert(len(got) - len(arriving), finished([event]).token_ids)
         assert got == expected
-        packed = [(chunks, passes) for chunks, speculated, passes in steps if speculated]
-        assert packed, steps  # steps that speculated and fed chunks
-        if fault:  # the faulty pass, then its parts apart: more than one pass in that step
+        packed = [passes for _, speculated, passes in steps if speculated]
+        assert packed and all(passes == 1 for passes in packed), steps  # speculated and fed chunks: one pass
+        if fault:  # the failed pass, then the chunk alone and the rows in a plain decode step
             assert faults == [] and engine.fresh_stats().events["steps_run_apart"] == 1
-            assert sum(passes != 1 for _, passes in packed) == 1, steps
-        else:
-            assert all(passes == 1 for _, passes in packed), steps
+            assert [passes for _, speculated, passes in steps if not speculated and passes != 1] == [3], steps
         assert engine.num_invariant_violations == 0
     finally:
         engine.stop()

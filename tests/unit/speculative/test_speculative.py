@@ -135,6 +135,27 @@ def test_controller_estimates_acceptance_from_geometric_trials():
     assert controller.expected_tokens(3) == 4.0
 
 
+def test_an_untimed_step_counts_its_acceptance_not_its_costs():
+    """A verify that also fed prompt chunks (``timed=False``): acceptance, k and the probe counter move as
+    for any speculative step; the batch's costs and this row's delivered rate do not."""
+    controller = SpeculationController(k_max=8, k=4, smoothing=1.0)
+    controller.observe_plain(0.010)
+    controller.observe_plain(0.010)
+    controller.observe(num_proposed=4, num_accepted=4, draft_s=0.004, verify_s=0.012)
+    def recorded():  # copies of what the costs and the delivered rate hold
+        return ({size: list(recent) for size, recent in controller.costs._draft.items()},
+                {size: list(recent) for size, recent in controller.costs._verify_extra.items()},
+                dict(controller.delivered))
+
+    before = recorded()
+    controller.observe(num_proposed=4, num_accepted=1, draft_s=0.004, verify_s=0.5, timed=False)
+    assert controller.acceptance == pytest.approx(1 / 2)  # one success, then a failure
+    assert recorded() == before and before[0]  # costs were recorded before, none added
+    assert controller.num_plain_since_probe == 0
+    controller.observe(num_proposed=0, num_accepted=0, draft_s=0.0, verify_s=0.5, timed=False)
+    assert controller.num_plain_since_probe == 1 and controller.plain_step_s == pytest.approx(0.010)
+
+
 def test_controller_expected_speedup_formula():
     controller = SpeculationController(k_max=8, k=2, smoothing=1.0, prior_acceptance=0.5)
     controller.observe_plain(0.010)
