@@ -53,6 +53,7 @@ class Executor:
         self.num_prefill_chunks = 0  # prefill passes run (a prompt in one step is one)
         # a speculative step's verify pass feeds the step's prefill chunks too (``step_speculative``)
         self.packs_verify = speculator is not None and self.stepper.packs_steps
+        self.num_verifies_with_chunks = 0  # speculative steps whose verify pass fed prefill chunks
 
     # ------------------------------------------------------------------ prefill
 
@@ -346,6 +347,7 @@ class Executor:
             if id(seq) in chosen and seq.controller is not None:
                 seq.controller.observe(result.num_proposed, result.num_accepted, result.draft_s, result.verify_s,
                                        timed=not chunks)
+        self.num_verifies_with_chunks += bool(chunks)
         first_tokens = self._draw_first(chunks, parts, chunk_logits[0]) if chunks else {}
         return self._advance(chunks, parts, first_tokens), [list(result.token_ids) for result in results]
 

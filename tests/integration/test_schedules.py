@@ -240,6 +240,7 @@ def run_schedule(seed: int, tiny_model_path, tmp_path) -> dict:
     if engine.parts.speculator is not None:
         counts["speculative row steps"] = engine.parts.speculator.num_steps
         counts["speculative tokens accepted"] = engine.parts.speculator.num_accepted
+        counts["verifies that fed prefill chunks"] = engine.parts.executor.num_verifies_with_chunks
     return counts
 
 
@@ -288,6 +289,7 @@ def test_random_schedules_keep_the_invariant(tiny_model_path, tmp_path, processi
     assert totals.get("Finished", 0) > 5 * num and totals.get("Cancelled", 0) > num and \
         totals.get("Failed", 0) > num and totals.get("Closed", 0) > num // 2, totals
     assert totals.get("speculative row steps", 0) > num, totals
+    assert totals.get("verifies that fed prefill chunks", 0) > num, totals  # one pass, chunks and verify
     # Shared prefixes were found often (system prompts, resent histories), and answers stayed exact.
     assert totals["tokens cached on a first turn"] > 10 * num and totals["shared block hits"] > 2 * num, totals
     # Long prompts were fed in chunks across steps, follow-ups went first, and prefills were cancelled
