@@ -120,7 +120,8 @@ class Client:
     @staticmethod
     def wait(records):
         for r in records:
-            r["done"].wait(600)
+            if not r["done"].wait(600):
+                raise TimeoutError(f"request {r['id']} did not end within 600 s")
             if "error" in r:
                 raise RuntimeError(f"request failed: {r['error']}")
 
