@@ -32,6 +32,11 @@ class ModelInfo:
     image_token_id: int | None  # None for text-only models
     num_image_tokens: int  # placeholder tokens every image expands to; 0 where it varies (session/families/vision.py)
 
+    @property
+    def grouped_query(self) -> bool:
+        """Do query heads share KV heads (grouped-query attention: SDPA's ``enable_gqa``)?"""
+        return self.num_heads != self.num_kv_heads
+
 
 @dataclass(frozen=True)
 class Chunk:

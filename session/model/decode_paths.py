@@ -29,7 +29,14 @@ from session.model.backend import ModelInfo
 from session.model.blocks import blocks_for, blocks_missing
 from session.model.cpu import fused_layer
 from session.model.kv_cache import KVCache, KVPool, PagedKVCache
-from session.model.layer_attention import KernelRowsAttention, LayerStack, block_table, gqa, run_layers, window_start
+from session.model.layer_attention import (
+    KernelRowsAttention,
+    LayerStack,
+    block_table,
+    reads_in_place,
+    run_layers,
+    window_start,
+)
 
 if TYPE_CHECKING:
     from session.model.cuda_graphs import DecodeGraphs
@@ -57,8 +64,6 @@ class Layers(LayerStack, Protocol):
     def set_adapters(self, slots: list[int] | None) -> None: ...
 
     def logits(self, h: torch.Tensor) -> torch.Tensor: ...
-
-    def in_place(self, kv: KVCache, window: int | None) -> bool: ...
 
     def forward_paged(self, pool, ids: torch.Tensor, batch, position_offsets: torch.Tensor | None = None): ...
 
@@ -250,7 +255,7 @@ class _RowDecodeAttention:
 
     def __init__(self, runner: Layers, kvs: list[KVCache], lengths: list[int]):
         self.runner, self.kvs, self.lengths = runner, kvs, lengths
-        self.grouped = gqa(runner.info.num_heads, runner.info.num_kv_heads)
+        self.grouped = runner.info.grouped_query
         self.pool, self.paged = shared_pool(kvs), paged_caches(kvs)
         self.slots = step_slots(runner, self.paged, lengths)
         self.row_runs: dict[int | None, list[list[tuple]]] = {}  # window -> runs_of_rows: once per step
@@ -289,7 +294,7 @@ class _RowExtendAttention:
         self.runner, self.kvs, self.lengths, self.counts, self.width = runner, kvs, lengths, counts, width
         self.masks = [causal_masks(length, count, runner.windows, device, all_keys=count == 1)
                       for length, count in zip(lengths, counts)]
-        self.grouped = gqa(runner.info.num_heads, runner.info.num_kv_heads)
+        self.grouped = runner.info.grouped_query
         self.pool = shared_pool(kvs)
         if self.pool is not None:  # every row's real new tokens (not its padding): row, column, and slot in the pool
             self.new_rows = torch.tensor([b for b, count in enumerate(counts) for _ in range(count)], device=device)
@@ -309,7 +314,7 @@ class _RowExtendAttention:
         for b, (kv, length, count) in enumerate(zip(kvs, self.lengths, self.counts)):
             if pool is None:
                 kv.write(index, length, k[b, :, :count], v[b, :, :count])
-            if runner.in_place(kv, window):
+            if window is None and reads_in_place(kv, runner.device):
                 if self.row_runs is None:
                     self.row_runs = runs_of_rows(paged_caches(kvs), [0] * len(kvs),
                                                  [n + c for n, c in zip(self.lengths, self.counts)])

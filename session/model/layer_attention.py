@@ -27,7 +27,7 @@ paths, on the engine loop thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +66,11 @@ def run_layers(runner: LayerStack, h: torch.Tensor, cos: torch.Tensor, sin: torc
     return h
 
 
-def gqa(num_heads: int, num_kv_heads: int) -> bool:
-    """Do query heads share KV heads (grouped-query attention: SDPA's ``enable_gqa``)?"""
-    return num_heads != num_kv_heads
+def reads_in_place(kv: KVCache, device: torch.device) -> TypeGuard[PagedKVCache]:
+    """Does attention read ``kv``'s runs of blocks in place (``attend_runs``) rather than a gathered copy,
+    in layers without a sliding window (whose masks can hide a whole run from a query)? A paged cache
+    on CPU."""
+    return device.type == "cpu" and isinstance(kv, PagedKVCache)
 
 
 class SpanAttention:
@@ -83,9 +85,7 @@ class SpanAttention:
         self.kv, self.start, self.count, self.end = kv, start, count, start + count
         self.windows, self.grouped = windows, grouped
         self.masks = causal_masks(start, count, windows, device, all_keys=all_keys)
-        # attended in place: a paged cache on CPU, in layers without a sliding window (whose masks can
-        # hide a whole run from a query)
-        self.in_place = kv if isinstance(kv, PagedKVCache) and device.type == "cpu" else None
+        self.in_place = kv if reads_in_place(kv, device) else None  # in full-attention layers
 
     def __call__(self, index, layer, q, k, v):
         self.kv.write(index, self.start, k[0], v[0])

@@ -35,7 +35,7 @@ from torch import nn
 from session.model.backend import Chunk, DecodeRows
 from session.model.cpu.linear import several_rows_from
 from session.model.kv_cache import PagedKVCache, to_device
-from session.model.layer_attention import KernelRowsAttention, PackedAttention, SpanAttention, gqa, run_layers
+from session.model.layer_attention import KernelRowsAttention, PackedAttention, SpanAttention, run_layers
 
 if TYPE_CHECKING:
     from session.model.runner import ModelRunner
@@ -77,7 +77,7 @@ def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows |
     kernel = bool(num_rows) and runner.pooled_decode and pool.head_major  # else each row a one-token chunk
     rows_attention = (KernelRowsAttention(kvs[:num_rows], lengths[:num_rows], runner.windows, slots[:num_rows])
                       if kernel else None)
-    grouped = gqa(runner.info.num_heads, runner.info.num_kv_heads)
+    grouped = runner.info.grouped_query
     chunks_attention = [SpanAttention(kv, length, count, runner.windows, runner.device, grouped, all_keys=index < num_rows)
                         for index, (kv, length, count) in enumerate(zip(kvs, lengths, counts))
                         if index >= (num_rows if kernel else 0)]

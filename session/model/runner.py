@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from session.model.devices import (  # NEURON_MISSING, neuron_found: importable 
     select_device,
 )
 from session.model.kv_cache import KVCache, KVPool, PagedKVCache, StaticKVCache, to_device
-from session.model.layer_attention import LayerAttention, SpanAttention, gqa, run_layers
+from session.model.layer_attention import LayerAttention, SpanAttention, run_layers
 from session.model.loader import ModelLoader
 from session.model.packed_step import packed_step, packs
 from session.model.quantize import INT4_DEFAULT_GROUP
@@ -71,12 +71,6 @@ def default_attention(device: torch.device) -> str:
 def cpu_has_bf16() -> bool:
     """Native bfloat16 dot products on this CPU (the flags Linux reports in /proc/cpuinfo)."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-def attention_scale(layer: nn.Module) -> float:
-    """A decoder layer's softmax scale, transformers' ``self_attn.scaling`` (a float: torch types a
-    module's attributes as Tensor | Module)."""
-    return cast(float, cast(nn.Module, layer.self_attn).scaling)
 
 
 class ImageEncoder(Protocol):
@@ -242,7 +236,7 @@ class ModelRunner:
         # query i (absolute position start+i) sees keys 0 .. start+i; in a sliding-window layer of W,
         # only the last W of them (keys j > start+i-W)
         attention: LayerAttention = self.paged_prefill(kv, num_new) or SpanAttention(
-            kv, start, num_new, self.windows, self.device, gqa(self.info.num_heads, self.info.num_kv_heads))
+            kv, start, num_new, self.windows, self.device, self.info.grouped_query)
         h = run_layers(self, h, cos, sin, attention)
         kv.length = end
         return self.logits(h)[0] if all_logits else self.logits(h[:, -1:])[0, 0]
@@ -258,11 +252,6 @@ class ModelRunner:
             return None
         plan = to_device(plan_rows([kv], num_new)[0], self.device)[None]
         return PagedAttention(kv.pool, to_batch(plan, num_new), self.windows, backend)
-
-    def in_place(self, kv: KVCache, window: int | None) -> TypeGuard[PagedKVCache]:
-        """Attend over a paged cache's runs of blocks in place (``attend_runs``) rather than a gathered
-        copy: on CPU, in layers without a sliding window (whose masks can hide a whole run from a query)."""
-        return self.device.type == "cpu" and window is None and isinstance(kv, PagedKVCache)
 
     def configure_decode(self, attention: str, batch_buckets: tuple[int, ...] = (), verify_tokens: int = 0,
                          verify_buckets: tuple[int, ...] = ()) -> None:

@@ -203,7 +203,7 @@ class StaticShapeRunner:
             k_cache[index].index_copy_(1, positions, k[0])
             v_cache[index].index_copy_(1, positions, v[0])
             return F.scaled_dot_product_attention(q, k_cache[index][None], v_cache[index][None], attn_mask=mask,
-                                                  scale=layer.self_attn.scaling, enable_gqa=_gqa(runner))
+                                                  scale=layer.self_attn.scaling, enable_gqa=runner.info.grouped_query)
 
         h = run_layers(runner, h, cos, sin, attention)
         return runner.lm_head(lm.norm(h)).float()[0]
@@ -281,10 +281,6 @@ def _decoder_stack(runner: ModelRunner) -> Any:
     """The runner's decoder stack, transformers' module: its parts (embed_tokens, rotary_emb, norm) are its
     class's own, which torch's ``nn.Module`` typing cannot name."""
     return runner.lm
-
-
-def _gqa(runner: ModelRunner) -> bool:
-    return runner.info.num_heads != runner.info.num_kv_heads
 
 
 def _no_mrope(positions) -> None:
