@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from session.model.attention import attend_runs, causal_masks, choose_backend, columns, plan_rows, to_batch
-from session.model.backend import ModelInfo
+from session.model.backend import DecodeRows, ModelInfo
 from session.model.blocks import blocks_for, blocks_missing
 from session.model.cpu import fused_layer
 from session.model.kv_cache import KVCache, KVPool, PagedKVCache
@@ -146,16 +146,12 @@ class CpuKernelPath(PerRowPath):
             return super().extend(kvs, token_rows, lengths, adapter_slots)
         for kv, length, row in zip(kvs, lengths, token_rows):
             kv.ensure_capacity(length + len(row))
-        width = max(len(row) for row in token_rows)
-        owners = [b for b, row in enumerate(token_rows) for _ in row]
-        offsets = [t for row in token_rows for t in range(len(row))]
-        if adapter_slots is not None:  # one adapter row per new token
-            self.runner.set_adapters([adapter_slots[b] for b in owners])
-        flat = self.decode_rows([kvs[b] for b in owners], [token for row in token_rows for token in row],
-                                [lengths[b] + t for b, t in zip(owners, offsets)], None)  # [N, V]
-        logits = flat.new_zeros(len(kvs), width, flat.shape[-1])
-        logits[owners, offsets] = flat
-        return logits
+        rows = DecodeRows.verify(kvs, token_rows, adapter_slots)
+        if rows.adapter_slots is not None:  # one adapter row per new token
+            self.runner.set_adapters(rows.adapter_slots)
+        flat = self.decode_rows(paged_caches(rows.kvs), rows.token_ids,
+                                [kv.length + a for kv, a in zip(rows.kvs, rows.ahead or [])], None)  # [N, V]
+        return rows.widen(flat)
 
     def decode_rows(self, kvs: list[PagedKVCache], token_ids: list[int], lengths: list[int],
                     offsets: list[int] | None) -> torch.Tensor:
