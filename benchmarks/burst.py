@@ -18,6 +18,14 @@ client threads; vLLM: ``AsyncLLM.generate``). Ours runs once per token budget of
 (RESIDENT_STEP_TOKEN_BUDGET); the comparison rows use ``--budget``. vLLM runs with its defaults
 (chunked prefill and prefix caching on), its scheduler settings recorded in the JSON.
 
+AVX2 on an AVX-512 CPU, both engines' AVX2 builds in one run (an instruction-set check, not an AVX2
+CPU's caches and clocks)::
+
+    RESIDENT_KERNEL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python \
+        benchmarks/burst.py --vllm-python build/vllm-venv/bin/python
+
+(ours: our kernels, ATen's and oneDNN's capped; vLLM's worker inherits the same and loads ``_C_AVX2``).
+
 Model: models/smollm2-135m-instruct (``make models``), float32 on both. vLLM runs in its own
 interpreter (benchmarks/requirements-vllm.txt).
 """
@@ -54,6 +62,11 @@ def workload(seed: int, vocab: int) -> dict:
     return {"streams": [ids(STREAM_PROMPT) for _ in range(STREAMS)], "burst": [ids(BURST_PROMPT) for _ in range(BURST)],
             "openings": [ids(OPENING) for _ in range(TALKS)], "questions": [ids(QUESTION) for _ in range(TALKS)],
             "burst2": [ids(BURST_PROMPT) for _ in range(BURST)]}
+
+
+def model_vocab(model: Path) -> int:
+    """The checkpoint's vocabulary size (config.json), the range both engines' random prompts draw from."""
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
 def longest_gap(times: list[float], since: float, until: float) -> float:
@@ -172,6 +185,10 @@ def ours(model: Path, seeds: list[int], budget: int, threads: int) -> list[dict]
 def vllm_worker(model: Path, seeds: list[int], kv_cache_gb: int) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if os.environ.get("RESIDENT_KERNEL_ISA", "").lower() == "avx2":  # vLLM loads its AVX2 library too
+        import torch
+
+        torch.cpu._is_avx512_supported = lambda: False
     from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -200,7 +217,7 @@ def vllm_worker(model: Path, seeds: list[int], kv_cache_gb: int) -> dict:
         await asyncio.gather(*(r["task"] for r in records))
 
     async def main():
-        vocab = 49152
+        vocab = model_vocab(model)
         await wait([send(workload(10_000, vocab)["burst"][0], 4)])
         out = []
         for seed in seeds:
