@@ -36,14 +36,22 @@ using resident::simd::V16;
 namespace simd = resident::simd;
 
 // rows x output blocks per tile, its accumulators in registers: 6 x 4 of AVX-512's 32; AVX2 has 16 of
-// half the width (a V16 takes two), so 2 x 3 (one row still runs 6 chains of multiply-adds)
+// half the width (a V16 takes two), so 2 x 3 (one row still runs 6 chains of multiply-adds). From
+// kTallRows rows on, AVX2 takes 6 x 1 (oneDNN's 6 x 16 shape): each weight line loaded once for six rows
+// instead of two, where 2 x 3 waited on the level-2 cache (a 256-row product ran at 0.64x oneDNN's
+// speed). A tile's shape decides which sums run together, never the order of any output's additions.
 #if defined(__AVX512F__)
 constexpr int kRowTile = 6;
 constexpr int kBlockTile = 4;
+constexpr int kTallRowTile = 6;
+constexpr int kTallBlockTile = 4;
 #else
 constexpr int kRowTile = 2;
 constexpr int kBlockTile = 3;
+constexpr int kTallRowTile = 6;
+constexpr int kTallBlockTile = 1;
 #endif
+constexpr int64_t kTallRows = 6;
 
 #ifdef __AVX512BF16__
 // bfloat16: per block of 16 outputs and pair of inputs, the 32 weights one VDPBF16PS takes; each lane
@@ -204,6 +212,11 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
       for (int m = 0; m < MR; ++m)
         for (int64_t p = start; p < stop; ++p) xsums[m] += pb.x[(m0 + m) * pb.x_stride + p];
     for (int64_t p = start; p < stop; ++p) {
+      if constexpr (NR == 1) {  // one line, each row's input broadcast as it is used: 6 rows fit AVX2's registers
+        const typename F::Loaded wv = F::load(w0 + p * line, groups[0]);
+        for (int m = 0; m < MR; ++m) acc[m][0] = F::add_products(acc[m][0], F::input(pb.x + (m0 + m) * pb.x_stride, p), wv);
+        continue;
+      }
       typename F::Input xs[MR];
       for (int m = 0; m < MR; ++m) xs[m] = F::input(pb.x + (m0 + m) * pb.x_stride, p);
       for (int r = 0; r < NR; ++r) {
@@ -235,11 +248,12 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
   }
 }
 
-// Rows first .. end-1, in tiles of kRowTile rows and the rest, for the output blocks b0 .. b0+NR-1.
-template <typename F, int NR>
+// Rows first .. end-1, in tiles of RT (at most 6) rows and the rest, for the output blocks b0 .. b0+NR-1.
+template <typename F, int NR, int RT = kRowTile>
 void rows_of(const Problem<F>& pb, int64_t first, int64_t end, int64_t b0) {
+  static_assert(RT >= 1 && RT <= 6, "the rest of the rows is at most 5");
   int64_t m0 = first;
-  for (; m0 + kRowTile <= end; m0 += kRowTile) tile<F, kRowTile, NR>(pb, m0, b0);
+  for (; m0 + RT <= end; m0 += RT) tile<F, RT, NR>(pb, m0, b0);
   switch (end - m0) {
     case 5: tile<F, 5, NR>(pb, m0, b0); break;
     case 4: tile<F, 4, NR>(pb, m0, b0); break;
@@ -276,6 +290,7 @@ struct Prepared {
   Problem<F> pb;
   Problem<F> rest;  // rows from ``split`` on: pb summed in blocks of another size (``several_from``)
   int64_t rows = 0, column_tiles = 0, split = 0;
+  bool tall = false;  // kTallRows rows or more: the tall tile (kTallRowTile x kTallBlockTile)
 
   Prepared(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
            int64_t k_block) {
@@ -314,15 +329,17 @@ struct Prepared {
                     reinterpret_cast<const typename F::Weight*>(packed.data_ptr()),
                     steps, n, k_block, bias_sums.defined() ? bias_sums.data_ptr<float>() : nullptr,
                     reinterpret_cast<Elem*>(y.data_ptr()), scratch.data_ptr<float>()};
-    column_tiles = rows == 0 ? 0 : (blocks + kBlockTile - 1) / kBlockTile;
+    tall = rows >= kTallRows;
+    const int64_t per_tile = tall ? kTallBlockTile : kBlockTile;
+    column_tiles = rows == 0 ? 0 : (blocks + per_tile - 1) / per_tile;
     rest = pb;
     split = rows;
   }
 
-  template <int NR>
+  template <int NR, int RT = kRowTile>
   void both(int64_t b0) const {
-    rows_of<F, NR>(pb, 0, split, b0);
-    rows_of<F, NR>(rest, split, rows, b0);
+    rows_of<F, NR, RT>(pb, 0, split, b0);
+    rows_of<F, NR, RT>(rest, split, rows, b0);
   }
 
  public:
@@ -337,6 +354,9 @@ struct Prepared {
   }
 
   void run_tile(int64_t t) const {  // output blocks kBlockTile t .. kBlockTile (t + 1) - 1 for every row
+    if constexpr (kTallBlockTile == 1) {
+      if (tall) return both<1, kTallRowTile>(t);
+    }
     const int64_t b0 = t * kBlockTile, blocks = (pb.n + kLanes - 1) / kLanes;
     switch (std::min<int64_t>(kBlockTile, blocks - b0)) {
       case 4: both<4>(b0); break;
