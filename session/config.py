@@ -54,6 +54,10 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests per worker before 503
     kv_block_tokens: int = 256  # KV blocks of this many tokens (FlashAttention's paged kernel: a multiple of 256)
     attention: str = "auto"  # decode: auto (cuda_graphs on CUDA, per_row on CPU), batched, per_row, cuda_graphs
+    # A step's prefill chunks and decode rows in one forward pass (session/model/packed_step.py): auto (on
+    # CPU), on (also on CUDA where a paged FlashAttention kernel reads the pool: not yet checked on a GPU),
+    # off (a pass per part)
+    packed_steps: str = "auto"
     static_kv: bool = False  # fixed-capacity KV + bucketed shapes (session/model/static_shapes.py), as NeuronCores need
     compile: bool = False  # torch.compile the static-shape step functions (needs static_kv)
     compile_backend: str = "inductor"  # its backend: inductor, aot_eager, or neuron (NeuronCores, Neuron SDK)
@@ -172,6 +176,8 @@ class EngineConfig:
         if self.attention not in ("auto", "batched", "per_row", "cuda_graphs"):
             raise ConfigError(f"{ENV_PREFIX}ATTENTION must be auto, batched, per_row or cuda_graphs, "
                               f"got {self.attention!r}")
+        if self.packed_steps not in ("auto", "on", "off"):
+            raise ConfigError(f"{ENV_PREFIX}PACKED_STEPS must be auto, on or off, got {self.packed_steps!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"{ENV_PREFIX}DTYPE must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "int4"):

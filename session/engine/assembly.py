@@ -210,6 +210,7 @@ def _configure_paged_kv(config: EngineConfig, runners: list[ModelRunner], budget
     for index, runner in enumerate(runners):
         verify_tokens = 0 if not speculating else (config.num_speculative_tokens + 1 if index == 0 else 2)
         runner.configure_decode(config.attention, power_buckets(config.max_batch_size), verify_tokens, verify_buckets)
+        runner.packed_steps = config.packed_steps
     pools = [runner.kv_pool(config.kv_block_tokens) for runner in runners]
     for pool in pools:  # idle shared blocks: at most prefix_cache_bytes (the budget may evict them sooner)
         pool.blocks.prefix.max_idle_blocks = config.prefix_cache_bytes // pool.block_nbytes

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -222,6 +223,52 @@ class PagedAttention:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.masks[window], scale=scale,
                                               enable_gqa=q.shape[1] != keys.shape[1])
 
+
+
+class RaggedAttention:
+    """A packed step's attention (session/model/packed_step.py) in one paged FlashAttention call per layer:
+    the step's N tokens as parts of ragged length (a decode row: one query; a chunk: its tokens; a verify:
+    a row per position), part p's queries the last ``counts[p]`` of its ``kv_lens[p]`` keys (causal from
+    the bottom right), read in place through its own row of the block table. torch's ``varlen_attn`` or
+    flash-attn's ``flash_attn_varlen_func``, as ``choose_backend`` picks for the pool; one plan copy to
+    the device per step, none per layer."""
+
+    def __init__(self, pool: KVPool, slots: torch.Tensor, tables: list[list[int]], kv_lens: list[int],
+                 counts: list[int], windows: list[int | None], backend: str):
+        """``slots`` [N, 1]: where the N new keys go (on the pool's device); ``tables[p]``: part p's block
+        ids (several parts may share a sequence's); ``backend``: "varlen" or "flash_attn"."""
+        if backend not in ("varlen", "flash_attn"):
+            raise ValueError(f"RaggedAttention runs a paged FlashAttention kernel, not {backend!r}")
+        self.pool, self.slots, self.windows, self.backend = pool, slots, windows, backend
+        width = max(len(table) for table in tables)
+        plan = [[*table, *[PAD_BLOCK] * (width - len(table))] for table in tables]
+        ends = lambda sizes: [0, *itertools.accumulate(sizes)]  # noqa: E731
+        host = torch.tensor([ends(counts), ends(kv_lens)], dtype=torch.int32)
+        self.cu_q, self.cu_k = host.to(pool.device).unbind(0)  # [P + 1] each
+        self.seq_lens = self.cu_k.diff()  # [P]: keys each part sees
+        self.block_table = torch.tensor(plan, dtype=torch.int32).to(pool.device)  # [P, widest]
+        self.max_q, self.max_k = max(counts), max(kv_lens)
+        if backend == "varlen":
+            self.kernel = torch_paged_varlen()
+        else:
+            from flash_attn import flash_attn_varlen_func
+
+            self.kernel = flash_attn_varlen_func
+
+    def __call__(self, index: int, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, H, 1, hd]; k, v [N, KVH, 1, hd] (one token a row) -> [N, H, 1, hd]."""
+        pool, window, scale = self.pool, self.windows[index], layer.self_attn.scaling
+        pool.write_rows(index, self.slots, k, v)
+        size = (-1, 0) if window is None else (window - 1, 0)
+        queries = q[:, :, 0]  # [N, H, hd]
+        if self.backend == "varlen":
+            out = self.kernel(queries, pool.k[index], pool.v[index], self.cu_q, self.cu_k, self.max_q, self.max_k,
+                              scale=scale, window_size=size, enable_gqa=q.shape[1] != pool.num_kv_heads,
+                              seqused_k=self.seq_lens, block_table=self.block_table)
+        else:
+            out = self.kernel(queries, pool.k[index], pool.v[index], self.cu_q, self.cu_k, self.max_q, self.max_k,
+                              softmax_scale=scale, causal=True, window_size=size, block_table=self.block_table)
+        return out[:, :, None]
 
 MASKED = -1e30  # attend_runs' additive mask value (finite: see there)
 

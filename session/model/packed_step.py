@@ -17,11 +17,15 @@ Each row gets the bits its own pass would: our linears sum the decode rows in th
 and a chunk's tokens in the several-row ones (``several_rows_from``, session/model/cpu/linear.py), and
 the logits are taken at each part's last position only, as [R, 1, D] (one row each, as both passes do).
 
-Where it runs: CPU, every cache paged in the runner's one pool. Without our decode attention kernel
-(``ModelRunner.pooled_decode``: RESIDENT_CPU_KERNELS=0, a head size or dtype it does not take) each
-decode row attends as a one-token chunk. Elsewhere, and for a step of one part, the runner runs its
-passes apart (``separate_passes``). On CUDA the packed pass would go through the varlen paged
-kernels; it is not built yet. Who calls this: ``ModelRunner.step``, on the engine loop thread.
+Where it runs (``packing_backend``, RESIDENT_PACKED_STEPS): CPU, every cache paged in the runner's one
+pool. Without our decode attention kernel (``ModelRunner.pooled_decode``: RESIDENT_CPU_KERNELS=0, a
+head size or dtype it does not take) each decode row attends as a one-token chunk. On CUDA, with
+RESIDENT_PACKED_STEPS=on and a pool a paged FlashAttention kernel reads, every part attends in one
+kernel call per layer (``RaggedAttention``: each part a sequence of its own in a ragged batch, its
+keys through its block table); "auto" leaves CUDA's steps apart until that has run on a GPU (its
+plan is tested on CPU against the kernels' contracts: tests/unit/model/test_packed_varlen.py).
+Elsewhere, and for a step of one part, the runner runs its passes apart (``separate_passes``). Who
+calls this: ``ModelRunner.step``, on the engine loop thread.
 """
 
 from __future__ import annotations
@@ -32,24 +36,45 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from session.model.attention import RaggedAttention, choose_backend
 from session.model.backend import Chunk, DecodeRows
 from session.model.cpu.linear import several_rows_from
-from session.model.kv_cache import PagedKVCache, to_device
-from session.model.layer_attention import KernelRowsAttention, PackedAttention, SpanAttention, run_layers
+from session.model.kv_cache import KVPool, PagedKVCache, to_device
+from session.model.layer_attention import (
+    KernelRowsAttention,
+    LayerAttention,
+    PackedAttention,
+    SpanAttention,
+    run_layers,
+)
 
 if TYPE_CHECKING:
     from session.model.runner import ModelRunner
 
 
 def packs(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None) -> bool:
-    """Does ``packed_step`` take this step (more than one part, on CPU, all caches in one pool)?"""
+    """Does ``packed_step`` take this step (more than one part, all caches in one pool, which
+    ``packing_backend`` packs)?"""
     kvs = [chunk.kv for chunk in chunks] + (list(rows.kvs) if rows is not None else [])
-    if len(chunks) + (1 if rows is not None and len(rows) else 0) < 2:
-        return False
-    if runner.device.type != "cpu" or not isinstance(kvs[0], PagedKVCache):
+    if len(chunks) + (1 if rows is not None and len(rows) else 0) < 2 or not isinstance(kvs[0], PagedKVCache):
         return False
     pool = kvs[0].pool
+    if packing_backend(runner.packed_steps, pool) is None:
+        return False
     return all(isinstance(kv, PagedKVCache) and kv.pool is pool for kv in kvs)
+
+
+def packing_backend(mode: str, pool: KVPool) -> str | None:
+    """How a packed step over ``pool`` attends, under RESIDENT_PACKED_STEPS ``mode``: "cpu" (our kernels
+    and the runs of blocks in place), "varlen" or "flash_attn" (``RaggedAttention``: on CUDA, where a
+    paged FlashAttention kernel reads the pool, and only with ``on``: not yet checked on a GPU), or None
+    (the step's passes run apart: ``off``, or a pool no packed plan reads)."""
+    if mode == "off":
+        return None
+    backend = choose_backend(pool)
+    if backend != "sdpa" and mode == "on":
+        return backend
+    return "cpu" if pool.device.type == "cpu" else None
 
 
 def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
@@ -74,14 +99,13 @@ def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows |
     slots = to_device([slot for kv, length, count in zip(kvs, lengths, counts)
                        for slot in kv.slots(length, length + count)], runner.device)[:, None]  # [N, 1]
     pool = kvs[0].pool
-    kernel = bool(num_rows) and runner.pooled_decode and pool.head_major  # else each row a one-token chunk
-    rows_attention = (KernelRowsAttention(kvs[:num_rows], lengths[:num_rows], runner.windows, slots[:num_rows])
-                      if kernel else None)
-    grouped = runner.info.grouped_query
-    chunks_attention = [SpanAttention(kv, length, count, runner.windows, runner.device, grouped, all_keys=index < num_rows)
-                        for index, (kv, length, count) in enumerate(zip(kvs, lengths, counts))
-                        if index >= (num_rows if kernel else 0)]
-    attention = PackedAttention(pool, slots, rows_attention, num_rows, chunks_attention)
+    backend = packing_backend(runner.packed_steps, pool)
+    if backend != "cpu":
+        attention: LayerAttention = RaggedAttention(
+            pool, slots, [kv.block_ids for kv in kvs], [n + count for n, count in zip(lengths, counts)], counts,
+            runner.windows, cast(str, backend))
+    else:
+        attention = _cpu_attention(runner, kvs, lengths, counts, slots, num_rows)
     with several_rows_from(num_rows):
         h = run_layers(runner, h, cos, sin, attention)
     for kv, length, count in zip(kvs, lengths, counts):
@@ -89,6 +113,21 @@ def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows |
     ends = torch.tensor(counts).cumsum(0) - 1  # each part's last token
     last = h.index_select(0, ends.to(runner.device)) if len(ends) < h.shape[0] else h
     return runner.logits(last)[:, 0]  # [R, 1, D]: the head sums as for one row each
+
+
+def _cpu_attention(runner: ModelRunner, kvs: list[PagedKVCache], lengths: list[int], counts: list[int],
+                   slots: torch.Tensor, num_rows: int) -> PackedAttention:
+    """The decode rows by our kernel where it reads the pool (else each a one-token chunk), then each
+    chunk over its runs of blocks in place."""
+    pool = kvs[0].pool
+    kernel = bool(num_rows) and runner.pooled_decode and pool.head_major  # else each row a one-token chunk
+    rows_attention = (KernelRowsAttention(kvs[:num_rows], lengths[:num_rows], runner.windows, slots[:num_rows])
+                      if kernel else None)
+    grouped = runner.info.grouped_query
+    chunks_attention = [SpanAttention(kv, length, count, runner.windows, runner.device, grouped, all_keys=index < num_rows)
+                        for index, (kv, length, count) in enumerate(zip(kvs, lengths, counts))
+                        if index >= (num_rows if kernel else 0)]
+    return PackedAttention(pool, slots, rows_attention, num_rows, chunks_attention)
 
 
 def _embeddings(runner: ModelRunner, decode: DecodeRows, chunks: Sequence[Chunk]) -> torch.Tensor:

@@ -39,7 +39,7 @@ from session.model.devices import (  # NEURON_MISSING, neuron_found: importable 
 from session.model.kv_cache import KVCache, KVPool, PagedKVCache, StaticKVCache, to_device
 from session.model.layer_attention import LayerAttention, SpanAttention, run_layers
 from session.model.loader import ModelLoader
-from session.model.packed_step import packed_step, packs
+from session.model.packed_step import packed_step, packing_backend, packs
 from session.model.quantize import INT4_DEFAULT_GROUP
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ class ModelRunner:
         self.kv_pools: dict[int, KVPool] = {}  # block_tokens -> the pool of paged caches of that block size
         self.path: PerRowPath  # how decode and extend run: configure_decode, next, sets it
         self.num_passes = 0  # forward passes over the layers run (prefill, decode, extend, packed step)
+        self.packed_steps = "auto"  # RESIDENT_PACKED_STEPS (session/model/packed_step.py's packing_backend)
         self.configure_decode("auto")
 
     def _load(self, hf_config):
@@ -285,13 +286,16 @@ class ModelRunner:
 
     @property
     def packs_steps(self) -> bool:
-        """``step`` runs a step's parts in one pass (session/model/packed_step.py: on CPU)."""
-        return self.device.type == "cpu"
+        """``step`` runs a step's parts in one pass (session/model/packed_step.py: on CPU, and on CUDA
+        with RESIDENT_PACKED_STEPS=on where a paged FlashAttention kernel reads the pool)."""
+        if not self.kv_pools:
+            return self.device.type == "cpu" and self.packed_steps != "off"
+        return any(packing_backend(self.packed_steps, pool) is not None for pool in self.kv_pools.values())
 
     @torch.inference_mode()
     def step(self, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
         """A whole engine step -> logits [rows + chunks, V] (``Stepper.step``): one packed pass where
-        session/model/packed_step.py takes it (CPU), else the decode step and each chunk's prefill."""
+        session/model/packed_step.py takes it (``packs``), else the decode step and each chunk's prefill."""
         if packs(self, chunks, rows):
             self.num_passes += 1
             return packed_step(self, chunks, rows)
