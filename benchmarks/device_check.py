@@ -58,7 +58,7 @@ from session.model.buckets import power_buckets
 from session.model.runner import ModelRunner, resolve_device
 
 OUT = REPO / "benchmarks" / "results" / "device_check"
-STAGES = ("equivalence", "syncs", "kernels", "timings", "memory")
+STAGES = ("equivalence", "packed", "syncs", "kernels", "timings", "memory")
 
 
 # ---------------------------------------------------------------- shapes
@@ -492,6 +492,101 @@ def check_equivalence(report: Report, ctx: Context, runner, label: str) -> None:
                        f"{steps} steps; limits {max_error:.0e}, {100 * min_agreement:.0f}%)",
                        by_path={p: {"max_rel_error": e, "agreement": a} for p, (e, a) in found.items()},
                        lengths=lengths)
+
+
+# ---------------------------------------------------------------- stage: packed steps
+
+
+@dataclass
+class PackedSteps:
+    """Two engine steps over four caches, packed (RESIDENT_PACKED_STEPS=on) or apart (off): decode rows
+    of two sessions beside a follow-up's chunk and a new prompt's first chunk, then a speculative verify
+    of both sessions (``verify_tokens`` and 1 tokens) beside the prompt's second chunk."""
+
+    prompts: list[list[int]]  # the two sessions', the follow-up's session's, the new prompt
+    followup: list[int]
+    verify: list[list[int]]
+
+    @classmethod
+    def of(cls, runner, shapes: Shapes) -> PackedSteps:
+        generator = torch.Generator().manual_seed(11)
+        lengths = row_lengths(3, shapes.block_tokens)
+        prompts = [text_ids(generator, n, runner) for n in lengths] + [text_ids(generator, shapes.first_turn_tokens, runner)]
+        return cls(prompts, text_ids(generator, shapes.followup_tokens, runner),
+                   [text_ids(generator, shapes.verify_tokens, runner), text_ids(generator, 1, runner)])
+
+    def caches(self, runner, block_tokens: int) -> list:
+        kvs, _ = prefilled(runner, self.prompts[:3], block_tokens)
+        return kvs + [runner.new_kv_cache(block_tokens=block_tokens, max_tokens=runner.info.max_positions)]
+
+    def first(self, runner, kvs) -> torch.Tensor:
+        from session.model.backend import Chunk, DecodeRows
+
+        half = len(self.prompts[3]) // 2
+        return runner.step([Chunk(kvs[2], runner.embed(self.followup, [])),
+                            Chunk(kvs[3], runner.embed(self.prompts[3][:half], []))],
+                           DecodeRows(kvs[:2], [row[0] for row in self.verify]))
+
+    def second(self, runner, kvs) -> torch.Tensor:
+        from session.model.backend import Chunk, DecodeRows
+
+        rows = DecodeRows.verify(kvs[:2], self.verify)
+        half = len(self.prompts[3]) // 2
+        return runner.step([Chunk(kvs[3], runner.embed(self.prompts[3][half:], []))], rows)  # a row a position
+
+    def run(self, runner, mode: str, block_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Both steps' logits [rows + chunks, V] (a verify: a row per position) and the forward passes
+        each ran."""
+        runner.packed_steps = mode
+        kvs = self.caches(runner, block_tokens)
+        out, passes = [], []
+        for step in (self.first, self.second):
+            before = runner.num_passes
+            out.append(step(runner, kvs).float())
+            passes.append(runner.num_passes - before)
+        release(kvs)
+        return out, passes
+
+
+def time_first_step(ctx: Context, runner, steps: PackedSteps, mode: str) -> float:
+    """The median seconds of ``steps.first`` under RESIDENT_PACKED_STEPS ``mode``, on fresh caches each
+    time (made untimed), its tokens read on the host."""
+    runner.packed_steps = mode
+    kvs: list = []
+
+    def setup() -> None:
+        release(kvs)
+        kvs[:] = steps.caches(runner, ctx.shapes.block_tokens)
+
+    seconds = ctx.clock.median(lambda: read_tokens(steps.first(runner, kvs)), ctx.shapes.repeats, setup)
+    release(kvs)
+    return seconds
+
+
+def check_packed(report: Report, ctx: Context, runner, label: str) -> None:
+    """A packed step's logits against its parts run apart, its passes counted, both timed."""
+    from session.model.packed_step import packing_backend
+
+    check = f"{label}: packed step vs apart"
+    with report.stage(check):
+        require(runner, f"{label} was not built")
+        block = ctx.shapes.block_tokens
+        backend = packing_backend("on", runner.kv_pool(block))
+        steps = PackedSteps.of(runner, ctx.shapes)
+        (packed, packed_passes), (apart, apart_passes) = (steps.run(runner, mode, block) for mode in ("on", "off"))
+        found = [compare(ours, theirs) for ours, theirs in zip(packed, apart)]
+        timed = {mode: time_first_step(ctx, runner, steps, mode) for mode in ("on", "off")}
+        runner.packed_steps = "auto"
+        max_error, min_agreement = TOLERANCE[runner.dtype]
+        ok = backend is not None and packed_passes == [1, 1] and apart_passes != [1, 1] and all(
+            e <= max_error and a >= min_agreement for e, a in found)
+        numbers = (f"by {backend or 'no packed plan (a pass per part)'}: passes {packed_passes} vs {apart_passes}; "
+                   f"rel. error/greedy agreement: rows and chunks {found[0][0]:.1e}/{100 * found[0][1]:.0f}%, "
+                   f"verify and chunk {found[1][0]:.1e}/{100 * found[1][1]:.0f}%; first step {ms(timed['on'])} "
+                   f"packed vs {ms(timed['off'])} apart (limits {max_error:.0e}, {100 * min_agreement:.0f}%)")
+        report.add(check, "pass" if ok else "FAIL", numbers, backend=backend, passes=packed_passes,
+                   apart_passes=apart_passes, errors=[e for e, _ in found], agreement=[a for _, a in found],
+                   packed_s=timed["on"], apart_s=timed["off"])
 
 
 # ---------------------------------------------------------------- stages: host syncs and kernels
@@ -979,6 +1074,8 @@ def run(ctx: Context, stages: set[str]) -> Report:
     gqa = build_stage(report, ctx, shapes.slice_name, slice_config(shapes), seed=1)
     if "equivalence" in stages:
         check_equivalence(report, ctx, gqa, shapes.slice_name)
+    if "packed" in stages:
+        check_packed(report, ctx, gqa, shapes.slice_name)
     if "kernels" in stages:
         check_kernels(report, ctx, gqa, shapes.slice_name, turn=False)
     del gqa
@@ -986,6 +1083,8 @@ def run(ctx: Context, stages: set[str]) -> Report:
     llava = build_stage(report, ctx, shapes.llava_name, llava_config(shapes), seed=2)
     if "equivalence" in stages:
         check_equivalence(report, ctx, llava, shapes.llava_name)
+    if "packed" in stages:
+        check_packed(report, ctx, llava, shapes.llava_name)
     if "syncs" in stages:
         check_syncs(report, ctx, llava, shapes.llava_name)
     if "kernels" in stages:
