@@ -15,7 +15,9 @@ The implementations, one per way attention runs, and who builds them:
   CPU (``attend_runs``), a gathered view elsewhere (``ModelRunner.prefill``, a packed step's chunks).
 - ``KernelRowsAttention``: decode rows through our CPU kernel over the head-major pool, every row of a
   layer in one call (``CpuKernelPath``, a packed step's decode rows).
-- ``PackedAttention``: a packed step's parts, rows first, each by its own plan (packed_step.py).
+- ``PackedAttention``: a packed step's parts on CPU, rows first, each by its own plan (packed_step.py).
+- ``RaggedAttention`` (session/model/attention.py): a packed step's parts as one ragged batch through
+  a paged varlen kernel, one call per layer (CUDA, RESIDENT_PACKED_STEPS=on).
 - per-row decode and extend (session/model/decode_paths.py, ``PerRowPath``) and the fixed-shape
   graphs' (session/model/static_shapes.py) keep theirs beside the code that plans them.
 
