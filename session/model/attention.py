@@ -131,12 +131,19 @@ def flash_attn_installed() -> bool:
 
 
 def choose_backend(pool: KVPool) -> str:
-    """flash_attn, else varlen, where FlashAttention reads the pool; else sdpa (module docstring)."""
-    if paged_flash_refusal(pool) is not None:
-        return "sdpa"
-    if flash_attn_installed():
-        return "flash_attn"
-    return "varlen" if torch_paged_varlen() is not None else "sdpa"
+    """flash_attn, else varlen, where FlashAttention reads the pool; else sdpa (module docstring). Asked
+    once a pool: the answer is kept on it (``attention_backend``), so every pass reads the choice the
+    start-up line logged."""
+    chosen = getattr(pool, "attention_backend", None)
+    if chosen is None:
+        if paged_flash_refusal(pool) is not None:
+            chosen = "sdpa"
+        elif flash_attn_installed():
+            chosen = "flash_attn"
+        else:
+            chosen = "varlen" if torch_paged_varlen() is not None else "sdpa"
+        pool.attention_backend = chosen
+    return chosen
 
 
 def describe_backend(pool: KVPool, decode_path: str) -> str:

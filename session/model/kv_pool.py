@@ -55,6 +55,7 @@ class KVPool:
         self.v = self._empty(max(num_blocks, 1))
         self.blocks = BlockPool(self.num_blocks, copies=self)
         self.num_grows = 0  # pool copies so far (CUDA graphs captured over the old pool are stale after one)
+        self.attention_backend: str | None = None  # the kernel that reads it (attention.choose_backend, once)
         # CUDA: host copies run on a side stream (``host_copy``); blocks freed while the latest may still
         # read them settle in ``blocks`` until its event is seen complete (``pending``)
         self.copy_stream: torch.cuda.Stream | None = None

@@ -228,3 +228,17 @@ def test_cpu_pools_are_read_in_place_by_the_per_row_path(model_path):
         runner.new_kv_cache(block_tokens=BLOCK, max_tokens=64), 4) is None
     assert attention.describe_backend(pool, "per_row").startswith("each row's runs of blocks in place")
     assert attention.describe_backend(pool, "batched") == "SDPA over gathered blocks (the pool is on cpu)"
+
+
+def test_a_pool_is_asked_for_its_kernel_once(monkeypatch, no_flash_attn):
+    asked = []
+
+    def refusal(pool):
+        asked.append(pool)
+        return None
+
+    monkeypatch.setattr(attention, "paged_flash_refusal", refusal)
+    pool, other = fake_pool(), fake_pool()
+    assert [attention.choose_backend(pool) for _ in range(3)] == ["varlen"] * 3
+    assert pool.attention_backend == "varlen" and asked == [pool]  # kept on the pool after the first pass
+    assert attention.choose_backend(other) == "varlen" and asked == [pool, other]  # each pool its own
