@@ -189,22 +189,20 @@ def served_model(model: Path, environ: Mapping[str, str]) -> tuple[str, int]:
 
 
 def start_backends(devices: Devices, *, front_port: int, model: Path, environ: Mapping[str, str],
-                   run_dirs: list[Path]) -> list[TorchServe]:
-    """One backend per run directory, backend i on RESIDENT_BACKEND_PORT (else PORT+10) + 10*i."""
+                   run_dirs: list[Path], started: list[TorchServe]) -> None:
+    """One backend per run directory, backend i on RESIDENT_BACKEND_PORT (else PORT+10) + 10*i, each
+    appended to ``started`` as soon as it runs. The caller stops what ``started`` holds,
+    whatever interrupts the start: a list of its own here would be lost with the exception that
+    interrupted it, and a stop made here could itself be cut short by a second signal."""
     base = backend_base_port(front_port, environ)
     num = len(run_dirs)
-    backends: list[TorchServe] = []
-    try:
-        for i, run_dir in enumerate(run_dirs):
-            env = {**backend_env(i, num, devices, environ), "RESIDENT_ADMIN_TOKEN": admin_token(environ)}
-            backends.append(start_torchserve(base + BACKEND_PORT_STRIDE * i, run_dir=run_dir,
-                                             model_path=model, extra_env=env))
-            logger.info("backend %d: %s on %s %s (logs: %s/logs)", i, backends[-1].url, devices.kind,
-                        " ".join(f"{k}={v}" for k, v in env.items() if "TOKEN" not in k), backends[-1].run_dir)
-    except BaseException:
-        stop_backends(backends)
-        raise
-    return backends
+    for i, run_dir in enumerate(run_dirs):
+        env = {**backend_env(i, num, devices, environ), "RESIDENT_ADMIN_TOKEN": admin_token(environ)}
+        with _stop_signals_held():  # the instance is in ``started`` before a stop can unwind past it
+            started.append(start_torchserve(base + BACKEND_PORT_STRIDE * i, run_dir=run_dir,
+                                            model_path=model, extra_env=env))
+        logger.info("backend %d: %s on %s %s (logs: %s/logs)", i, started[-1].url, devices.kind,
+                    " ".join(f"{k}={v}" for k, v in env.items() if "TOKEN" not in k), started[-1].run_dir)
 
 
 def raise_init_failure(backends: list[TorchServe]) -> None:
@@ -310,8 +308,36 @@ def _serve(config: FrontConfig, host: str, port: int, backends_alive: Callable[[
         return 1
 
 
+_held = False  # inside _stop_signals_held: a stop signal waits for the block to end
+_pending = False  # one arrived meanwhile
+
+
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM before the front runs: unwind through the finally blocks
+    """SIGTERM or SIGINT before the front runs: unwind through the finally blocks, which stop what was
+    started; inside ``_stop_signals_held``, once its block is done."""
+    global _pending
+    if _held:
+        _pending = True
+        return
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _stop_signals_held():
+    """Hold a stop signal back until the block ends, then unwind from there. Around starting a
+    TorchServe: raised between its spawn (inside ``Popen`` even, after the fork) and its place in the
+    list the clean-up stops, the KeyboardInterrupt would lose the instance, and it would keep loading
+    with no one to stop it (no guard either, when the guard was not spawned yet). Held for well
+    under a second: the start spawns processes and returns, it does not wait for the model."""
+    global _held, _pending
+    _held, _pending = True, False
+    try:
+        yield
+    finally:
+        _held = False
+    if _pending:  # reached only when the block did not raise: its own error unwinds the same way
+        _pending = False
+        raise KeyboardInterrupt
 
 
 def run_cluster(port: int, environ: Mapping[str, str] = os.environ, *, single: bool = False) -> int:
@@ -319,7 +345,8 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ, *, single: b
     backend whatever BACKENDS says, in build/serve-<PORT> (its logs in build/serve-<PORT>/logs), and the
     front listens once that backend is ready. Returns the exit status."""
     _configure_logging()
-    signal.signal(signal.SIGTERM, _interrupt)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # the front's event loop takes them over while it runs
+        signal.signal(signum, _interrupt)
     backends: list[TorchServe] = []
     restarter: BackendRestarter | None = None
     try:
@@ -335,8 +362,9 @@ def run_cluster(port: int, environ: Mapping[str, str] = os.environ, *, single: b
         num = 1 if single else num_backends(environ.get("BACKENDS", "2"), devices)
         run_root = REPO / "build" / f"{'serve' if single else 'cluster'}-{port}"
         run_dirs = [run_root] if single else [run_root / f"backend-{i}" for i in range(num)]
-        backends = start_backends(devices, front_port=port, model=model, environ=environ, run_dirs=run_dirs)
-        restarter = BackendRestarter(backends, environ)
+        start_backends(devices, front_port=port, model=model, environ=environ, run_dirs=run_dirs, started=backends)
+        with _stop_signals_held():  # its watchdog threads run once made: the clean-up must know to stop them
+            restarter = BackendRestarter(backends, environ)
         token_file = write_admin_token(run_root, admin_token(environ))
         config = FrontConfig.from_env(environ, backends=tuple(b.url for b in backends),
                                       management_urls=tuple(b.management_url for b in backends),
