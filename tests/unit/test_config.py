@@ -37,7 +37,7 @@ def test_defaults(model_dir):
         "reaper_interval_s": 1.0, "max_sessions": 1024, "max_sessions_per_tenant": 256, "max_context_tokens": 0, "max_new_tokens": 1024,
         "default_max_tokens": 128, "max_batch_size": 256, "step_token_budget": 256, "max_passed_over": 4,
         "max_queue": 256, "kv_block_tokens": 256,
-        "attention": "auto", "static_kv": False, "compile": False, "compile_backend": "inductor", "max_image_bytes": 6 * 1024 * 1024, "max_image_pixels": 4096 * 4096,
+        "attention": "auto", "packed_steps": "auto", "static_kv": False, "compile": False, "compile_backend": "inductor", "max_image_bytes": 6 * 1024 * 1024, "max_image_pixels": 4096 * 4096,
         "max_images_per_request": 4, "max_prompt_chars": 1_000_000, "max_messages": 1024, "max_content_parts": 1024, "max_image_decodes": 2,
             "max_cached_grammars": 256, "max_choices": 8, "served_model_name": "",
             "device_budget_bytes": 0, "device_budget_fraction": 0.0,
@@ -205,3 +205,9 @@ def test_negative_zero_allowed_settings_are_refused(model_dir, name):
 def test_bad_attention(model_dir):
     message = config_error(model_dir, env={"RESIDENT_ATTENTION": "paged"})
     assert message == "RESIDENT_ATTENTION must be auto, batched, per_row or cuda_graphs, got 'paged'"
+
+
+def test_packed_steps_take_auto_on_or_off(model_dir):
+    assert build(model_dir, env={"RESIDENT_PACKED_STEPS": "on"}).packed_steps == "on"
+    message = config_error(model_dir, env={"RESIDENT_PACKED_STEPS": "cuda"})
+    assert message == "RESIDENT_PACKED_STEPS must be auto, on or off, got 'cuda'"
