@@ -116,11 +116,14 @@ def count_passes(engine) -> list[tuple[int, int, int]]:
     return steps
 
 
-@pytest.mark.parametrize("family,cpu_kernels", [("llama", True), ("qwen2_vl", True), ("llama", False)])
-def test_every_step_is_one_forward_pass_and_answers_as_alone(paths, family, cpu_kernels):
-    """Without our CPU kernels (torch's linears and attention) the decode rows attend as one-token chunks."""
+@pytest.mark.parametrize("family,cpu_kernels,packed", [("llama", True, "auto"), ("qwen2_vl", True, "auto"),
+                                                       ("llama", False, "auto"), ("llama", True, "off")])
+def test_every_step_is_one_forward_pass_and_answers_as_alone(paths, family, cpu_kernels, packed):
+    """Without our CPU kernels (torch's linears and attention) the decode rows attend as one-token chunks.
+    RESIDENT_PACKED_STEPS=off: a pass per chunk and one for the rows, the same answers."""
     with_image = family != "llama"
-    engine = demo_engine(paths[family], step_token_budget=16, check_invariants=True, cpu_kernels=cpu_kernels)
+    engine = demo_engine(paths[family], step_token_budget=16, check_invariants=True, cpu_kernels=cpu_kernels,
+                         packed_steps=packed)
     try:
         alone = []
         for request in requests_of(engine, with_image):
@@ -131,7 +134,8 @@ def test_every_step_is_one_forward_pass_and_answers_as_alone(paths, family, cpu_
         for request in burst:
             engine.submit(request)
         assert answers(burst) == alone
-        assert [passes for _, _, passes in ran] == [1] * len(ran)
+        apart = [chunks + (rows > 0) for chunks, rows, _ in ran]
+        assert [passes for _, _, passes in ran] == ([1] * len(ran) if packed == "auto" else apart)
         assert any(chunks and rows for chunks, rows, _ in ran)  # chunks beside decode rows
         assert any(chunks > 1 for chunks, _, _ in ran)  # several prompts' chunks in one pass
         assert engine.num_invariant_violations == 0
