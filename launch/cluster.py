@@ -333,10 +333,16 @@ def _stop_signals_held():
     _held, _pending = True, False
     try:
         yield
+    except BaseException as exc:
+        if not _pending:
+            raise
+        # the stop came first: a terminal's Ctrl-C reaches the whole group, so the archiver this block
+        # runs may have died of the same signal; the stop, not its failure, is what unwinds
+        raise KeyboardInterrupt from exc
     finally:
         _held = False
-    if _pending:  # reached only when the block did not raise: its own error unwinds the same way
-        _pending = False
+        pending, _pending = _pending, False
+    if pending:
         raise KeyboardInterrupt
 
 

@@ -4,6 +4,8 @@ launch/watchdog.py: a worker that fails to start stops the launch at once, never
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -236,3 +238,25 @@ def test_a_default_journal_another_user_made_first_does_not_stop_the_start(tmp_p
     assert list(taken.iterdir()) == []
     (tmp_path / "resident-journal-8091").write_text("")  # not a directory: left alone too
     assert torchserve.default_journal_dir(tmp_path, 8091).name.startswith("resident-journal-8091-")
+
+
+def test_a_stop_signal_held_while_a_backend_starts_unwinds_after_it():
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with cluster._stop_signals_held():
+            cluster._interrupt(signal.SIGTERM, None)  # held: the block goes on
+            done.append("started")
+    assert done == ["started"]
+    # the archiver died of the same Ctrl-C: the stop unwinds, its failure as the cause
+    with pytest.raises(KeyboardInterrupt) as info:
+        with cluster._stop_signals_held():
+            cluster._interrupt(signal.SIGINT, None)
+            raise subprocess.CalledProcessError(-2, ["torch-model-archiver"])
+    assert isinstance(info.value.__cause__, subprocess.CalledProcessError)
+    with pytest.raises(subprocess.CalledProcessError):  # no stop: the failure is the failure
+        with cluster._stop_signals_held():
+            raise subprocess.CalledProcessError(1, ["torch-model-archiver"])
+    with pytest.raises(KeyboardInterrupt):  # outside the block a stop unwinds at once
+        cluster._interrupt(signal.SIGTERM, None)
+    assert not cluster._held and not cluster._pending
