@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from session.model.blocks import blocks_for
-from session.model.kv_cache import PAD_BLOCK, KVPool, PagedKVCache
+from session.model.kv_cache import PAD_BLOCK, KVPool, PagedKVCache, to_device
 
 FLASH_BLOCK_MULTIPLE = 256  # flash_attn_with_kvcache refuses paged blocks of other sizes
 
@@ -118,6 +118,17 @@ def torch_paged_varlen():
         return None
     parameters = inspect.signature(varlen_attn).parameters
     return varlen_attn if "block_table" in parameters and "seqused_k" in parameters else None
+
+
+@functools.cache
+def flash_paged_varlen() -> bool:
+    """Does the installed flash-attn's ``flash_attn_varlen_func`` take a block table (later 2.x releases;
+    asked once)? A packed step reads the pool through it (``RaggedAttention``)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return False
+    return "block_table" in inspect.signature(flash_attn_varlen_func).parameters
 
 
 @functools.cache
@@ -247,13 +258,13 @@ class RaggedAttention:
         if backend not in ("varlen", "flash_attn"):
             raise ValueError(f"RaggedAttention runs a paged FlashAttention kernel, not {backend!r}")
         self.pool, self.slots, self.windows, self.backend = pool, slots, windows, backend
-        width = max(len(table) for table in tables)
-        plan = [[*table, *[PAD_BLOCK] * (width - len(table))] for table in tables]
+        parts, width = len(tables), max(len(table) for table in tables)
         ends = lambda sizes: [0, *itertools.accumulate(sizes)]  # noqa: E731
-        host = torch.tensor([ends(counts), ends(kv_lens)], dtype=torch.int32)
-        self.cu_q, self.cu_k = host.to(pool.device).unbind(0)  # [P + 1] each
+        padded = [block for table in tables for block in (*table, *[PAD_BLOCK] * (width - len(table)))]
+        plan = to_device([*ends(counts), *ends(kv_lens), *padded], pool.device).to(torch.int32)  # one copy
+        self.cu_q, self.cu_k = plan[:parts + 1], plan[parts + 1:2 * parts + 2]  # [P + 1] each
         self.seq_lens = self.cu_k.diff()  # [P]: keys each part sees
-        self.block_table = torch.tensor(plan, dtype=torch.int32).to(pool.device)  # [P, widest]
+        self.block_table = plan[2 * parts + 2:].view(parts, width)  # [P, widest]
         self.max_q, self.max_k = max(counts), max(kv_lens)
         if backend == "varlen":
             self.kernel = torch_paged_varlen()

@@ -30,13 +30,14 @@ calls this: ``ModelRunner.step``, on the engine loop thread.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from session.model.attention import RaggedAttention, choose_backend
+from session.model.attention import RaggedAttention, choose_backend, flash_paged_varlen, torch_paged_varlen
 from session.model.backend import Chunk, DecodeRows
 from session.model.cpu.linear import several_rows_from
 from session.model.kv_cache import KVPool, PagedKVCache, to_device
@@ -72,6 +73,8 @@ def packing_backend(mode: str, pool: KVPool) -> str | None:
     if mode == "off":
         return None
     backend = choose_backend(pool)
+    if backend == "flash_attn" and not flash_paged_varlen():  # an older flash-attn: torch's kernel, if any
+        backend = "varlen" if torch_paged_varlen() is not None else "sdpa"
     if backend != "sdpa" and mode == "on":
         return backend
     return "cpu" if pool.device.type == "cpu" else None
@@ -110,8 +113,8 @@ def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows |
         h = run_layers(runner, h, cos, sin, attention)
     for kv, length, count in zip(kvs, lengths, counts):
         kv.length = length + count
-    ends = torch.tensor(counts).cumsum(0) - 1  # each part's last token
-    last = h.index_select(0, ends.to(runner.device)) if len(ends) < h.shape[0] else h
+    ends = list(itertools.accumulate(counts))  # past each part's last token
+    last = h.index_select(0, to_device([end - 1 for end in ends], runner.device)) if len(ends) < h.shape[0] else h
     return runner.logits(last)[:, 0]  # [R, 1, D]: the head sums as for one row each
 
 

@@ -52,7 +52,9 @@ def kernel(monkeypatch, request):
     monkeypatch.setattr(packed_step_module, "choose_backend", choose)
     CALLS.clear()
     FLASH_CALLS.clear()
-    return request.param
+    attention.flash_paged_varlen.cache_clear()  # asked once a process: ask the reference, and again after
+    yield request.param
+    attention.flash_paged_varlen.cache_clear()
 
 
 def sessions(runner: ModelRunner) -> list:
@@ -121,10 +123,25 @@ def test_a_packed_step_through_the_paged_kernel_gives_its_parts_logits(family, k
         assert {c["window"] for c in calls} == {window}
 
 
+def test_an_older_flash_attn_without_block_tables_packs_through_torchs_kernel(monkeypatch):
+    pool = SimpleNamespace(device=torch.device("cuda", 0), head_major=False)
+    monkeypatch.setattr(packed_step_module, "choose_backend", lambda pool: "flash_attn")
+    monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(flash_attn_varlen_func=lambda q, k, v: q))
+    attention.flash_paged_varlen.cache_clear()
+    try:
+        assert not attention.flash_paged_varlen()
+        assert packed_step_module.packing_backend("on", pool) == "varlen"
+        monkeypatch.setattr(packed_step_module, "torch_paged_varlen", lambda: None)
+        assert packed_step_module.packing_backend("on", pool) is None  # neither kernel pages: apart
+    finally:
+        attention.flash_paged_varlen.cache_clear()
+
+
 def test_a_gpu_packs_only_when_asked_and_only_where_a_paged_kernel_reads_the_pool(monkeypatch):
     pool = SimpleNamespace(device=torch.device("cuda", 0), head_major=False)
     backends = iter(["varlen", "varlen", "sdpa", "flash_attn"])
     monkeypatch.setattr(packed_step_module, "choose_backend", lambda pool: next(backends))
+    monkeypatch.setattr(packed_step_module, "flash_paged_varlen", lambda: True)
     assert packed_step_module.packing_backend("auto", pool) is None  # not yet checked on a GPU: asked for
     assert packed_step_module.packing_backend("on", pool) == "varlen"
     assert packed_step_module.packing_backend("on", pool) is None  # SDPA over gathered blocks: apart
