@@ -66,7 +66,8 @@ def workload(seed: int, vocab: int) -> dict:
 
 def model_vocab(model: Path) -> int:
     """The checkpoint's vocabulary size (config.json), the range both engines' random prompts draw from."""
-    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+    config = json.loads((model / "config.json").read_text())
+    return int(config.get("vocab_size") or config["text_config"]["vocab_size"])  # a VLM's: its language model's
 
 
 def longest_gap(times: list[float], since: float, until: float) -> float:
@@ -182,13 +183,30 @@ def ours(model: Path, seeds: list[int], budget: int, threads: int) -> list[dict]
 # ---------------------------------------------------------------- vLLM (its own interpreter)
 
 
+AVX2_SITE = """import torch
+torch.cpu._is_avx512_supported = lambda: False  # vLLM's platform then imports vllm._C_AVX2
+"""
+
+
+def cap_vllm_at_avx2() -> None:
+    """Make this process and every one vLLM spawns (its engine core, its workers) see no AVX-512, so
+    that each loads ``vllm._C_AVX2``: vLLM asks torch's CPU probe, which reads the hardware, not
+    ATEN_CPU_CAPABILITY. A ``sitecustomize`` on PYTHONPATH runs in every spawned interpreter."""
+    import tempfile
+
+    import torch
+
+    torch.cpu._is_avx512_supported = lambda: False
+    site = Path(tempfile.mkdtemp(prefix="avx2-site-"))
+    (site / "sitecustomize.py").write_text(AVX2_SITE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")]))
+
+
 def vllm_worker(model: Path, seeds: list[int], kv_cache_gb: int) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if os.environ.get("RESIDENT_KERNEL_ISA", "").lower() == "avx2":  # vLLM loads its AVX2 library too
-        import torch
-
-        torch.cpu._is_avx512_supported = lambda: False
+        cap_vllm_at_avx2()
     from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM

@@ -353,7 +353,9 @@ struct Prepared {
     rest.k_block = k_block;
   }
 
-  void run_tile(int64_t t) const {  // output blocks kBlockTile t .. kBlockTile (t + 1) - 1 for every row
+  // Column tile t for every row: output blocks kBlockTile t .. kBlockTile (t + 1) - 1, or block t alone
+  // where the tall tile runs (AVX2, kTallRows rows or more)
+  void run_tile(int64_t t) const {
     if constexpr (kTallBlockTile == 1) {
       if (tall) return both<1, kTallRowTile>(t);
     }
