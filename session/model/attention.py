@@ -242,7 +242,6 @@ class PagedAttention:
                                               enable_gqa=q.shape[1] != keys.shape[1])
 
 
-
 class RaggedAttention:
     """A packed step's attention (session/model/packed_step.py) in one paged FlashAttention call per layer:
     the step's N tokens as parts of ragged length (a decode row: one query; a chunk: its tokens; a verify:
@@ -287,6 +286,7 @@ class RaggedAttention:
             out = self.kernel(queries, pool.k[index], pool.v[index], self.cu_q, self.cu_k, self.max_q, self.max_k,
                               softmax_scale=scale, causal=True, window_size=size, block_table=self.block_table)
         return out[:, :, None]
+
 
 MASKED = -1e30  # attend_runs' additive mask value (finite: see there)
 

@@ -53,16 +53,16 @@ if TYPE_CHECKING:
     from session.model.runner import ModelRunner
 
 
-def packs(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None) -> bool:
-    """Does ``packed_step`` take this step (more than one part, all caches in one pool, which
-    ``packing_backend`` packs)?"""
+def packs(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None) -> str | None:
+    """How ``packed_step`` attends this step (``packing_backend``), or None where it does not take it: one
+    part, caches not all in one pool, or a pool no packed plan reads."""
     kvs = [chunk.kv for chunk in chunks] + (list(rows.kvs) if rows is not None else [])
     if len(chunks) + (1 if rows is not None and len(rows) else 0) < 2 or not isinstance(kvs[0], PagedKVCache):
-        return False
+        return None
     pool = kvs[0].pool
-    if packing_backend(runner.packed_steps, pool) is None:
-        return False
-    return all(isinstance(kv, PagedKVCache) and kv.pool is pool for kv in kvs)
+    if not all(isinstance(kv, PagedKVCache) and kv.pool is pool for kv in kvs):
+        return None
+    return packing_backend(runner.packed_steps, pool)
 
 
 def packing_backend(mode: str, pool: KVPool) -> str | None:
@@ -80,9 +80,9 @@ def packing_backend(mode: str, pool: KVPool) -> str | None:
     return "cpu" if pool.device.type == "cpu" else None
 
 
-def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
-    """The step as one pass (``packs`` said yes) -> logits [rows + chunks, V]: each decode row's, then
-    each chunk's last position's. Every cache's length advances by what it fed."""
+def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows | None, backend: str) -> torch.Tensor:
+    """The step as one pass, attended as ``backend`` (what ``packs`` answered) -> logits [rows + chunks,
+    V]: each decode row's, then each chunk's last position's. Every cache's length advances by what it fed."""
     decode = rows if rows is not None else DecodeRows([], [])
     kvs: list[PagedKVCache] = [kv for kv in [*decode.kvs, *(chunk.kv for chunk in chunks)]
                                if isinstance(kv, PagedKVCache)]
@@ -101,12 +101,10 @@ def packed_step(runner: ModelRunner, chunks: Sequence[Chunk], rows: DecodeRows |
     cos, sin = cast(nn.Module, runner.lm.rotary_emb)(h, _positions(runner, decode, chunks, lengths))
     slots = to_device([slot for kv, length, count in zip(kvs, lengths, counts)
                        for slot in kv.slots(length, length + count)], runner.device)[:, None]  # [N, 1]
-    pool = kvs[0].pool
-    backend = packing_backend(runner.packed_steps, pool)
     if backend != "cpu":
         attention: LayerAttention = RaggedAttention(
-            pool, slots, [kv.block_ids for kv in kvs], [n + count for n, count in zip(lengths, counts)], counts,
-            runner.windows, cast(str, backend))
+            kvs[0].pool, slots, [kv.block_ids for kv in kvs], [n + count for n, count in zip(lengths, counts)],
+            counts, runner.windows, backend)
     else:
         attention = _cpu_attention(runner, kvs, lengths, counts, slots, num_rows)
     with several_rows_from(num_rows):

@@ -296,9 +296,10 @@ class ModelRunner:
     def step(self, chunks: Sequence[Chunk], rows: DecodeRows | None) -> torch.Tensor:
         """A whole engine step -> logits [rows + chunks, V] (``Stepper.step``): one packed pass where
         session/model/packed_step.py takes it (``packs``), else the decode step and each chunk's prefill."""
-        if packs(self, chunks, rows):
+        backend = packs(self, chunks, rows)
+        if backend is not None:
             self.num_passes += 1
-            return packed_step(self, chunks, rows)
+            return packed_step(self, chunks, rows, backend)
         return separate_passes(self, chunks, rows)
 
     @property
