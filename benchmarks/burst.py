@@ -150,7 +150,7 @@ def ours(model: Path, seeds: list[int], budget: int, threads: int) -> list[dict]
     send, wait = client.send, client.wait
 
     try:
-        vocab = engine.parts.runner.info.vocab_size
+        vocab = model_vocab(model)
         wait([send(workload(10_000, vocab)["burst"][0], 4)])  # warm-up: kernels built, threads measured
         out = []
         for seed in seeds:

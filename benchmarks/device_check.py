@@ -519,20 +519,23 @@ class PackedSteps:
         kvs, _ = prefilled(runner, self.prompts[:3], block_tokens)
         return kvs + [runner.new_kv_cache(block_tokens=block_tokens, max_tokens=runner.info.max_positions)]
 
+    @property
+    def half(self) -> int:
+        """Where the new prompt's two chunks meet."""
+        return len(self.prompts[3]) // 2
+
     def first(self, runner, kvs) -> torch.Tensor:
         from session.model.backend import Chunk, DecodeRows
 
-        half = len(self.prompts[3]) // 2
         return runner.step([Chunk(kvs[2], runner.embed(self.followup, [])),
-                            Chunk(kvs[3], runner.embed(self.prompts[3][:half], []))],
+                            Chunk(kvs[3], runner.embed(self.prompts[3][:self.half], []))],
                            DecodeRows(kvs[:2], [row[0] for row in self.verify]))
 
     def second(self, runner, kvs) -> torch.Tensor:
         from session.model.backend import Chunk, DecodeRows
 
         rows = DecodeRows.verify(kvs[:2], self.verify)
-        half = len(self.prompts[3]) // 2
-        return runner.step([Chunk(kvs[3], runner.embed(self.prompts[3][half:], []))], rows)  # a row a position
+        return runner.step([Chunk(kvs[3], runner.embed(self.prompts[3][self.half:], []))], rows)  # a row a position
 
     def run(self, runner, mode: str, block_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
         """Both steps' logits [rows + chunks, V] (a verify: a row per position) and the forward passes
