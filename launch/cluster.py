@@ -279,8 +279,11 @@ async def serve_front(config: FrontConfig, host: str, port: int,
     front = Front(config, restart_backend=restart_backend)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    # Not loop.add_signal_handler: closing the loop resets what it took to SIG_DFL, and a SIGTERM
+    # between then and the launcher's clean-up killed it with its TorchServe instances left running.
+    # Replacing the handler and putting the previous one back leaves no moment without one.
+    previous = {signum: signal.signal(signum, lambda *_: loop.call_soon_threadsafe(stop.set))
+                for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         await front.start(host, port)
         if banner:
@@ -296,6 +299,8 @@ async def serve_front(config: FrontConfig, host: str, port: int,
         return True
     finally:
         await front.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _serve(config: FrontConfig, host: str, port: int, backends_alive: Callable[[], bool] = lambda: True,

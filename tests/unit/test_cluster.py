@@ -260,3 +260,25 @@ def test_a_stop_signal_held_while_a_backend_starts_unwinds_after_it():
     with pytest.raises(KeyboardInterrupt):  # outside the block a stop unwinds at once
         cluster._interrupt(signal.SIGTERM, None)
     assert not cluster._held and not cluster._pending
+
+
+def test_the_front_stops_on_a_stop_signal_and_gives_the_launchers_handler_back(unused_tcp_port):
+    """The front's run takes SIGTERM and SIGINT and, when it ends, puts the launcher's handler back with
+    no moment at SIG_DFL. With the event loop's add_signal_handler, closing the loop reset both to
+    SIG_DFL, and a SIGTERM before the launcher's clean-up killed it with its TorchServe instances running."""
+    import asyncio
+
+    from session.front.config import FrontConfig
+
+    previous = {signum: signal.signal(signum, cluster._interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        async def run() -> bool:
+            asyncio.get_running_loop().call_later(0.3, os.kill, os.getpid(), signal.SIGTERM)
+            return await asyncio.wait_for(cluster.serve_front(FrontConfig(backends=("http://127.0.0.1:9",), drain_s=0.1), "127.0.0.1", unused_tcp_port), 30)
+
+        assert asyncio.run(run()) is True  # stopped by the signal, not by a dead backend
+        assert signal.getsignal(signal.SIGTERM) is cluster._interrupt
+        assert signal.getsignal(signal.SIGINT) is cluster._interrupt
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
