@@ -260,7 +260,7 @@ class RaggedAttention:
         parts, width = len(tables), max(len(table) for table in tables)
         ends = lambda sizes: [0, *itertools.accumulate(sizes)]  # noqa: E731
         padded = [block for table in tables for block in (*table, *[PAD_BLOCK] * (width - len(table)))]
-        plan = to_device([*ends(counts), *ends(kv_lens), *padded], pool.device).to(torch.int32)  # one copy
+        plan = to_device([*ends(counts), *ends(kv_lens), *padded], pool.device, torch.int32)  # one copy
         self.cu_q, self.cu_k = plan[:parts + 1], plan[parts + 1:2 * parts + 2]  # [P + 1] each
         self.seq_lens = self.cu_k.diff()  # [P]: keys each part sees
         self.block_table = plan[2 * parts + 2:].view(parts, width)  # [P, widest]

@@ -129,9 +129,9 @@ class PoolAccounts:
                 "published_blocks": sum(len(p) for p in prefixes)}
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``values`` on ``device``; to a GPU from pinned host memory, without waiting for the copy."""
-    host = torch.tensor(values, dtype=torch.int64)
+def to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``values`` as ``dtype`` on ``device``; to a GPU from pinned host memory, without waiting for the copy."""
+    host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
