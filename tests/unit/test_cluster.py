@@ -241,7 +241,7 @@ def test_a_default_journal_another_user_made_first_does_not_stop_the_start(tmp_p
 
 
 def test_a_stop_signal_held_while_a_backend_starts_unwinds_after_it():
-
+    """A SIGTERM or SIGINT while a TorchServe starts waits for the start to end, then unwinds as a stop."""
     done = []
     with pytest.raises(KeyboardInterrupt):
         with cluster._stop_signals_held():
@@ -274,7 +274,8 @@ def test_the_front_stops_on_a_stop_signal_and_gives_the_launchers_handler_back(u
     try:
         async def run() -> bool:
             asyncio.get_running_loop().call_later(0.3, os.kill, os.getpid(), signal.SIGTERM)
-            return await asyncio.wait_for(cluster.serve_front(FrontConfig(backends=("http://127.0.0.1:9",), drain_s=0.1), "127.0.0.1", unused_tcp_port), 30)
+            config = FrontConfig(backends=("http://127.0.0.1:9",), drain_s=0.1)
+            return await asyncio.wait_for(cluster.serve_front(config, "127.0.0.1", unused_tcp_port), 30)
 
         assert asyncio.run(run()) is True  # stopped by the signal, not by a dead backend
         assert signal.getsignal(signal.SIGTERM) is cluster._interrupt
