@@ -287,9 +287,8 @@ class ModelRunner:
     @property
     def packs_steps(self) -> bool:
         """``step`` runs a step's parts in one pass (session/model/packed_step.py: on CPU, and on CUDA
-        with RESIDENT_PACKED_STEPS=on where a paged FlashAttention kernel reads the pool)."""
-        if not self.kv_pools:
-            return self.device.type == "cpu" and self.packed_steps != "off"
+        with RESIDENT_PACKED_STEPS=on where a paged FlashAttention kernel reads the pool). False before
+        the engine made a pool: a packed pass reads one."""
         return any(packing_backend(self.packed_steps, pool) is not None for pool in self.kv_pools.values())
 
     @torch.inference_mode()
