@@ -39,9 +39,9 @@ namespace simd = resident::simd;
 // half the width (a V16 takes two), so 2 x 3 (one row still runs 6 chains of multiply-adds). From
 // kTallRows rows on, AVX2 takes 6 x 1 (oneDNN's 6 x 16 shape): each weight line loaded once for six rows
 // instead of two, where 2 x 3 waited on the level-2 cache (a 256-row product ran at 0.64x oneDNN's
-// speed). One row (a decode step of one sequence) of a float format takes 1 x 6 on AVX2: six blocks'
-// weights read side by side, and one core draws more memory bandwidth from six streams than from
-// three (a one-thread pass over SmolLM2's linears about 9% faster, two threads about 3%:
+// speed). One row (a decode step of one sequence) takes 1 x 6 on AVX2: six blocks' weights read side
+// by side, and one core draws more memory bandwidth from six streams than from three (a one-thread
+// pass over SmolLM2's linears about 9% faster in float32, 24% in int8, 5% in int4:
 // docs/MEASUREMENTS.md, "One row, six streams"). A tile's shape decides which sums run together, never
 // the order of any output's additions.
 #if defined(__AVX512F__)
@@ -297,7 +297,7 @@ struct Prepared {
   Problem<F> rest;  // rows from ``split`` on: pb summed in blocks of another size (``several_from``)
   int64_t rows = 0, column_tiles = 0, split = 0;
   bool tall = false;  // kTallRows rows or more: the tall tile (kTallRowTile x kTallBlockTile)
-  bool single = false;  // one row of a float format (no trailer): the single tile (1 x kSingleBlockTile)
+  bool single = false;  // one row: the single tile (1 x kSingleBlockTile)
 
   Prepared(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
            int64_t k_block) {
@@ -337,7 +337,7 @@ struct Prepared {
                     steps, n, k_block, bias_sums.defined() ? bias_sums.data_ptr<float>() : nullptr,
                     reinterpret_cast<Elem*>(y.data_ptr()), scratch.data_ptr<float>()};
     tall = rows >= kTallRows;
-    single = rows == 1 && trailer == 0;
+    single = rows == 1;
     const int64_t per_tile = tall ? kTallBlockTile : single ? kSingleBlockTile : kBlockTile;
     column_tiles = rows == 0 ? 0 : (blocks + per_tile - 1) / per_tile;
     rest = pb;

@@ -49,6 +49,7 @@ def test_bit_for_bit_the_float64_product_where_float32_is_exact(shape):
     want = x.double() @ dequantized.T + bias.double()
     assert torch.equal(want.float().double(), want)
     assert torch.equal(cpu_linear.linear(x, packed, bias, n, group), want.float())
+    assert torch.equal(cpu_linear.linear(x[:1], packed, bias, n, group), want[:1].float())  # one row: its own tile
 
 
 def test_a_wrong_nibble_scale_or_offset_would_show():

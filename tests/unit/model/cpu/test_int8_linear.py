@@ -47,6 +47,7 @@ def test_bit_for_bit_the_float64_product_where_float32_is_exact(shape):
     assert torch.equal(want.float().double(), want)  # the case is exact in float32 indeed
     assert torch.equal(cpu_linear.linear(x, packed, bias, n, k), want.float())
     assert torch.equal(cpu_linear.linear(x, packed, None, n, k), (want - bias.double()).float())
+    assert torch.equal(cpu_linear.linear(x[:1], packed, bias, n, k), want[:1].float())  # one row: its own tile
 
 
 GROUPED = [(64, 64), (100, 1024), (17, 96), (576, 576), (1536, 576)]  # (out, in), groups of 32 inputs
@@ -69,6 +70,7 @@ def test_groups_bit_for_bit_the_float64_product_where_float32_is_exact(shape):
     linear = QuantizedLinear.from_int8(q, scales, bias, ours=True)
     assert linear.group_size == 32 and linear.block == 32
     assert torch.equal(linear(x), want.float())
+    assert torch.equal(linear(x[:1]), want[:1].float())  # one row: its own tile
 
 
 def test_a_wrong_group_scale_would_show():
