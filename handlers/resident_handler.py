@@ -74,7 +74,7 @@ class ResidentHandler:
             response = error_response(exc, context.get_request_id(0) or "")
             return self._plain(response, context)
         finally:
-            self._emit_metrics(kind, (time.perf_counter() - started) * 1000)
+            self._emit_metrics(kind, time.perf_counter() - started)
 
     async def _send(self, response: ApiResponse, context):
         if response.status != 200:
@@ -91,12 +91,13 @@ class ResidentHandler:
         self._set_headers(response, context)
         return [json.dumps(response.body)]
 
-    def _emit_metrics(self, kind: str, latency_ms: float) -> None:
-        """Engine stats -> TorchServe model metrics (declared in model_store/metrics.yaml)."""
+    def _emit_metrics(self, kind: str, latency_s: float) -> None:
+        """Engine stats -> TorchServe model metrics (declared in model_store/metrics.yaml). The latency is in
+        seconds: TorchServe's Prometheus histograms take the client library's default buckets, 5 ms to 10 s."""
         try:
             stats = self.service.engine.stats()
             dims = [self.service.model_name, "Model"]
-            self._metric("RequestLatency", MetricTypes.HISTOGRAM).add_or_update(latency_ms, dims + [kind])
+            self._metric("RequestLatencySeconds", MetricTypes.HISTOGRAM).add_or_update(latency_s, dims + [kind])
             self._metric("LiveSessions", MetricTypes.GAUGE).add_or_update(stats.live_sessions, dims)
             self._metric("RunningRequests", MetricTypes.GAUGE).add_or_update(stats.running_requests, dims)
             self._metric("DeviceBudgetBytes", MetricTypes.GAUGE).add_or_update(stats.device_budget_bytes, dims)
