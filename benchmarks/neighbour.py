@@ -10,7 +10,8 @@ Phases, one request at a time (greedy, 32 new tokens, a distinct short question 
 - neighbour: another process keeps one core busy (``while True: pass``), started ``--adapt-s``
   seconds before the phase's requests (the time a server has to adapt), then a phase after it stops;
 - quota (root only, ``--quota-pids``): the server's processes (and their threads) moved into a cgroup
-  v1 ``cpu`` group limited to ``--quota`` CPUs, as ``docker run --cpus`` does; moved back after.
+  v1 ``cpu`` group limited to ``--quota`` CPUs, as ``docker run --cpus`` does; moved back after, and a
+  phase after it (a quota the server cannot see, lifted: does it take its cores back?).
 Reported per phase: median and worst latency, and the median's ratio to the quiet one. With
 ``--rounds N`` the quiet and neighbour phases alternate N times and each kind's figures are over all
 its rounds' requests (a shared machine's drift then falls on both sides alike). Results go to
@@ -118,6 +119,8 @@ def main() -> None:
         with cpu_quota(args.quota_pids, args.quota):
             time.sleep(args.adapt_s)
             phases.append(phase(url, args.model, f"quota {args.quota:g} CPU", n, tokens, 3 * n * args.rounds))
+        time.sleep(args.adapt_s)
+        phases.append(phase(url, args.model, "after quota", n, tokens, 3 * n * args.rounds + n))
     quiet = phases[0]["median_s"]
     for row in phases:
         row["vs_quiet"] = row["median_s"] / quiet

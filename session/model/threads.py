@@ -12,7 +12,10 @@ runs the fastest (the figure of the count in use follows every step, so a count 
 left at once), and re-measures each other candidate for a few steps once its figure is older than its
 refresh interval: ``refresh_steps`` steps of that bucket, doubled (up to ``max_refresh_steps``) each
 time a re-measure finds it still slower, so a steady machine pays a few slow steps ever more rarely
-and a count that became faster (a neighbour left) is found within the interval. A re-measure ends at
+and a count that became faster (a neighbour left) is found within the interval, or within
+``max_refresh_s`` seconds, whichever comes first: counted in steps alone, a server with sparse
+traffic took minutes to go back to two threads (a ~500-step interval after the CPU quota phase of
+benchmarks/neighbour.py, which the load reader cannot see). A re-measure ends at
 its first step that is far slower than the best; a new bucket starts from its nearest measured
 bucket's verdict (without these two rules, a loaded machine re-tried the slow count in every new
 bucket: docs/MEASUREMENTS.md, "Thread count"). The
@@ -37,6 +40,7 @@ from __future__ import annotations
 import queue
 import statistics
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -65,6 +69,7 @@ class _Figure:
     seconds: float | None = None  # the candidate's recent step time in this bucket
     age: int = 0  # steps of this bucket since it was last measured
     interval: int = 0  # re-measure once age reaches this
+    measured_at: float = 0.0  # the clock when ``seconds`` was last set (re-measured after max_refresh_s)
 
 
 @dataclass
@@ -78,7 +83,8 @@ class ThreadTuner:
                  max_refresh_steps: int = 2048, first_probe_after: int = 8, abort_ratio: float = 1.5,
                  collapse_ratio: float = 4.0, smoothing: float = 0.1,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
-                 free_cores: Callable[[], float] | None = None, taken_at: float = 0.75):
+                 free_cores: Callable[[], float] | None = None, taken_at: float = 0.75,
+                 max_refresh_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.candidates = tuple(sorted(set(candidates)))
         self.probe_steps = probe_steps  # measured steps per probe (after the discarded first)
         self.refresh_steps = refresh_steps
@@ -91,6 +97,8 @@ class ThreadTuner:
         self._set_threads = set_threads
         self._free_cores = free_cores  # cores other processes leave (session/model/cpu_load.py)
         self.taken_at = taken_at  # a core busy elsewhere this much of the time is not ours to use
+        self.max_refresh_s = max_refresh_s  # a figure this old is re-measured, however few steps ran
+        self._clock = clock
         self._figures: dict[int, dict[int, _Figure]] = {}
         self._probes: dict[int, _Probe] = {}  # bucket -> the candidate being re-measured there
         self._discard_next = False
@@ -121,8 +129,8 @@ class ThreadTuner:
         if bucket in self._probes and self._probes[bucket].threads > allowed:
             del self._probes[bucket]  # a neighbour took the cores it would measure
         if bucket not in self._probes:
-            stale = [c for c in self.candidates
-                     if c != best and c <= allowed and figures[c].age >= figures[c].interval]
+            now = self._clock()
+            stale = [c for c in self.candidates if c != best and c <= allowed and self._stale(figures[c], now)]
             if stale:
                 self._probes[bucket] = _Probe(stale[0])
         probe = self._probes.get(bucket)
@@ -132,6 +140,10 @@ class ThreadTuner:
             self.threads, self._discard_next = threads, True
             self.num_switches += 1
         return threads
+
+    def _stale(self, figure: _Figure, now: float) -> bool:
+        return figure.age >= figure.interval or (
+            figure.seconds is not None and now - figure.measured_at >= self.max_refresh_s)
 
     def _allowed(self) -> int:
         """The most threads the cores other processes leave allow (every candidate without a reader):
@@ -181,13 +193,13 @@ class ThreadTuner:
             probe.samples.append(seconds)
             far_slower = bool(others) and seconds > self.abort_ratio * min(others)  # no need to see more
             if len(probe.samples) >= self.probe_steps or far_slower:
-                figure.seconds, figure.age = statistics.median(probe.samples), 0
+                figure.seconds, figure.age, figure.measured_at = statistics.median(probe.samples), 0, self._clock()
                 still_slower = bool(others) and figure.seconds > min(others)
                 figure.interval = min(2 * figure.interval, self.max_refresh_steps) if still_slower \
                     else self.refresh_steps
                 del self._probes[bucket]
             return
-        figure.age = 0
+        figure.age, figure.measured_at = 0, self._clock()
         if collapsed:  # left at the next step; re-measured soon, in case it was a passing stall
             figure.seconds, figure.interval = seconds, self.first_probe_after
             return

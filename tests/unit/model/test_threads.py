@@ -56,6 +56,31 @@ def test_follows_a_change_of_load():
     assert used[512 + 10:].count(2) >= 0.97 * len(used[512 + 10:])
 
 
+def test_a_count_left_long_ago_is_re_measured_within_seconds_not_only_steps():
+    """A CPU quota the load reader cannot see (two threads far slower while the cores look free) pushes
+    two threads' interval to its longest; once the quota lifts, a server with sparse traffic must not
+    wait that many steps: a figure older than max_refresh_s is re-measured at the next step."""
+    clock = {"now": 0.0}
+    quota = {1: 0.028, 2: 0.090}
+
+    def cost(costs):
+        def step(threads, rows, index):
+            clock["now"] += costs[threads]
+            return costs[threads]
+        return step
+
+    tuner = ThreadTuner((1, 2), first_probe_after=8, refresh_steps=64, max_refresh_steps=2048, max_refresh_s=5.0,
+                        set_threads=lambda n: None, clock=lambda: clock["now"])
+    used = serve(tuner, 3000, cost(quota))
+    # under the quota, two threads are re-measured once per 5 s of steps at most (and by the step interval)
+    switches_to_two = sum(1 for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1)
+    assert switches_to_two <= 1 + 3000 * quota[1] / 5.0 + 6
+    assert tuner.threads == 1
+    clock["now"] += 60.0  # the quota lifts; a minute without a request
+    used = serve(tuner, 20, cost(QUIET), start=3000)
+    assert used[0] == 2 and used[-10:] == [2] * 10  # the first step re-measures two threads, and keeps them
+
+
 def test_the_first_step_after_a_switch_is_not_counted():
     """Resizing the OpenMP pool makes one step slow (about 1.1x measured on 2 cores; 3x here); counted,
     it would make the faster count look slow."""
