@@ -6,6 +6,12 @@ costs the steps that collapse first: a prompt fed on two threads beside a busy c
 line per CPU) and this process's own CPU time; the difference, over the wall time between two
 readings, is the cores others used, known before any step runs.
 
+A CPU quota set after start-up (``docker update --cpus``, a Kubernetes in-place resize, or
+benchmarks/neighbour.py's quota phase) shows in none of these counts: the process is throttled, not
+crowded. So each reading also re-reads the cgroup's quota (session/model/cpu_quota.py) and the free
+cores never exceed it: under a 1-CPU quota two threads collapsed (a 1.65 s worst request against 1.07
+on one thread) each time the tuner re-measured them.
+
 Who calls this: ``ThreadTuner``, on the engine loop thread, at most every ``min_interval_s``. A
 reading covers the time since the previous one (an idle engine's first reading after a pause covers
 the pause). Read only where the process may use every CPU it can run on (no CPU quota below its
@@ -19,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from session.model.cpu_quota import usable_cores
+from session.model.cpu_quota import cgroup_cpu_quota, usable_cores
 
 BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (idle and iowait are not busy)
 
@@ -38,9 +44,12 @@ def busy_seconds(stat_text: str, cpus: set[int], ticks_per_s: float) -> float:
 class BusyElsewhere:
     def __init__(self, cpus: set[int], *, read_stat: Callable[[], str] = lambda: Path("/proc/stat").read_text(),
                  own_seconds: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic,
-                 ticks_per_s: float = 100.0, min_interval_s: float = 0.25):
+                 ticks_per_s: float = 100.0, min_interval_s: float = 0.25,
+                 read_quota: Callable[[], float | None] = cgroup_cpu_quota):
         self.cpus = cpus
         self._read_stat, self._own_seconds, self._clock = read_stat, own_seconds, clock
+        self._read_quota = read_quota
+        self.quota: float | None = read_quota()  # cores' worth the cgroup allows now (None: no quota)
         self.ticks_per_s = ticks_per_s
         self.min_interval_s = min_interval_s
         self._last = self._reading()
@@ -59,8 +68,10 @@ class BusyElsewhere:
         return self._clock(), busy_seconds(self._read_stat(), self.cpus, self.ticks_per_s), self._own_seconds()
 
     def free_cores(self) -> float:
-        """The CPUs this process may run on less those others kept busy (``__call__``)."""
-        return len(self.cpus) - self()
+        """The CPUs this process may run on less those others kept busy (``__call__``), at most its
+        cgroup's quota as last read."""
+        free = len(self.cpus) - self()
+        return free if self.quota is None else min(free, self.quota)
 
     def __call__(self) -> float:
         """Cores other processes kept busy between the previous reading and now (the previous figure
@@ -71,4 +82,5 @@ class BusyElsewhere:
         wall = now[0] - self._last[0]
         others = (now[1] - self._last[1]) - (now[2] - self._last[2])
         self._last, self.cores = now, max(0.0, others / wall)
+        self.quota = self._read_quota()
         return self.cores

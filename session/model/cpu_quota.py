@@ -8,7 +8,8 @@ for the slowest. The quota lives in the cgroup filesystem: ``cpu.max`` ("<quota>
 cgroup's limit is the smallest along its path, so every level from the process's own to the root is
 read.
 
-Who calls this: session/model/threads.py (``cpu_candidates``), once at start-up. Pure file reads; the
+Who calls this: session/model/threads.py (``cpu_candidates``), once at start-up, and
+session/model/cpu_load.py with each load reading (a quota set or lifted later). Pure file reads; the
 root is a parameter so tests build a fake cgroup tree.
 """
 
