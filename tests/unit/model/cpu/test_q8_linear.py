@@ -119,6 +119,7 @@ def test_bit_for_bit_where_every_float_step_is_exact(bits):
     assert torch.equal(quantized_rows(x)[0] / 128, x.double())  # the rows quantize exactly
     assert torch.equal(want.float().double(), want)
     assert torch.equal(cpu_linear.linear(x, packed, None, n, 32), want.float())
+    assert torch.equal(cpu_linear.linear(x[:1], packed, None, n, 32), want[:1].float())  # one row: its own tile
     changed = q.clone()
     changed[7, 70] = changed[7, 70] + (1 if int(changed[7, 70]) < (127 if bits == 8 else 15) else -1)
     other = cpu_linear.linear(x, cpu_linear.pack_q8(changed, scales, offsets, bits), None, n, 32)
