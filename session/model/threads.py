@@ -14,8 +14,8 @@ refresh interval: ``refresh_steps`` steps of that bucket, doubled (up to ``max_r
 time a re-measure finds it still slower, so a steady machine pays a few slow steps ever more rarely
 and a count that became faster (a neighbour left) is found within the interval, or within
 ``max_refresh_s`` seconds, whichever comes first: counted in steps alone, a server with sparse
-traffic took minutes to go back to two threads (a ~500-step interval after the CPU quota phase of
-benchmarks/neighbour.py, which the load reader cannot see). A re-measure ends at
+traffic stayed on one thread for over 20 minutes after the CPU quota phase of benchmarks/neighbour.py
+(a quota the load reader did not see then had pushed the interval to ~500 steps). A re-measure ends at
 its first step that is far slower than the best; a new bucket starts from its nearest measured
 bucket's verdict (without these two rules, a loaded machine re-tried the slow count in every new
 bucket: docs/MEASUREMENTS.md, "Thread count"). The
