@@ -80,7 +80,8 @@ def test_kill_9_mid_conversation_loses_nothing(tiny_model_path, tmp_path):
         assert list(live.values()) == [2.0]
         # latency in seconds, as the histogram's default buckets (5 ms to 10 s) count it: these short turns
         # land below 10 s (in milliseconds every turn fell past the last bucket); admin calls take ~1 ms
-        turns = {k: v for k, v in metric_values(server, "RequestLatencySeconds_bucket").items() if 'Kind="admin"' not in k}
+        buckets = metric_values(server, "RequestLatencySeconds_bucket")
+        turns = {k: v for k, v in buckets.items() if 'Kind="admin"' not in k}
         within_10_s = sum(v for k, v in turns.items() if 'le="10.0"' in k)
         assert 1 <= within_10_s <= sum(v for k, v in turns.items() if 'le="+Inf"' in k)
     finally:
