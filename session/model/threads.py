@@ -12,10 +12,11 @@ runs the fastest (the figure of the count in use follows every step, so a count 
 left at once), and re-measures each other candidate for a few steps once its figure is older than its
 refresh interval: ``refresh_steps`` steps of that bucket, doubled (up to ``max_refresh_steps``) each
 time a re-measure finds it still slower, so a steady machine pays a few slow steps ever more rarely
-and a count that became faster (a neighbour left) is found within the interval, or within
-``max_refresh_s`` seconds, whichever comes first: counted in steps alone, a server with sparse
-traffic stayed on one thread for over 20 minutes after the CPU quota phase of benchmarks/neighbour.py
-(a quota the load reader did not see then had pushed the interval to ~500 steps). A re-measure ends at
+and a count that became faster is found within the interval. A count above the best is also
+re-measured once its figure is ``max_refresh_s`` old: cores coming back (a neighbour or a quota gone)
+show in no step of the count in use, and counted in steps alone, a server with sparse traffic stayed
+on one thread for over 20 minutes after the CPU quota phase of benchmarks/neighbour.py. A count below
+the best needs no clock: cores taken away slow the count in use at once. A re-measure ends at
 its first step that is far slower than the best; a new bucket starts from its nearest measured
 bucket's verdict (without these two rules, a loaded machine re-tried the slow count in every new
 bucket: docs/MEASUREMENTS.md, "Thread count"). The
@@ -130,7 +131,7 @@ class ThreadTuner:
             del self._probes[bucket]  # a neighbour took the cores it would measure
         if bucket not in self._probes:
             now = self._clock()
-            stale = [c for c in self.candidates if c != best and c <= allowed and self._stale(figures[c], now)]
+            stale = [c for c in self.candidates if c != best and c <= allowed and self._stale(c, best, figures[c], now)]
             if stale:
                 self._probes[bucket] = _Probe(stale[0])
         probe = self._probes.get(bucket)
@@ -141,9 +142,9 @@ class ThreadTuner:
             self.num_switches += 1
         return threads
 
-    def _stale(self, figure: _Figure, now: float) -> bool:
+    def _stale(self, candidate: int, best: int, figure: _Figure, now: float) -> bool:
         return figure.age >= figure.interval or (
-            figure.seconds is not None and now - figure.measured_at >= self.max_refresh_s)
+            candidate > best and figure.seconds is not None and now - figure.measured_at >= self.max_refresh_s)
 
     def _allowed(self) -> int:
         """The most threads the cores other processes leave allow (every candidate without a reader):

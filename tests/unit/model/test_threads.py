@@ -81,6 +81,22 @@ def test_a_count_left_long_ago_is_re_measured_within_seconds_not_only_steps():
     assert used[0] == 2 and used[-10:] == [2] * 10  # the first step re-measures two threads, and keeps them
 
 
+def test_a_count_below_the_best_is_re_measured_by_steps_alone():
+    """On a quiet machine one thread is only re-measured after its step interval (doubling from 8 to
+    512 here), not every max_refresh_s: seconds matter only for cores coming back."""
+    clock = {"now": 0.0}
+
+    def cost(threads, rows, index):
+        clock["now"] += QUIET[threads]
+        return QUIET[threads]
+
+    tuner = ThreadTuner((1, 2), refresh_steps=64, max_refresh_steps=512, max_refresh_s=0.5,
+                        set_threads=lambda n: None, clock=lambda: clock["now"])
+    used = serve(tuner, 3000, cost)  # 45 s of steps: 90 probes had seconds counted for one thread
+    probes = sum(1 for i in range(1, len(used)) if used[i] == 1 and used[i - 1] == 2)
+    assert 1 <= probes <= 10  # after 8, 16, 32, 64, 128, 256 steps, then every 512: 10 in 3000 steps
+
+
 def test_the_first_step_after_a_switch_is_not_counted():
     """Resizing the OpenMP pool makes one step slow (about 1.1x measured on 2 cores; 3x here); counted,
     it would make the faster count look slow."""
