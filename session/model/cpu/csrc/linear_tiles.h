@@ -361,32 +361,26 @@ struct Prepared {
     rest.k_block = k_block;
   }
 
-  // Column tile t for every row: output blocks kBlockTile t .. kBlockTile (t + 1) - 1, or block t alone
-  // where the tall tile runs (AVX2, kTallRows rows or more)
+  // Column tile t for every row: output blocks kBlockTile t .. kBlockTile (t + 1) - 1, block t alone where
+  // the tall tile runs (AVX2, kTallRows rows or more), or kSingleBlockTile of them for one row (AVX2)
   void run_tile(int64_t t) const {
     if constexpr (kTallBlockTile == 1) {
       if (tall) return both<1, kTallRowTile>(t);
     }
     if constexpr (kSingleBlockTile != kBlockTile) {
-      if (single) {
-        const int64_t b0 = t * kSingleBlockTile, blocks = (pb.n + kLanes - 1) / kLanes;
-        switch (std::min<int64_t>(kSingleBlockTile, blocks - b0)) {
-          case 6: return both<6, 1>(b0);
-          case 5: return both<5, 1>(b0);
-          case 4: return both<4, 1>(b0);
-          case 3: return both<3, 1>(b0);
-          case 2: return both<2, 1>(b0);
-          default: return both<1, 1>(b0);
-        }
-      }
+      if (single) return blocks_from<kSingleBlockTile, 1>(t * kSingleBlockTile);
     }
-    const int64_t b0 = t * kBlockTile, blocks = (pb.n + kLanes - 1) / kLanes;
-    switch (std::min<int64_t>(kBlockTile, blocks - b0)) {
-      case 4: both<4>(b0); break;
-      case 3: both<3>(b0); break;
-      case 2: both<2>(b0); break;
-      default: both<1>(b0); break;
+    blocks_from<kBlockTile, kRowTile>(t * kBlockTile);
+  }
+
+ private:
+  // Output blocks b0 .. b0 + NR - 1, or as many as are left from b0 (the last column tile) in a narrower tile
+  template <int NR, int RT>
+  void blocks_from(int64_t b0) const {
+    if constexpr (NR > 1) {
+      if ((pb.n + kLanes - 1) / kLanes - b0 < NR) return blocks_from<NR - 1, RT>(b0);
     }
+    both<NR, RT>(b0);
   }
 };
 
