@@ -26,6 +26,14 @@ def serve(tuner: ThreadTuner, steps: int, cost, batch=lambda step: 1, start: int
     return used
 
 
+def clocked(costs: dict[int, float], clock: dict[str, float]):
+    """A step cost by thread count that also moves the simulated ``clock`` on by that cost."""
+    def step(threads, rows, index):
+        clock["now"] += costs[threads]
+        return costs[threads]
+    return step
+
+
 def test_buckets():
     assert [bucket_of(b) for b in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
 
@@ -57,27 +65,20 @@ def test_follows_a_change_of_load():
 
 
 def test_a_count_left_long_ago_is_re_measured_within_seconds_not_only_steps():
-    """A CPU quota the load reader cannot see (two threads far slower while the cores look free) pushes
-    two threads' interval to its longest; once the quota lifts, a server with sparse traffic must not
-    wait that many steps: a figure older than max_refresh_s is re-measured at the next step."""
+    """A slowdown of two threads no load reader shows (here a tuner without one; a CPU quota before the
+    reader re-read it) pushes two threads' interval to its longest; once it lifts, a server with sparse
+    traffic must not wait that many steps: a figure older than max_refresh_s is re-measured at once."""
     clock = {"now": 0.0}
     quota = {1: 0.028, 2: 0.090}
-
-    def cost(costs):
-        def step(threads, rows, index):
-            clock["now"] += costs[threads]
-            return costs[threads]
-        return step
-
     tuner = ThreadTuner((1, 2), first_probe_after=8, refresh_steps=64, max_refresh_steps=2048, max_refresh_s=5.0,
                         set_threads=lambda n: None, clock=lambda: clock["now"])
-    used = serve(tuner, 3000, cost(quota))
+    used = serve(tuner, 3000, clocked(quota, clock))
     # under the quota, two threads are re-measured once per 5 s of steps at most (and by the step interval)
     switches_to_two = sum(1 for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1)
     assert switches_to_two <= 1 + 3000 * quota[1] / 5.0 + 6
     assert tuner.threads == 1
     clock["now"] += 60.0  # the quota lifts; a minute without a request
-    used = serve(tuner, 20, cost(QUIET), start=3000)
+    used = serve(tuner, 20, clocked(QUIET, clock), start=3000)
     assert used[0] == 2 and used[-10:] == [2] * 10  # the first step re-measures two threads, and keeps them
 
 
@@ -85,14 +86,9 @@ def test_a_count_below_the_best_is_re_measured_by_steps_alone():
     """On a quiet machine one thread is only re-measured after its step interval (doubling from 8 to
     512 here), not every max_refresh_s: seconds matter only for cores coming back."""
     clock = {"now": 0.0}
-
-    def cost(threads, rows, index):
-        clock["now"] += QUIET[threads]
-        return QUIET[threads]
-
     tuner = ThreadTuner((1, 2), refresh_steps=64, max_refresh_steps=512, max_refresh_s=0.5,
                         set_threads=lambda n: None, clock=lambda: clock["now"])
-    used = serve(tuner, 3000, cost)  # 45 s of steps: 90 probes had seconds counted for one thread
+    used = serve(tuner, 3000, clocked(QUIET, clock))  # 45 s of steps: 90 probes had seconds counted for one thread
     probes = sum(1 for i in range(1, len(used)) if used[i] == 1 and used[i - 1] == 2)
     assert 1 <= probes <= 10  # after 8, 16, 32, 64, 128, 256 steps, then every 512: 10 in 3000 steps
 
