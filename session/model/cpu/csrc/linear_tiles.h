@@ -39,23 +39,19 @@ namespace simd = resident::simd;
 // half the width (a V16 takes two), so 2 x 3 (one row still runs 6 chains of multiply-adds). From
 // kTallRows rows on, AVX2 takes 6 x 1 (oneDNN's 6 x 16 shape): each weight line loaded once for six rows
 // instead of two, where 2 x 3 waited on the level-2 cache (a 256-row product ran at 0.64x oneDNN's
-// speed). One row (a decode step of one sequence) takes 1 x 6 on AVX2: six blocks' weights read side
-// by side, and one core draws more memory bandwidth from six streams than from three (a one-thread
-// pass over SmolLM2's linears about 9% faster in float32, 24% in int8, 5% in int4:
-// docs/MEASUREMENTS.md, "One row, six streams"). A tile's shape decides which sums run together, never
-// the order of any output's additions.
+// speed). One row (a decode step of one sequence) takes a tile of its own, 1 x kSingleBlockTile<F>
+// (after the formats). A tile's shape decides which sums run together, never the order of any
+// output's additions.
 #if defined(__AVX512F__)
 constexpr int kRowTile = 6;
 constexpr int kBlockTile = 4;
 constexpr int kTallRowTile = 6;
 constexpr int kTallBlockTile = 4;
-constexpr int kSingleBlockTile = 4;
 #else
 constexpr int kRowTile = 2;
 constexpr int kBlockTile = 3;
 constexpr int kTallRowTile = 6;
 constexpr int kTallBlockTile = 1;
-constexpr int kSingleBlockTile = 6;
 #endif
 constexpr int64_t kTallRows = 6;
 
@@ -183,6 +179,24 @@ struct Int4Lines : FloatRows {
   }
 };
 
+// Output blocks per one-row tile, by format and instruction set, each the fastest measured for a
+// one-row pass over SmolLM2's linears (docs/MEASUREMENTS.md, "One row, six streams"). On AVX2 (Zen 3)
+// one core draws more memory bandwidth from six weight streams than from three: 1 x 6 everywhere. On
+// AVX-512 (Zen 4) one stream reads as fast as any, so float32 and bfloat16, bound by memory, keep 1 x 4;
+// int8 and int4 convert every line before its multiply-adds, and more blocks side by side hide that
+// work (one thread: int8 1 x 8 20% faster than 1 x 4, int4 1 x 6 9%).
+#if defined(__AVX512F__)
+template <typename F>
+constexpr int kSingleBlockTile = 4;
+template <>
+constexpr int kSingleBlockTile<Int8Lines> = 8;
+template <>
+constexpr int kSingleBlockTile<Int4Lines> = 6;
+#else
+template <typename F>
+constexpr int kSingleBlockTile = 6;
+#endif
+
 template <typename F>
 struct Problem {
   using Elem = typename F::Elem;
@@ -297,7 +311,7 @@ struct Prepared {
   Problem<F> rest;  // rows from ``split`` on: pb summed in blocks of another size (``several_from``)
   int64_t rows = 0, column_tiles = 0, split = 0;
   bool tall = false;  // kTallRows rows or more: the tall tile (kTallRowTile x kTallBlockTile)
-  bool single = false;  // one row: the single tile (1 x kSingleBlockTile)
+  bool single = false;  // one row: the single tile (1 x kSingleBlockTile<F>)
 
   Prepared(const at::Tensor& input, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
            int64_t k_block) {
@@ -338,7 +352,7 @@ struct Prepared {
                     reinterpret_cast<Elem*>(y.data_ptr()), scratch.data_ptr<float>()};
     tall = rows >= kTallRows;
     single = rows == 1;
-    const int64_t per_tile = tall ? kTallBlockTile : single ? kSingleBlockTile : kBlockTile;
+    const int64_t per_tile = tall ? kTallBlockTile : single ? kSingleBlockTile<F> : kBlockTile;
     column_tiles = rows == 0 ? 0 : (blocks + per_tile - 1) / per_tile;
     rest = pb;
     split = rows;
@@ -362,13 +376,13 @@ struct Prepared {
   }
 
   // Column tile t for every row: output blocks kBlockTile t .. kBlockTile (t + 1) - 1, block t alone where
-  // the tall tile runs (AVX2, kTallRows rows or more), or kSingleBlockTile of them for one row (AVX2)
+  // the tall tile runs (AVX2, kTallRows rows or more), or kSingleBlockTile<F> of them for one row
   void run_tile(int64_t t) const {
     if constexpr (kTallBlockTile == 1) {
       if (tall) return both<1, kTallRowTile>(t);
     }
-    if constexpr (kSingleBlockTile != kBlockTile) {
-      if (single) return blocks_from<kSingleBlockTile, 1>(t * kSingleBlockTile);
+    if constexpr (kSingleBlockTile<F> != kBlockTile) {
+      if (single) return blocks_from<kSingleBlockTile<F>, 1>(t * kSingleBlockTile<F>);
     }
     blocks_from<kBlockTile, kRowTile>(t * kBlockTile);
   }
