@@ -224,6 +224,10 @@ struct Problem {
 };
 
 // Rows m0 .. m0+MR-1, output blocks b0 .. b0+NR-1 (all within NB): MR x NR accumulators in registers.
+// The hot loops over them are unrolled by pragma, before GCC's scalar replacement runs: where GCC
+// unrolled them only after it (int8, one row), ``acc`` stayed an array on the stack, a store and a
+// reload around every multiply-add (one row of int8 12% slower on Zen 4, 4.5% on AVX2 code:
+// docs/MEASUREMENTS.md, "One row, six streams").
 template <typename F, int MR, int NR>
 void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
   constexpr int line = F::kLine;  // elements per line of weights
@@ -251,9 +255,11 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
           const typename F::Elem* row = pb.x + (m0 + m) * pb.x_stride;
           first[m] = F::input(row, p), second[m] = F::input(row, p + 1);
         }
+#pragma GCC unroll 16
         for (int r = 0; r < NR; ++r) {
           typename F::Loaded a, b;
           F::load_pair(w0 + r * block_stride + p * line, a, b);
+#pragma GCC unroll 16
           for (int m = 0; m < MR; ++m) acc[m][r] = F::add_products(F::add_products(acc[m][r], first[m], a), second[m], b);
         }
       }
@@ -266,8 +272,10 @@ void tile(const Problem<F>& pb, int64_t m0, int64_t b0) {
       }
       typename F::Input xs[MR];
       for (int m = 0; m < MR; ++m) xs[m] = F::input(pb.x + (m0 + m) * pb.x_stride, p);
+#pragma GCC unroll 16
       for (int r = 0; r < NR; ++r) {
         const typename F::Loaded wv = F::load(w0 + r * block_stride + p * line, groups[r]);
+#pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) acc[m][r] = F::add_products(acc[m][r], xs[m], wv);
       }
     }
