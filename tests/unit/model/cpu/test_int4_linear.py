@@ -20,7 +20,8 @@ from session.model.quantize import QuantizedLinear, quantize_int4
 
 pytestmark = pytest.mark.skipif(not cpu_linear.INT4_KERNEL.load(), reason="kernel not buildable here (no compiler, no AVX2)")
 
-SHAPES = [(64, 128, 32), (100, 256, 128), (20, 64, 64), (576, 576, 64), (576, 1536, 128)]  # (out, in, group)
+SHAPES = [(64, 128, 32), (100, 256, 128), (20, 64, 64), (576, 576, 64), (576, 1536, 128),
+          (100, 45, 15)]  # (out, in, group); an odd group: its lines two at a time, then one
 PRODUCT_TOLERANCE = 1e-6  # |y - x W^T| per output, over |x| |W|^T + |b| (tests/unit/model/test_quantize.py)
 
 
