@@ -20,6 +20,7 @@ built on first use) decodes after a ~500-token document instead of the image.
 
 Run: python -m benchmarks.decode [--levels 1 4 16] [--new-tokens 64] [--static] [--compile]
      python -m benchmarks.decode --vllm-python build/vllm-venv/bin/python [--dtype bfloat16] [--model-path models/text-bench]
+     python -m benchmarks.decode --quantization int8 --no-generate [--threads 1]   # ours on int8 weights
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and KV (bfloat16 needs AVX512-BF16 or AMX on CPU, else float32)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32"], help="RESIDENT_KV_DTYPE for ours")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="RESIDENT_QUANTIZATION for ours (auto: a GGUF file's own, else none)")
     parser.add_argument("--unpacked", action="store_true",
                         help="also run ours with RESIDENT_PACK_WEIGHTS=false (F.linear on dense weights)")
     parser.add_argument("--no-generate", action="store_true",
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.static:
         variants["ours-static" + ("-compiled" if args.compile else "")] = {"static_kv": True, "compile": args.compile}
     base = dict(model_path=args.model_path, max_batch_size=max(args.levels), max_context_tokens=1024,
-                threads=args.threads, dtype=args.dtype, kv_dtype=args.kv_dtype)
+                threads=args.threads, dtype=args.dtype, kv_dtype=args.kv_dtype, quantization=args.quantization)
     followups: dict[str, dict] = {}  # the 2-turn chat: ours (session) and vLLM's (prefix cache)
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
     try:  # everything, vLLM included, runs beside the same neighbour
