@@ -294,7 +294,8 @@ void tile(const Problem& pb, int64_t m0, int64_t b0) {
 constexpr int kRowTile = 4;  // 4 rows x 2 blocks: 16 int32 and 8 float32 accumulators of 32 registers
 constexpr int kFewRows = 2;  // up to 2 rows (decode): 4 blocks a tile, more chains side by side
 // one row of 8-bit weights: 6 blocks a tile (a one-row pass over SmolLM2's linears 4-5% faster than 4
-// on Zen 4; 4-bit weights, 8 lines a group fewer to load, were 30% slower with 6)
+// on Zen 4; 4-bit weights, 4 lines a group, were 30% slower with 6 and keep 4: docs/MEASUREMENTS.md,
+// "One row, six streams")
 constexpr int kSingleBlocks8 = 6;
 #else
 constexpr int kRowTile = 2;  // AVX2: a lane set takes two registers
