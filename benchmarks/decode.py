@@ -94,10 +94,14 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
         engine.submit(opening)
         wait(opening)
     question = (Message("user", (TextPart("Tell me more about it, in detail."),)),)
-    requests = [GenerationRequest(messages=question, sampling=SamplingParams(max_tokens=new_tokens),
-                                  stream=EventStream(deltas=False), session_id=sid) for sid in session_ids]
+    # ignore_eos: every answer runs to new_tokens, as generate's min_new_tokens makes its own (a real
+    # model's EOS would otherwise end one early and leave the variants decoding different lengths)
+    sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    requests = [GenerationRequest(messages=question, sampling=sampling, stream=EventStream(deltas=False),
+                                  session_id=sid) for sid in session_ids]
     first: list[float] = [0.0] * len(requests)
     last: list[float] = [0.0] * len(requests)
+    tokens: list[int] = [0] * len(requests)
     errors: list[Exception] = []
 
     def read(index: int, request) -> None:
@@ -107,6 +111,7 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
                 first[index] = time.perf_counter()
             elif isinstance(event, Finished):
                 last[index] = time.perf_counter()
+                tokens[index] = len(event.token_ids)
                 return
             elif isinstance(event, Failed):
                 errors.append(event.error)
@@ -125,10 +130,13 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
         close.stream.get(timeout=60)
     if errors:
         raise errors[0]
-    per_token = [(end - start) / (new_tokens - 1) for start, end in zip(first, last)]
+    if min(tokens) < 2:
+        raise RuntimeError(f"an answer of {min(tokens)} tokens has no decode step to time")
+    # the tokens each answer holds, not the ones asked for: a stop string still ends one early
+    per_token = [(end - start) / (n - 1) for start, end, n in zip(first, last, tokens)]
     # Aggregate over the shared decode phase: from the first request's first token to the last finish.
     return {"per_token_s": median(per_token),
-            "tokens_per_s": len(requests) * (new_tokens - 1) / (max(last) - min(first))}
+            "tokens_per_s": sum(n - 1 for n in tokens) / (max(last) - min(first))}
 
 
 def run_generate(runner, workload, new_tokens: int) -> dict:
