@@ -195,11 +195,15 @@ class LoRALinear(nn.Module):
 
 
 def install_lora(layers, bank: LoraBank) -> None:
-    """Wrap every target linear of the language model's layers (done once, at start-up)."""
+    """Wrap every target linear of the language model's layers (at start-up). A linear an earlier bank
+    wrapped (a runner a second engine starts on) moves to this bank: nested, the first bank's linear
+    would still add the deltas of the mix it last held, whatever this bank's rows."""
     for index, layer in enumerate(layers):
         for parent in (layer.self_attn, layer.mlp):
             for target in TARGETS:
                 base = getattr(parent, target, None)
+                if isinstance(base, LoRALinear):
+                    base = base.base
                 if isinstance(base, BASE_LINEARS):
                     setattr(parent, target, LoRALinear(base, bank, (index, target)))
 

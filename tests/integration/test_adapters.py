@@ -94,6 +94,29 @@ def test_mixed_batch_equals_each_adapter_alone_and_differs_from_base(engine):
         assert tokens == alone[name]
 
 
+def test_a_second_engine_on_the_same_runner_serves_every_adapter_as_the_first(tiny_model_path, adapters_dir):
+    """An engine started on a runner an earlier engine enabled LoRA on (benchmarks/adapters.py's pool run)
+    installs its own bank: nested in the first bank's linears, the first bank's last mix (here a mixed
+    batch's row mask) was added to every later forward, and a one-row prefill failed on its shape."""
+    first = make_engine(tiny_model_path, adapters_dir)
+    try:
+        alone = {name: finished(ask(first, name, PROMPT, 8)).token_ids for name in ADAPTERS + [None]}
+        threads = [threading.Thread(target=ask, args=(first, name, PROMPT, 8)) for name in ADAPTERS + ADAPTERS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert first.max_batch_seen >= 3  # the bank's last forward held a mix of several rows
+    finally:
+        first.stop()
+    config = EngineConfig(model_path=str(tiny_model_path), adapters_dir=str(adapters_dir))
+    second = Engine(config, runner=first.parts.runner).start()
+    try:
+        assert {name: finished(ask(second, name, PROMPT, 8)).token_ids for name in [None] + ADAPTERS} == alone
+    finally:
+        second.stop()
+
+
 def test_session_is_bound_to_its_adapter(engine):
     request = GenerationRequest(messages=user(QUESTIONS[0]), sampling=SamplingParams(max_tokens=8),
                                 stream=EventStream(), session_id="bound-1", open_session=True, adapter="tone")
