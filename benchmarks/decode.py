@@ -130,13 +130,17 @@ def run_ours(engine, workload, new_tokens: int) -> dict:
         close.stream.get(timeout=60)
     if errors:
         raise errors[0]
+    return decode_rates(first, last, tokens)
+
+
+def decode_rates(first: list[float], last: list[float], tokens: list[int]) -> dict:
+    """Per answer its first and last token's times and the tokens it holds (not the ones asked for: a
+    stop string still ends one early) -> the median seconds per decode step, and tokens/s over the
+    shared decode phase (the first answer's first token to the last finish)."""
     if min(tokens) < 2:
         raise RuntimeError(f"an answer of {min(tokens)} tokens has no decode step to time")
-    # the tokens each answer holds, not the ones asked for: a stop string still ends one early
     per_token = [(end - start) / (n - 1) for start, end, n in zip(first, last, tokens)]
-    # Aggregate over the shared decode phase: from the first request's first token to the last finish.
-    return {"per_token_s": median(per_token),
-            "tokens_per_s": sum(n - 1 for n in tokens) / (max(last) - min(first))}
+    return {"per_token_s": median(per_token), "tokens_per_s": sum(n - 1 for n in tokens) / (max(last) - min(first))}
 
 
 def run_generate(runner, workload, new_tokens: int) -> dict:
