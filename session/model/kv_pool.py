@@ -12,9 +12,14 @@ session/model/attention.py's FlashAttention call, token-major pools only).
 
 Growth: a pool sized from a device budget (``reserve`` from the memory plan, then ``blocks.fixed``)
 never grows: short of room, ``allocate`` refuses (CapacityExceeded) — the scheduler asked the KV
-manager first (session/model/kv_manager.py), so that is a bug's symptom, not a request's fate. Where
-nothing was reserved (CPU, no budget) the pool doubles when it runs out of free blocks: that copies the
-pool, at most log2(blocks) times in a worker's life, and never on a session's own growth.
+manager first (session/state/kv_manager.py), so that is a bug's symptom, not a request's fate. Where
+nothing was reserved (CPU, no budget) the pool doubles its blocks when it runs out of free ones. On CPU
+the tensors are address space reserved up front for as many blocks as the machine's memory holds
+(``capacity``; an anonymous mapping: the OS commits a page when it is first written and reads an
+untouched one as zeros), so doubling is bookkeeping. A copy of a 64-block pool into 128 had stopped
+every session for 2-4 s on a 2-core VM, 128 into 256 for 6-8 s, most of it the fresh pages' first
+touch (docs/MEASUREMENTS.md, "KV pool growth"). Past ``capacity``, or where the OS refuses the mapping
+(strict overcommit), or on an accelerator, growing copies the pool into new tensors (``num_grows``).
 
 Who calls this: ``ModelRunner``, which owns it, the caches it hands out (session/model/kv_cache.py) and
 the attention paths; the engine loop thread only.
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,11 +45,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def physical_memory() -> int:
+    """The machine's memory in bytes (a container's limit aside: reserving address space commits none)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class KVPool:
     """K and V tensors for every block of one model's pool, and its ``blocks`` (the bookkeeping)."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, block_tokens: int, num_blocks: int = 1, head_major: bool | None = None):
+                 device: torch.device, block_tokens: int, num_blocks: int = 1, head_major: bool | None = None,
+                 memory_bytes: int | None = None):
         self.head_major = device.type == "cpu" if head_major is None else head_major  # see the module docstring
         self.block_dim = 2 if self.head_major else 1  # the blocks' dimension of k and v
         self.num_layers = num_layers
@@ -51,9 +64,11 @@ class KVPool:
         self.dtype = dtype
         self.device = device
         self.block_tokens = block_tokens
-        self.k = self._empty(max(num_blocks, 1))
-        self.v = self._empty(max(num_blocks, 1))
-        self.blocks = BlockPool(self.num_blocks, copies=self)
+        num_blocks = max(num_blocks, 1)
+        # CPU: k and v together reserve the machine's memory (or ``memory_bytes``); untouched, it costs none
+        most = (memory_bytes or physical_memory()) // self.block_nbytes if device.type == "cpu" else 0
+        self.k, self.v = self._tensors(num_blocks, most)
+        self.blocks = BlockPool(num_blocks, copies=self)
         self.num_grows = 0  # pool copies so far (CUDA graphs captured over the old pool are stale after one)
         self.attention_backend: str | None = None  # the kernel that reads it (attention.choose_backend, once)
         # CUDA: host copies run on a side stream (``host_copy``); blocks freed while the latest may still
@@ -61,23 +76,47 @@ class KVPool:
         self.copy_stream: torch.cuda.Stream | None = None
         self.copying: torch.cuda.Event | None = None  # the event after the latest host copy, until seen complete
 
-    def _empty(self, num_blocks: int) -> torch.Tensor:
-        # Zeroed: attention over a padded block table multiplies masked positions by 0, and 0 * NaN
-        # from uninitialised memory would still be NaN.
+    def _tensors(self, num_blocks: int, reserved: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """New k and v, zeroed: attention over a padded block table multiplies masked positions by 0, and
+        0 * NaN from uninitialised memory would still be NaN. On CPU two anonymous mappings of
+        max(num_blocks, reserved) blocks (zero pages, committed as they are written). Elsewhere, or where
+        the OS refuses them (strict overcommit, a ulimit on address space: a smaller try could leave the
+        rest of the process too little), ``torch.zeros`` of ``num_blocks``."""
+        if self.device.type == "cpu":
+            most = max(num_blocks, reserved)
+            try:
+                return self._mapped(self._shape(most)), self._mapped(self._shape(most))
+            except OSError as refused:
+                logger.info("KV pool: address space for %d blocks refused (%s); %d zeroed blocks instead", most,
+                            refused, num_blocks)
+        shape = self._shape(num_blocks)
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def _shape(self, num_blocks: int) -> tuple[int, ...]:
         if self.head_major:
-            shape = (self.num_layers, self.num_kv_heads, num_blocks, self.block_tokens, self.head_dim)
-        else:
-            shape = (self.num_layers, num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return self.num_layers, self.num_kv_heads, num_blocks, self.block_tokens, self.head_dim
+        return self.num_layers, num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim
+
+    def _mapped(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A CPU tensor over an anonymous mapping of its size (the tensor keeps the mapping alive)."""
+        nbytes = self.dtype.itemsize * torch.Size(shape).numel()
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=self.dtype).view(shape)
 
     @property
     def num_blocks(self) -> int:
+        """Blocks the bookkeeping counts (the padding block included): the pool's size as sessions see it."""
+        return self.blocks.num_blocks
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the tensors hold: ``num_blocks`` grows to this many without a copy."""
         return self.k.shape[self.block_dim]
 
     @property
     def token_nbytes(self) -> int:
         """Bytes one token's keys and values take in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def block_nbytes(self) -> int:
@@ -131,20 +170,22 @@ class KVPool:
         self.blocks.settle()
 
     def reserve(self, num_blocks: int) -> None:
-        """Grow to at least ``num_blocks`` blocks (the padding block included); a no-op when it holds that many."""
+        """Grow to at least ``num_blocks`` blocks (the padding block included); a no-op when it holds that
+        many. Within ``capacity`` only the bookkeeping grows; past it the tensors are copied."""
         old = self.num_blocks
         if num_blocks <= old:
             return
-        self._settle()  # the old tensors are freed below: no host copy may still be reading them
-        if self.num_grows or old > 1:
-            logger.info("KV block pool grows from %d to %d blocks of %d tokens (copies the pool)", old,
-                        num_blocks, self.block_tokens)
-        k, v = self._empty(num_blocks), self._empty(num_blocks)
-        k.narrow(self.block_dim, 0, old).copy_(self.k)
-        v.narrow(self.block_dim, 0, old).copy_(self.v)
-        self.k, self.v = k, v
+        if num_blocks > self.capacity:
+            self._settle()  # the old tensors are freed below: no host copy may still be reading them
+            if self.num_grows or old > 1:
+                logger.info("KV block pool grows from %d to %d blocks of %d tokens (copies the pool)", old,
+                            num_blocks, self.block_tokens)
+            k, v = self._tensors(num_blocks, 2 * self.capacity)
+            k.narrow(self.block_dim, 0, old).copy_(self.k.narrow(self.block_dim, 0, old))
+            v.narrow(self.block_dim, 0, old).copy_(self.v.narrow(self.block_dim, 0, old))
+            self.k, self.v = k, v
+            self.num_grows += 1
         self.blocks.grow(num_blocks)
-        self.num_grows += 1
 
     # ---- the layout, in one place: views and copies by slot, block and layer
 

@@ -17,10 +17,10 @@ def layout(request):
     yield request.param
 
 
-def make_pool(dtype: torch.dtype = torch.float32, num_blocks: int = 1) -> KVPool:
+def make_pool(dtype: torch.dtype = torch.float32, num_blocks: int = 1, memory_bytes: int | None = None) -> KVPool:
     return KVPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
                   device=torch.device("cpu"), block_tokens=BLOCK, num_blocks=num_blocks,
-                     head_major=LAYOUT["head_major"])
+                  head_major=LAYOUT["head_major"], memory_bytes=memory_bytes)
 
 
 def block_keys(pool: KVPool, layer: int, block: int) -> torch.Tensor:
@@ -131,15 +131,59 @@ def test_keys_are_views_when_blocks_are_consecutive():
     assert torch.equal(cache.keys(0, 2), k[0, :, :2])
 
 
-def test_a_pool_without_free_blocks_grows_and_keeps_every_session():
-    pool = make_pool(num_blocks=2)
+@pytest.mark.parametrize("reserved", [None, 2], ids=["address space reserved", "2 blocks reserved"])
+def test_a_pool_without_free_blocks_grows_and_keeps_every_session(reserved):
+    """Within the reserved address space growing is bookkeeping (the same tensors); past it, a copy."""
+    block_bytes = make_pool().block_nbytes
+    pool = make_pool(num_blocks=2, memory_bytes=None if reserved is None else reserved * block_bytes)
+    assert pool.capacity == (2 if reserved else pool.capacity) and pool.capacity >= 2
+    address = pool.k.data_ptr()
     a, b = make(pool=pool), make(pool=pool)
     a.ensure_capacity(8)
     ka, _ = fill(a, 0, 8)
     b.ensure_capacity(16)  # needs 2 blocks, none free
     kb, _ = fill(b, 0, 16)
-    assert pool.num_grows == 1 and pool.num_blocks == 4
+    assert pool.num_blocks == 4 and pool.blocks.check([a.block_ids, b.block_ids]) == []
+    if reserved is None:
+        assert (pool.num_grows, pool.k.data_ptr()) == (0, address)
+    else:  # doubled past the 2 blocks: the copy holds 4
+        assert (pool.num_grows, pool.capacity) == (1, 4) and pool.k.data_ptr() != address
     assert torch.equal(a.keys(1, 8), ka[1]) and torch.equal(b.keys(0, 16), kb[0])
+    c = make(pool=pool)
+    c.ensure_capacity(1)  # a block first taken now reads zeros, as torch.zeros' would
+    assert not block_keys(pool, 0, c.block_ids[0]).any()
+
+
+def test_where_the_os_refuses_the_address_space_the_pool_is_zeroed_tensors_and_copies_to_grow(monkeypatch):
+    import session.model.kv_pool as kv_pool
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(kv_pool.mmap, "mmap", refuse)
+    pool = make_pool(num_blocks=2)
+    assert (pool.capacity, pool.num_blocks) == (2, 2)
+    a = make(pool=pool)
+    a.ensure_capacity(8)
+    ka, _ = fill(a, 0, 8)
+    make(pool=pool).ensure_capacity(16)
+    assert (pool.num_blocks, pool.capacity, pool.num_grows) == (4, 4, 1)
+    assert torch.equal(a.keys(0, 8), ka[0])
+
+
+def test_reserved_address_space_costs_memory_only_where_written():
+    """A CPU pool's tensors span the machine's memory, but a page is committed when first written."""
+    def resident_bytes() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = resident_bytes()
+    pool = KVPool(num_layers=24, num_kv_heads=8, head_dim=128, dtype=torch.float32, device=torch.device("cpu"),
+                  block_tokens=256, head_major=LAYOUT["head_major"], memory_bytes=8 << 30)
+    assert (pool.capacity, pool.num_blocks) == ((8 << 30) // pool.block_nbytes, 1)
+    pool.reserve(64)  # 3 GiB of blocks: bookkeeping only
+    assert pool.num_blocks == 64 and pool.num_grows == 0
+    assert resident_bytes() - before < 64 << 20
 
 
 def test_release_returns_blocks_for_reuse():
@@ -232,7 +276,8 @@ def test_release_of_a_static_cache_frees_its_buffers():
 def test_a_cpu_pool_is_head_major_and_each_heads_run_is_one_contiguous_stream():
     pool = KVPool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
                   device=torch.device("cpu"), block_tokens=BLOCK)
-    assert pool.head_major and pool.k.shape == (LAYERS, HEADS, 1, BLOCK, HEAD_DIM)
+    assert pool.head_major and pool.k.shape == (LAYERS, HEADS, pool.capacity, BLOCK, HEAD_DIM)
+    assert pool.num_blocks == 1 and pool.capacity > 1000  # the machine's memory, reserved
     cache = pool.new_cache(MAX)
     cache.ensure_capacity(20)
     k, _ = fill(cache, 0, 20)
