@@ -9,7 +9,8 @@ and per token, and the ratio per_row / batched (> 1: batched is faster).
 Run: python -m benchmarks.attention_paths [--levels 1 16] [--steps 32] [--context 600] [--threads 1]
 
 ``--layouts`` instead times the per-row path over a head-major and a token-major pool
-(session/model/kv_cache.py; CPU uses head-major) and checks that both give the same logits.
+(session/model/kv_pool.py; CPU uses head-major) and checks that both give the same logits, with
+torch's attention on both (RESIDENT_CPU_KERNELS=false: our kernels read head-major pools only).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import BENCH_MODEL, REPO, format_table, median, write_json
-from launch.torchserve import ensure_demo_models
+from benchmarks.common import BENCH_MODEL, REPO, ensure_bench_model, format_table, median, write_json
 
 PATHS = ("per_row", "batched")
 LAYOUTS = ("consecutive", "interleaved")  # how each session's blocks lie in the pool
@@ -114,13 +114,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: per-row decode over a head-major vs a token-major pool (CPU's choice)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    if Path(args.model_path).resolve() == BENCH_MODEL.resolve():
-        ensure_demo_models(only=["bench"])
+    ensure_bench_model(args.model_path)
     if args.threads:
         torch.set_num_threads(args.threads)
     from session.model.runner import ModelRunner
 
-    runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype)
+    # --layouts: torch's attention over both pools (our CPU kernels read a head-major pool only, so
+    # with them the two columns would compare kernels, not layouts)
+    runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype, cpu_kernels=not args.layouts)
     if args.layouts:
         return main_layouts(args, runner)
     results, rows = {}, []

@@ -21,6 +21,20 @@ from pathlib import Path
 from launch.torchserve import REPO, ensure_demo_models, start_torchserve
 
 BENCH_MODEL = REPO / "models" / "llava-bench"
+TEXT_BENCH_MODEL = REPO / "models" / "text-bench"  # llava-bench's language model as a plain Llama
+
+
+def ensure_bench_model(model_path: str | Path) -> None:
+    """Build ``llava-bench`` (and ``text-bench``, its language model as a plain Llama) where a benchmark
+    is pointed at one that is not built yet; any other path is the user's own."""
+    path = Path(model_path).resolve()
+    if path not in (BENCH_MODEL.resolve(), TEXT_BENCH_MODEL.resolve()):
+        return
+    ensure_demo_models(only=["bench"])
+    if path == TEXT_BENCH_MODEL.resolve() and not TEXT_BENCH_MODEL.exists():
+        from model_store.build_text_models import build_bench_twin
+
+        build_bench_twin(TEXT_BENCH_MODEL.parent)
 
 
 # ---------------------------------------------------------------- a peer engine in its own interpreter

@@ -20,11 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import REPO, format_table, median, write_json
+from benchmarks.common import REPO, TEXT_BENCH_MODEL, ensure_bench_model, format_table, median, write_json
 from session.model.cpu import linear as cpu_linear
 from session.model.cpu.packed_linear import can_pack
-
-TEXT_BENCH = REPO / "models" / "text-bench"
 
 
 def linears(model_path: str, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -62,13 +60,14 @@ def ours_packed(weights: list[torch.Tensor], rows: int) -> list | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", default=str(TEXT_BENCH))
+    parser.add_argument("--model-path", default=str(TEXT_BENCH_MODEL))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 600])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    ensure_bench_model(args.model_path)
     table, results = [], []
     for dtype in (getattr(torch, name) for name in args.dtypes):
         if not can_pack(torch.device("cpu"), dtype):

@@ -34,11 +34,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import BENCH_MODEL, REPO, format_table, median, write_json
-from launch.torchserve import ensure_demo_models
+from benchmarks.common import BENCH_MODEL, REPO, ensure_bench_model, format_table, median, write_json
 from session.model.runner import ModelRunner
-
-TEXT_BENCH_MODEL = REPO / "models" / "text-bench"  # llava-bench's language model as a plain Llama
 
 
 def prompts(engine, count: int):
@@ -196,12 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-tokens", type=int, default=32, help="new tokens in each turn of those chats")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    if Path(args.model_path).resolve() in (BENCH_MODEL.resolve(), TEXT_BENCH_MODEL.resolve()):
-        ensure_demo_models(only=["bench"])
-        if Path(args.model_path).resolve() == TEXT_BENCH_MODEL.resolve() and not TEXT_BENCH_MODEL.exists():
-            from model_store.build_text_models import build_bench_twin
-
-            build_bench_twin(TEXT_BENCH_MODEL.parent)
+    ensure_bench_model(args.model_path)
     generate_threads = args.threads or torch.get_num_threads()  # ours may retune the process's count
 
     variants = {"ours": {}}

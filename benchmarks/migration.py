@@ -119,6 +119,8 @@ def measure(url: str, token: str, args: argparse.Namespace) -> dict:
     before = follow_all(url, session_ids, "Anything else?", args.max_tokens)
     report = requests.post(url + "/backends/0/drain", headers={ADMIN_TOKEN_HEADER: token}, timeout=600).json()
     moved = {s["session_id"] for s in report["sessions"]}
+    if not moved:  # sticky routing put every session on the other backend: nothing to time
+        raise SystemExit(f"no session of {len(session_ids)} was on backend 0; run with more --sessions")
     first = follow_all(url, session_ids, "Tell me once more.", args.max_tokens)
     second = follow_all(url, session_ids, "And finally?", args.max_tokens)
     kept = [sid for sid in session_ids if sid not in moved]

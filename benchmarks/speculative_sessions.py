@@ -129,7 +129,7 @@ def measure(bench: PairBench, prompts: list[list[int]], sessions: int, rounds: i
     for m in methods:
         ratios = sorted(p / t for p, t in zip(seconds["plain"], seconds[m]))
         acceptance = None
-        if m in bench.engines and bench.engines[m].speculator is not None:
+        if m in bench.engines and bench.engines[m].parts.speculator is not None:
             (p0, a0), (p1, a1) = before[m], _acceptance_counts(bench.engines[m])
             acceptance = (a1 - a0) / (p1 - p0) if p1 > p0 else None
         rows.append({"method": m, "sessions": sessions, "seconds_per_round": median(seconds[m]),

@@ -131,6 +131,12 @@ def main() -> None:
                                     "rows": rows, "speculative": speculative}, indent=2))
 
 
+def acceptance(engine) -> tuple[int, int]:
+    """The speculator's running totals (accepted, proposed); zeros without one."""
+    speculator = engine.parts.speculator
+    return (0, 0) if speculator is None else (speculator.num_accepted, speculator.num_proposed)
+
+
 def speculation_rows(args) -> list[dict]:
     """Constrained batches on a plain engine and on one with ``args.speculative``, one after the other."""
     results: dict[str, dict] = {}
@@ -140,17 +146,18 @@ def speculation_rows(args) -> list[dict]:
             service = ChatService(engine, args.model.name)
             for c in args.concurrency:
                 asyncio.run(batch(service, c, True))  # warm-up (and the controller's plain-step measure)
+                a0, p0 = acceptance(engine)
                 runs = [asyncio.run(answers(service, c)) for _ in range(args.repeats)]
+                a1, p1 = acceptance(engine)
                 wall, tokens, texts = min(runs, key=lambda r: r[0] / max(r[1], 1))
-                results.setdefault(mode, {})[c] = (tokens / wall, texts)
-            speculator = engine.parts.speculator
-            accepted = "-" if speculator is None else f"{speculator.num_accepted}/{speculator.num_proposed}"
-            results[mode]["accepted"] = accepted
+                # this concurrency's timed runs only (not the warm-ups, nor the other rows)
+                accepted = "-" if engine.parts.speculator is None else f"{a1 - a0}/{p1 - p0}"
+                results.setdefault(mode, {})[c] = (tokens / wall, texts, accepted)
         finally:
             engine.stop()
     off, spec = results["off"], results[args.speculative]
     return [{"concurrency": c, "off_tok_s": off[c][0], "spec_tok_s": spec[c][0], "speedup": spec[c][0] / off[c][0],
-             "equal": off[c][1] == spec[c][1], "accepted": spec["accepted"]} for c in args.concurrency]
+             "equal": off[c][1] == spec[c][1], "accepted": spec[c][2]} for c in args.concurrency]
 
 
 async def answers(service: ChatService, concurrency: int) -> tuple[float, int, list[str]]:

@@ -19,8 +19,9 @@ Measures, each ours / llama.cpp's:
   prompts), up to N new tokens, per answer of at least 16 tokens (tokens - 1) / (Finished - Started),
   the median (benchmarks/quantization.py's measure). llama.cpp: ``llama-bench -p 0 -n N``;
 - decode@16: tokens/s of 16 streams together. Ours: 16 requests of 32 prompt tokens (Python source,
-  distinct) submitted at once, each up to N new tokens; every answer token over the time from the first
-  Started to the last Finished (the later requests' prefills fall inside it: a little against us).
+  distinct) submitted at once, each up to N new tokens; every answer's decoded tokens (its first, from
+  the prefill, left out, as llama.cpp's S_TG leaves prefill out) over the time from the first Started
+  to the last Finished (the later requests' prefills fall inside it: a little against us).
   llama.cpp: ``llama-batched-bench -npp 32 -ntg N -npl 16`` (its S_TG: generation alone);
 - prefill: tokens/s of a 600-token prompt. Ours: a fresh 600-token prompt (Python source; no prefix in
   common with an earlier one), one new token, 600 / (Finished - submit), the median of 3. llama.cpp:
@@ -198,7 +199,7 @@ def ours(model_path: str, method: str, activations: str, tokenizer, prompts: lis
             engine.submit(GenerationRequest(messages=(), token_ids=ids[:BATCH_PROMPT_TOKENS], stream=streams[-1],
                                             sampling=SamplingParams(max_tokens=new_tokens)))
         batch = [until_finished(stream) for stream in streams]
-        generated = sum(len(finished.token_ids) for _, _, finished in batch)
+        generated = sum(len(finished.token_ids) - 1 for _, _, finished in batch)  # each first token: its prefill's
         decode16 = generated / (max(done for _, done, _ in batch) - min(started for started, _, _ in batch))
         prefills = []
         for ids in sources[BATCH:BATCH + 3]:
