@@ -101,6 +101,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.compare:
         return compare()
+    if not args.base_url:
+        parser.error("--base-url is required (a running server's OpenAI route, e.g. http://127.0.0.1:8180/v1)")
     url, n, tokens = args.base_url.rstrip("/"), args.requests, args.max_tokens
     for i in range(3):
         chat(url, args.model, 100 + i, tokens)  # warm-up
