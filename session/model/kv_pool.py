@@ -16,9 +16,9 @@ manager first (session/state/kv_manager.py), so that is a bug's symptom, not a r
 nothing was reserved (CPU, no budget) the pool doubles its blocks when it runs out of free ones. On CPU
 the tensors are address space reserved up front for as many blocks as the machine's memory holds
 (``capacity``; an anonymous mapping: the OS commits a page when it is first written and reads an
-untouched one as zeros), so doubling is bookkeeping. A copy of a 64-block pool into 128 had stopped
-every session for 2-4 s on a 2-core VM, 128 into 256 for 6-8 s, most of it the fresh pages' first
-touch (docs/MEASUREMENTS.md, "KV pool growth"). Past ``capacity``, or where the OS refuses the mapping
+untouched one as zeros), so doubling is bookkeeping. A copy of SmolLM2's 128-block pool into 256 had stopped
+every session for 0.7-0.8 s on a quiet 2-core VM and 6-8 s beside another job, most of it the fresh
+pages' first touch (docs/MEASUREMENTS.md, "KV pool growth"). Past ``capacity``, or where the OS refuses the mapping
 (strict overcommit), or on an accelerator, growing copies the pool into new tensors (``num_grows``).
 
 Who calls this: ``ModelRunner``, which owns it, the caches it hands out (session/model/kv_cache.py) and
