@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                          runner=engine.parts.runner).start()
     rng = random.Random(0)
     names = [f"pool-{rng.randrange(args.pool):03d}" for _ in range(args.requests * 2)]
-    results[f"{args.pool} adapters, 8 on device, random"] = run_batch(pool_engine, names, args.new_tokens, args.concurrency,
-                                                              prompts)
+    results[f"{args.pool} adapters, 8 on device, random"] = run_batch(pool_engine, names, args.new_tokens,
+                                                                       args.concurrency, prompts)
     registry = pool_engine.parts.adapters
     loads = {"from_disk": registry.num_loads_from_disk, "to_device": registry.num_loads_to_device,
              "device_evictions": registry.num_device_evictions}
