@@ -54,10 +54,11 @@ async def converse(http: aiohttp.ClientSession, url: str, index: int, turns: int
             content.insert(0, {"type": "image_url", "image_url": {"url": image_data_url(index, size=64)}})
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
         start = time.perf_counter()
-        for _ in range(MAX_RETRIES + 1):
+        for attempt in range(MAX_RETRIES + 1):
             async with http.post(url, json=body, headers={SESSION: session_id}) as response:
                 payload = await response.json(content_type=None)
-                if response.status == 503:  # overload: back off as told, like a well-behaved client
+                # overload: back off as told, like a well-behaved client; the last 503 is a give-up, below
+                if response.status == 503 and attempt < MAX_RETRIES:
                     errors.append({"status": 503, "turn": step, "retry_after": response.headers.get("Retry-After")})
                     await asyncio.sleep(min(float(response.headers.get("Retry-After", "1")), 1.0) / 4)
                     continue

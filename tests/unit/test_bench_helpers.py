@@ -1,11 +1,15 @@
 """Small benchmark helpers whose mistakes would skew or hang a run: the burst's wait for its streams,
 and the load client's count of failures."""
 
+import asyncio
 import threading
 import time
 
+import aiohttp
 import pytest
+from aiohttp import web
 
+from benchmarks import load
 from benchmarks.burst import still_starting
 from benchmarks.load import failures
 
@@ -33,3 +37,35 @@ def test_a_stream_that_ended_early_or_never_started_stops_the_wait():
 def test_a_503_given_up_on_is_a_failure_and_one_backed_off_from_is_not():
     errors = [{"status": 503, "turn": 0}, {"status": 503, "turn": 1, "gave_up": True}, {"status": 500, "turn": 2}]
     assert [e["turn"] for e in failures(errors)] == [1, 2]
+
+
+def test_a_session_refused_every_time_counts_each_back_off_once_and_the_give_up_once(monkeypatch):
+    """Against a real aiohttp server that answers every turn 503: MAX_RETRIES back-offs, then one give-up
+    (the last 503 was once counted as both)."""
+    monkeypatch.setattr(load, "MAX_RETRIES", 3)
+    seen: list[int] = []
+
+    async def overloaded(request: web.Request) -> web.Response:
+        seen.append(1)
+        return web.json_response({"error": "busy"}, status=503, headers={"Retry-After": "0"})
+
+    async def run() -> list[dict]:
+        app = web.Application()
+        app.router.add_post("/invocations", overloaded)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        errors: list[dict] = []
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+                await load.converse(http, f"http://127.0.0.1:{port}/invocations", 0, 2, 4, [], errors)
+        finally:
+            await runner.cleanup()
+        return errors
+
+    errors = asyncio.run(run())
+    assert len(seen) == 4
+    assert [e.get("gave_up", False) for e in errors] == [False, False, False, True]
+    assert [e["turn"] for e in failures(errors)] == [0]
