@@ -15,7 +15,7 @@ Phases, one request at a time (greedy, 32 new tokens, a distinct short question 
 Reported per phase: median and worst latency, and the median's ratio to the quiet one. With
 ``--rounds N`` the quiet and neighbour phases alternate N times and each kind's figures are over all
 its rounds' requests (a shared machine's drift then falls on both sides alike). Results go to
-benchmarks/results/neighbour-<label>.json.
+<--out>/neighbour-<label>.json (benchmarks/results by default).
 """
 
 from __future__ import annotations
@@ -98,9 +98,10 @@ def main() -> None:
     parser.add_argument("--quota-pids", type=int, nargs="*", default=[])
     parser.add_argument("--quota", type=float, default=1.0, help="CPUs the quota phase allows")
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the folder results go to (and --compare reads)")
     args = parser.parse_args()
     if args.compare:
-        return compare()
+        return compare(args.out)
     if not args.base_url:
         parser.error("--base-url is required (a running server's OpenAI route, e.g. http://127.0.0.1:8180/v1)")
     url, n, tokens = args.base_url.rstrip("/"), args.requests, args.max_tokens
@@ -126,16 +127,16 @@ def main() -> None:
     quiet = phases[0]["median_s"]
     for row in phases:
         row["vs_quiet"] = row["median_s"] / quiet
-    write_json(RESULTS / f"neighbour-{args.label}.json", {"label": args.label, "phases": phases,
+    write_json(args.out / f"neighbour-{args.label}.json", {"label": args.label, "phases": phases,
                                                          "max_tokens": tokens, "requests": n, "rounds": args.rounds})
     print(format_table(["phase", "median s", "worst s", "vs quiet"],
                        [[p["phase"], f"{p['median_s']:.3f}", f"{p['worst_s']:.3f}", f"{p['vs_quiet']:.2f}x"]
                         for p in phases]))
 
 
-def compare() -> None:
+def compare(results: Path) -> None:
     rows = []
-    for path in sorted(RESULTS.glob("neighbour-*.json")):
+    for path in sorted(results.glob("neighbour-*.json")):
         data = json.loads(path.read_text())
         rows += [[data["label"], p["phase"], f"{p['median_s']:.3f}", f"{p['worst_s']:.3f}", f"{p['vs_quiet']:.2f}x"]
                  for p in data["phases"]]

@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--compare", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="the folder results go to")
     args = parser.parse_args()
     if args.compare:
         runs = [json.loads(p.read_text()) for p in args.compare]
@@ -149,7 +150,7 @@ def main() -> None:
         return
     rows = asyncio.run(measure(args.base_url, args.model, args.concurrency, args.repeats))
     valid = asyncio.run(validity(args.base_url, args.model))
-    out = REPO / "benchmarks" / "results" / f"structured_http-{args.label}.json"
+    out = args.out / f"structured_http-{args.label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"label": args.label, "base_url": args.base_url, "rows": rows, "validity": valid},
                               indent=2))
