@@ -41,7 +41,7 @@ class Run:
     stderr: str
     elapsed_s: float
     started: dict[int, psutil.Process] = field(default_factory=dict)  # pid -> every process the launcher started
-    commands: dict[int, str] = field(default_factory=dict)  # pid -> its command line, read when first seen
+    commands: dict[int, str] = field(default_factory=dict)  # pid -> its command line, as last read
     parents: dict[int, int] = field(default_factory=dict)  # pid -> its parent's pid
 
 
@@ -82,13 +82,15 @@ def record_descendants(pid: int, run: Run) -> None:
     except psutil.Error:  # exiting just now
         return
     for child in children:
-        if child.pid not in run.started:
-            try:
-                run.commands[child.pid] = " ".join(child.cmdline())
-                run.parents[child.pid] = child.ppid()
-            except psutil.Error:
-                continue
-            run.started[child.pid] = child
+        try:
+            # read again at every sample: a child seen between fork and exec still carries its parent's
+            # command line (the Java frontend, first seen so, would read as the ``torchserve`` wrapper)
+            command = " ".join(child.cmdline())
+            parent = run.parents.get(child.pid) or child.ppid()
+        except psutil.Error:
+            continue
+        run.commands[child.pid], run.parents[child.pid] = command, parent
+        run.started.setdefault(child.pid, child)
 
 
 def error_line(run: Run) -> str:
