@@ -12,6 +12,7 @@ from aiohttp import web
 from benchmarks import load
 from benchmarks.burst import still_starting
 from benchmarks.load import failures
+from tests.fake_backend import FakeServer
 
 
 def stream(pieces: int, ended: bool = False) -> dict:
@@ -39,33 +40,33 @@ def test_a_503_given_up_on_is_a_failure_and_one_backed_off_from_is_not():
     assert [e["turn"] for e in failures(errors)] == [1, 2]
 
 
+class Overloaded(FakeServer):
+    """Answers every request 503 with ``Retry-After: 0``, counting them."""
+
+    posts = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.posts += 1
+        return web.json_response({"error": "busy"}, status=503, headers={"Retry-After": "0"})
+
+
 def test_a_session_refused_every_time_counts_each_back_off_once_and_the_give_up_once(monkeypatch):
     """Against a real aiohttp server that answers every turn 503: MAX_RETRIES back-offs, then one give-up
     (the last 503 was once counted as both)."""
     monkeypatch.setattr(load, "MAX_RETRIES", 3)
-    seen: list[int] = []
-
-    async def overloaded(request: web.Request) -> web.Response:
-        seen.append(1)
-        return web.json_response({"error": "busy"}, status=503, headers={"Retry-After": "0"})
+    server = Overloaded()
 
     async def run() -> list[dict]:
-        app = web.Application()
-        app.router.add_post("/invocations", overloaded)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+        await server.start()
         errors: list[dict] = []
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-                await load.converse(http, f"http://127.0.0.1:{port}/invocations", 0, 2, 4, [], errors)
+                await load.converse(http, f"{server.url}/invocations", 0, 2, 4, [], errors)
         finally:
-            await runner.cleanup()
+            await server.stop()
         return errors
 
     errors = asyncio.run(run())
-    assert len(seen) == 4
+    assert server.posts == 4
     assert [e.get("gave_up", False) for e in errors] == [False, False, False, True]
     assert [e["turn"] for e in failures(errors)] == [0]
