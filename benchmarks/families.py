@@ -3,7 +3,8 @@
 Runs ``benchmarks.first_vs_followup --start-server`` once per checkpoint (its own TorchServe each time,
 one after another) and prints one table: the median first request, session follow-up and stateless
 follow-up, their ratios, and how many stateless answers differed from the session's where the
-stateless prompt had the session's length (greedy: 0; see first_vs_followup.count_answer_mismatches).
+stateless prompt had the session's length (greedy on a real checkpoint: about 0; a random demo's may differ,
+see first_vs_followup.count_answer_mismatches).
 The demos are tiny random models of each family's architecture, so the ratios show what sessions
 save in vision and prefill work per family, not the speed of a real checkpoint.
 

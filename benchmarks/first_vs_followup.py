@@ -172,9 +172,13 @@ def summarize(samples: list[Sample]) -> dict[str, dict]:
 
 def count_answer_mismatches(samples: list[Sample]) -> tuple[int, int]:
     """(differing, compared): stateless follow-ups whose answer differs from the session's, among those
-    whose prompt is as long as the session's. Greedy, those must be equal. The others re-send answers as
-    text, which a tokenizer need not encode back to the ids the model wrote (a random demo model writes
-    byte pieces that decode to U+FFFD), so their prompt, and answer, may differ without any fault."""
+    whose prompt is as long as the session's. A stateless request re-sends the answers as text, which a
+    tokenizer need not encode back to the ids the model wrote, so only these can be compared. A real
+    checkpoint mostly writes its tokenizer's own split, so these nearly always carry the session's ids,
+    and greedy answers must then be equal. A random demo model writes pieces that are not its
+    tokenizer's split of their own text (on the Mistral demo ``▁COL`` and a lone byte ``<0xC0>`` came
+    back as two other ids, the length unchanged), so there a difference can come from the prompt: the
+    API returns no ids to tell (the engine's tests compare them)."""
     in_session = {(s.session, s.turn): s for s in samples if s.kind == FOLLOWUP}
     pairs = [(s, in_session[(s.session, s.turn)]) for s in samples if s.kind == STATELESS]
     compared = [(a, b) for a, b in pairs if a.prompt_tokens == b.prompt_tokens]
