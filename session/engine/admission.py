@@ -42,11 +42,12 @@ logger = logging.getLogger(__name__)
 
 class Admission:
     def __init__(self, *, scheduler: Scheduler, sessions: Sessions, adapters: AdapterRegistry | None,
-                 session_ttl_s: float, clock: Callable[[], float], end: Callable[[Sequence, Cancelled], None],
-                 on_barrier: Callable[[], None]):
+                 vocab_size: int, session_ttl_s: float, clock: Callable[[], float],
+                 end: Callable[[Sequence, Cancelled], None], on_barrier: Callable[[], None]):
         self.scheduler = scheduler
         self.sessions = sessions
         self.adapters = adapters
+        self.vocab_size = vocab_size  # the logits' width: a logit_bias id at or above it names no token
         self.session_ttl_s = session_ttl_s
         self.clock = clock
         self.end = end  # Engine.end: the one place a request in flight ends
@@ -85,6 +86,10 @@ class Admission:
             item = self.scheduler.next_pending(session_id)
 
     def _generation(self, request: GenerationRequest) -> bool:
+        biased = max((token_id for token_id, _ in request.sampling.logit_bias), default=-1)
+        if biased >= self.vocab_size:  # before any work: sampling would fail after the prefill
+            raise BadRequest(f"logit_bias names token id {biased}, which is not in the vocabulary "
+                             f"(ids are below {self.vocab_size})")
         if request.adapter is not None:
             admin.registry_or_404(self.adapters, request.adapter).get(request.adapter)
         if request.request_id and self.scheduler.find(request.request_id) is not None:

@@ -11,7 +11,7 @@ import torch
 from session.config import EngineConfig
 from session.engine import CloseRequest, Engine, GenerationRequest
 from session.engine.events import TERMINAL, Closed, EventStream, Failed, Finished, Started, TextDelta
-from session.errors import ContextLengthExceeded, SessionExists, SessionNotFound
+from session.errors import BadRequest, ContextLengthExceeded, SessionExists, SessionNotFound
 from session.families.vision import NO_IMAGES
 from session.types import ImagePart, Message, SamplingParams, TextPart
 from tests.conftest import make_image
@@ -244,6 +244,28 @@ def test_context_overflow_is_refused_and_leaves_the_session_usable(engine):
     ok = turn(engine, "ctx-1", QUESTIONS[1])
     assert ok[0].cached_tokens == len(before) - 1
     run(engine, CloseRequest("ctx-1", EventStream()))
+
+
+def test_a_logit_bias_id_outside_the_vocabulary_is_refused_400_before_any_work(engine):
+    """An id the logits do not have used to fail the sampler after the prompt's prefill (a 500, the step
+    run again part by part). It is refused when admitted: nothing prefilled, no request counted failed,
+    and the session's next turn runs as if it had not come."""
+    vocab = engine.parts.runner.info.vocab_size
+    turn(engine, "bias-1", QUESTIONS[0], open_session=True)
+    before = list(engine.parts.store.get("bias-1").token_ids)
+    stats = engine.fresh_stats()
+    refused = turn(engine, "bias-1", QUESTIONS[1], logit_bias=((vocab - 1, 1.0), (vocab, 1.0)))
+    assert len(refused) == 1 and isinstance(refused[0], Failed) and isinstance(refused[0].error, BadRequest)
+    assert refused[0].error.status == 400
+    assert str(refused[0].error) == (f"logit_bias names token id {vocab}, which is not in the vocabulary "
+                                     f"(ids are below {vocab})")
+    after = engine.fresh_stats()
+    assert after.tokens["prefilled"] == stats.tokens["prefilled"]
+    assert after.requests["failed"] == stats.requests["failed"]
+    assert engine.parts.store.get("bias-1").token_ids == before
+    ok = turn(engine, "bias-1", QUESTIONS[1], logit_bias=((vocab - 1, 1.0),))
+    assert isinstance(ok[-1], Finished) and ok[0].cached_tokens == len(before) - 1
+    run(engine, CloseRequest("bias-1", EventStream()))
 
 
 def test_opening_an_id_already_open_is_refused_409_and_leaves_the_session_whole(engine):
