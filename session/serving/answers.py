@@ -75,12 +75,12 @@ class _ChatAnswer:
                 choice.num_text_sent = end
             return out
         assert isinstance(event, Finished)
-        _, calls = self._parsed(event.text)
-        if calls:
-            out += [chunk_body(ids, {"tool_calls": [call.to_openai(k)]}, index=choice.index)
-                    for k, call in enumerate(calls)]
-        elif len(event.text) > choice.num_text_sent:
-            out.append(chunk_body(ids, {"content": event.text[choice.num_text_sent:]}, index=choice.index))
+        content, calls = self._parsed(event.text)
+        owed = _unsent(content, event.text[:choice.num_text_sent])
+        if owed:
+            out.append(chunk_body(ids, {"content": owed}, index=choice.index))
+        out += [chunk_body(ids, {"tool_calls": [call.to_openai(k)]}, index=choice.index)
+                for k, call in enumerate(calls)]
         # the engine sets Finished.logprobs whenever the request asked for them
         rest = shape_logprobs(list((event.logprobs or ())[choice.num_logprobs_sent:])) if wants_logprobs else None
         out.append(chunk_body(ids, {}, finish_reason=finish_reason(event.finish_reason, calls, self.choice_mode),
@@ -91,6 +91,18 @@ class _ChatAnswer:
         if self.choice_mode.mode in ("required", "function"):
             return 0  # the answer is calls, all of it
         return streamable_prefix(text, tools.fmt)
+
+
+def _unsent(content: str | None, sent: str) -> str:
+    """What the stream still owes of the answer's final ``content`` (``choice``'s message content) after
+    ``sent``: None (a forced call, even one cut short) owes nothing; text after a call is owed. Content
+    around calls is stripped, so ``sent`` may carry spaces it lacks."""
+    if content is None:
+        return ""
+    for prefix in (sent, sent.lstrip(), sent.strip()):
+        if content.startswith(prefix):
+            return content[len(prefix):]
+    return ""
 
 
 class _TextAnswer:
