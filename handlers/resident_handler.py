@@ -25,6 +25,7 @@ from session.serving.api import ApiResponse, ChatService, error_response
 from session.serving.protocol import form_body_error, header
 
 logger = logging.getLogger(__name__)
+METRICS_REFRESH_S = 1.0  # how often the engine's stats are emitted again (when they changed)
 
 
 class ResidentHandler:
@@ -34,6 +35,8 @@ class ResidentHandler:
         self._locked_socket = None
         self.metrics = None
         self._emitted = {}  # counter key -> value last emitted (TorchServe counters take increments)
+        self._emitted_stats = None  # the EngineStats last emitted
+        self._metrics_lock = threading.Lock()  # requests' threads and the refresher emit
 
     def initialize(self, context):
         """Called by TorchServe once per worker process. Whatever raises here is also written to
@@ -50,6 +53,7 @@ class ResidentHandler:
             raise
         self.service = ChatService(engine, model_name=context.model_name)
         self.metrics = context.metrics
+        threading.Thread(target=self._refresh_metrics, name="resident-metrics", daemon=True).start()
         logger.info("resident engine ready: model %s on %s", config.model_path, engine.parts.runner.device)
         self.initialized = True
 
@@ -92,30 +96,52 @@ class ResidentHandler:
         return [json.dumps(response.body)]
 
     def _emit_metrics(self, kind: str, latency_s: float) -> None:
-        """Engine stats -> TorchServe model metrics (declared in model_store/metrics.yaml). The latency is in
-        seconds: TorchServe's Prometheus histograms take the client library's default buckets, 5 ms to 10 s."""
+        """A request's latency, and the engine's stats, as TorchServe model metrics (declared in
+        model_store/metrics.yaml). The latency is in seconds: TorchServe's Prometheus histograms take the
+        client library's default buckets, 5 ms to 10 s."""
         try:
-            stats = self.service.engine.stats()
             dims = [self.service.model_name, "Model"]
             self._metric("RequestLatencySeconds", MetricTypes.HISTOGRAM).add_or_update(latency_s, dims + [kind])
-            self._metric("LiveSessions", MetricTypes.GAUGE).add_or_update(stats.live_sessions, dims)
-            self._metric("RunningRequests", MetricTypes.GAUGE).add_or_update(stats.running_requests, dims)
-            self._metric("DeviceBudgetBytes", MetricTypes.GAUGE).add_or_update(stats.device_budget_bytes, dims)
-            self._metric("NotRecoverableSessions", MetricTypes.GAUGE).add_or_update(stats.not_recoverable_sessions,
-                                                                                    dims)
-            for tier, count in stats.sessions_by_tier.items():
-                self._metric("SessionsByTier", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
-            for tier, count in stats.resident_bytes.items():
-                self._metric("ResidentBytes", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
-            for name, counts in (("SessionEvents", stats.events), ("Tokens", stats.tokens),
-                                 ("Speculation", stats.speculation), ("RequestOutcomes", stats.requests)):
-                for key, total in counts.items():
-                    delta = total - self._emitted.get((name, key), 0)
-                    if delta:
-                        self._metric(name, MetricTypes.COUNTER).add_or_update(delta, dims + [key])
-                        self._emitted[(name, key)] = total
         except Exception:  # metrics must never fail a request
             logger.exception("emitting metrics failed")
+        self._emit_stats()
+
+    def _refresh_metrics(self) -> None:
+        """The stats again every METRICS_REFRESH_S, on a thread of its own. A request that ends may read
+        stats the engine published before it let that request go (still running, its blocks pinned),
+        and an idle server's sessions expire with no request to emit the change."""
+        while True:
+            time.sleep(METRICS_REFRESH_S)
+            self._emit_stats()
+
+    def _emit_stats(self) -> None:
+        """The engine's stats as gauges and counters, when they changed since they were last emitted."""
+        try:
+            with self._metrics_lock:
+                stats = self.service.engine.stats()
+                if stats == self._emitted_stats:
+                    return
+                self._emit_snapshot(stats, [self.service.model_name, "Model"])
+                self._emitted_stats = stats
+        except Exception:  # metrics must never fail a request, nor end the refresher
+            logger.exception("emitting metrics failed")
+
+    def _emit_snapshot(self, stats, dims: list[str]) -> None:
+        self._metric("LiveSessions", MetricTypes.GAUGE).add_or_update(stats.live_sessions, dims)
+        self._metric("RunningRequests", MetricTypes.GAUGE).add_or_update(stats.running_requests, dims)
+        self._metric("DeviceBudgetBytes", MetricTypes.GAUGE).add_or_update(stats.device_budget_bytes, dims)
+        self._metric("NotRecoverableSessions", MetricTypes.GAUGE).add_or_update(stats.not_recoverable_sessions, dims)
+        for tier, count in stats.sessions_by_tier.items():
+            self._metric("SessionsByTier", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
+        for tier, count in stats.resident_bytes.items():
+            self._metric("ResidentBytes", MetricTypes.GAUGE).add_or_update(count, dims + [tier])
+        for name, counts in (("SessionEvents", stats.events), ("Tokens", stats.tokens),
+                             ("Speculation", stats.speculation), ("RequestOutcomes", stats.requests)):
+            for key, total in counts.items():
+                delta = total - self._emitted.get((name, key), 0)
+                if delta:
+                    self._metric(name, MetricTypes.COUNTER).add_or_update(delta, dims + [key])
+                    self._emitted[(name, key)] = total
 
     def _metric(self, name, metric_type):
         return self.metrics.get_metric(name, metric_type)

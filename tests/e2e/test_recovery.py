@@ -4,7 +4,6 @@ restarts the instance, the journal brings the session back, and its next answer 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 
@@ -14,6 +13,7 @@ import requests
 from launch.torchserve import start_torchserve
 from launch.watchdog import Watchdog
 from tests.conftest import free_port, image_url
+from tests.e2e.test_torchserve import metric_values
 
 pytestmark = pytest.mark.e2e
 
@@ -30,11 +30,6 @@ def ask(server, session, text, image_seed=None):
     assert response.status_code == 200, response.text
     new_id = response.headers.get("X-Amzn-SageMaker-New-Session-Id")
     return (new_id.split(";")[0] if new_id else session), response.json()
-
-
-def metric_values(server, name: str) -> dict[str, float]:
-    text = requests.get(f"{server.metrics_url}/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
 
 
 def test_kill_9_mid_conversation_loses_nothing(tiny_model_path, tmp_path):

@@ -228,15 +228,34 @@ def test_bad_input_gets_json_4xx_and_server_keeps_serving(server, name, request_
 
 
 def test_idle_session_expires_on_the_server(tiny_model_path, tmp_path_factory):
+    """The reaper frees it with no request coming, and the metrics say so with none coming either (the
+    handler emitted them only when a request ended, so an idle server showed the session live)."""
     server = start(tmp_path_factory, "ttl", RESIDENT_SESSION_TTL_S=2, RESIDENT_REAPER_INTERVAL_S=0.2)
     try:
         session_id, _ = open_session(server)
-        time.sleep(3.5)
+        assert wait_for_metric(server, "LiveSessions", [0.0], timeout_s=15) == [0.0]
+        expired = metric_values(server, "SessionEvents")
+        assert [v for k, v in expired.items() if 'Event="expired"' in k] == [1.0]
         gone = post(server, chat("hello again"), session=session_id)
         assert gone.status_code == 404
         assert "was expired" in gone.json()["error"]["message"]  # the reaper freed it before this request
     finally:
         server.stop()
+
+
+def metric_values(server, name: str) -> dict[str, float]:
+    """A model metric's values on TorchServe's /metrics, by their labels."""
+    text = requests.get(f"{server.metrics_url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
+
+
+def wait_for_metric(server, name: str, values: list[float], timeout_s: float) -> list[float]:
+    """The metric's values once they are ``values``, or as they are after ``timeout_s`` (metric lines
+    reach TorchServe's endpoint through its log reader)."""
+    deadline = time.monotonic() + timeout_s
+    while (now := list(metric_values(server, name).values())) != values and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return now
 
 
 def test_burst_beyond_capacity_gets_only_200_or_503_then_serves(tiny_model_path, tmp_path_factory):
