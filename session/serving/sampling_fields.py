@@ -48,8 +48,11 @@ def _sampling(data: dict, default_max_tokens: int, max_new_tokens: int, legacy_l
         seed = _typed(seed, int, "seed")
         if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
             raise BadRequest(f"seed must be in [-2**63, 2**64), got {seed}")
+    processing = _processing(data, legacy_logprobs)
+    if processing["min_tokens"] > max_tokens:  # the answer could not be that long
+        raise BadRequest(f"min_tokens must not exceed max_tokens ({max_tokens}), got {processing['min_tokens']}")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                          **_processing(data, legacy_logprobs))
+                          **processing)
 
 
 def _processing(data: dict, legacy_logprobs: bool) -> dict:

@@ -31,6 +31,8 @@ def test_penalties_bias_and_extensions():
     assert bad(chat(logit_bias={"x": 1})).message == "logit_bias keys must be token ids, got 'x'"
     assert bad(chat(logit_bias={"1": 101})).message == "logit_bias['1'] must be between -100 and 100, got 101.0"
     assert bad(chat(repetition_penalty=0)).message == "repetition_penalty must be in (0, 10], got 0.0"
+    assert parse(chat(min_tokens=8, max_tokens=8)).sampling.min_tokens == 8
+    assert bad(chat(min_tokens=9, max_tokens=8)).message == "min_tokens must not exceed max_tokens (8), got 9"
 
 
 def test_response_format_kinds():
