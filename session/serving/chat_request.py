@@ -105,6 +105,9 @@ def parse_request(body: bytes | str | Mapping[str, Any] | None, headers: Mapping
         session_id = session_id.strip()
         if session_id != NEW_SESSION:
             validate_session_id(session_id)
+    if request_type == NEW_SESSION and session_id not in (None, NEW_SESSION):
+        raise BadRequest(f"requestType {NEW_SESSION!r} opens a new session, but the {SESSION_HEADER} header names "
+                         f"one: send {NEW_SESSION!r} in the header to open, or drop the requestType to continue")
     if request_type == CLOSE:
         if session_id is None or session_id == NEW_SESSION:
             raise BadRequest(f"a CLOSE request needs the session id in the {SESSION_HEADER} header")

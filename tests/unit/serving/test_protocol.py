@@ -215,6 +215,13 @@ def test_new_session_via_body_request_type():
     assert request.opens_session is True
 
 
+def test_body_request_type_new_session_with_the_header_too():
+    assert parse(chat(requestType="NEW_SESSION"), {SESSION_HEADER: NEW_SESSION}).opens_session is True
+    message = bad(chat(requestType="NEW_SESSION"), {SESSION_HEADER: new_session_id()}).message
+    assert message == ("requestType 'NEW_SESSION' opens a new session, but the X-Amzn-SageMaker-Session-Id header "
+                       "names one: send 'NEW_SESSION' in the header to open, or drop the requestType to continue")
+
+
 def test_existing_session_id_in_header():
     session_id = new_session_id()
     request = parse(chat(), {SESSION_HEADER: session_id})
