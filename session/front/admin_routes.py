@@ -93,7 +93,7 @@ class AdminRoutes:
 
     async def list_adapters(self, request: web.Request, body: bytes) -> web.Response:
         self.check_token(request)
-        [(status, answer)] = await self.on_every({"adapters": "list"}, self.router.healthy_backends[:1])
+        status, answer = await self.on_first({"adapters": "list"})
         return web.json_response(answer, status=status)
 
     async def register_adapter(self, request: web.Request, body: bytes) -> web.Response:
@@ -123,6 +123,18 @@ class AdminRoutes:
             if failed:
                 return web.json_response(failed[0][1], status=failed[0][0])
         return web.json_response({"unregistered": name, "backends": len(backends)})
+
+    async def on_first(self, payload: dict) -> tuple[int, dict]:
+        """One admin request to the healthy backends in turn, until one answers: (status, JSON body). One
+        that does not answer (down, and not yet found so by the health checks) passes it to the next."""
+        failure = None
+        for backend in self.router.healthy_backends:
+            try:
+                [answer] = await self.on_every(payload, [backend])
+                return answer
+            except BackendError as exc:
+                failure = exc
+        raise failure or BackendError("no healthy backend to manage adapters on")
 
     async def on_every(self, payload: dict, backends: list[Backend]) -> list[tuple[int, dict]]:
         """One admin request to each backend, in parallel: [(status, JSON body)] in backend order."""

@@ -55,7 +55,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from multidict import CIMultiDict
 
-from session.errors import BadRequest, PayloadTooLarge, RequestTimeout, ResidentError
+from session.errors import BackendError, BadRequest, PayloadTooLarge, RequestTimeout, ResidentError
 from session.front.admin_routes import AdminRoutes
 from session.front.answers import BACKEND_HEADER, error_response
 from session.front.backend_client import BackendAdmin
@@ -286,11 +286,15 @@ class Front:
         return [{"id": base, **shared}] + [{"id": name, **shared, "parent": base} for name in await self._adapters()]
 
     async def _adapters(self) -> list[str]:
-        """The adapters registered on the first healthy backend; none without the admin token."""
+        """The adapters registered on the first healthy backend that answers; none without the admin token,
+        or when none answers (the base model is listed all the same)."""
         if not (_started(self.admin).enabled and self.router.healthy_backends):
             return []
-        first = self.router.healthy_backends[:1]
-        [(status, body)] = await _started(self.admin_routes).on_every({"adapters": "list"}, first)
+        try:
+            status, body = await _started(self.admin_routes).on_first({"adapters": "list"})
+        except BackendError as exc:
+            logger.warning("listing the adapters for /v1/models: %s", exc)
+            return []
         return [a["name"] for a in body.get("adapters", [])] if status == 200 else []
 
     async def _forward(self, request: web.Request, body: bytes, path: str, *, events: bool,

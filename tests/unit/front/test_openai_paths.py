@@ -113,3 +113,26 @@ def test_the_served_name_and_context_length_come_from_the_environment():
     assert (config.listed_model_name, config.max_model_len, config.model_name) == ("llava-tiny", 1024, "llava")
     with pytest.raises(ConfigError, match="RESIDENT_FRONT_MAX_MODEL_LEN must be >= 0"):
         FrontConfig.from_env({"RESIDENT_FRONT_BACKENDS": "http://127.0.0.1:1", "RESIDENT_FRONT_MAX_MODEL_LEN": "-1"})
+
+
+def test_models_and_adapters_are_listed_while_the_first_backend_is_down():
+    """A backend down but not yet found so by the health checks (its next check is an hour away here):
+    the list came from the first healthy backend alone, so /v1/models and /adapters answered 502 while
+    chats went to the other. The next backend answers them."""
+    thread = LoopThread()
+    down, up = (thread.call(SessionBackend(i).start()) for i in range(2))
+    config = FrontConfig.from_env({}, backends=(down.url, up.url), health_interval_s=3600.0, admin_token=TOKEN,
+                                  served_model_name=SERVED)
+    front = Front(config)
+    thread.call(front.start("127.0.0.1", 0))
+    thread.call(front.check_health())
+    thread.call(down.stop())
+    try:
+        url = f"http://127.0.0.1:{front.port}"
+        assert [m.id for m in client(url).models.list()] == [SERVED, "support"]
+        listed = requests.get(url + "/adapters", headers={"X-Resident-Admin-Token": TOKEN}, timeout=10)
+        assert listed.status_code == 200 and [a["name"] for a in listed.json()["adapters"]] == ["support"]
+    finally:
+        thread.call(front.stop())
+        thread.call(up.stop())
+        thread.close()
