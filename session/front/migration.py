@@ -99,8 +99,19 @@ class Migrator:
             await asyncio.wait_for(event.wait(), timeout_s)
 
     async def drain(self, source: Backend) -> DrainReport:
-        """Move every session off ``source``; it gets no new sessions until ``Router.resume``."""
+        """Move every session off ``source``; it gets no new sessions until ``Router.resume``, also when
+        the drain fails (its error then says so)."""
         self.router.drain(source)
+        try:
+            return await self._drain(source)
+        except (AdminError, BackendError) as exc:
+            note = (f"; backend {source.index} stays drained (it takes no new sessions): "
+                    f"POST /backends/{source.index}/resume to undo")
+            if isinstance(exc, AdminError):
+                raise AdminError(exc.status, {"type": exc.type, "message": exc.message + note}) from None
+            raise BackendError(exc.message + note) from None
+
+    async def _drain(self, source: Backend) -> DrainReport:
         async with self._drain_lock:
             started = self.clock()
             report = DrainReport(backend=source.index)

@@ -144,6 +144,23 @@ async def test_drain_moves_every_session_and_any_front_follows_them():
             assert missing.status == 404
 
 
+async def test_a_drain_that_fails_says_the_backend_stays_drained():
+    """A backend down before the health checks saw it: its sessions cannot be listed, so the drain fails
+    (502), but the backend was already out of the choice for new sessions. The error says so, and how to
+    undo it (it said neither, and the backend went on taking no new sessions)."""
+    async with fake_backends(2) as backends:
+        async with fronts(backends) as [(_, client)]:
+            await backends[0].stop()
+            failed = await client.post("/backends/0/drain", headers={ADMIN_TOKEN_HEADER: TOKEN})
+            error = (await failed.json())["error"]
+            assert (failed.status, error["type"]) == (502, "backend_error")
+            assert error["message"].startswith("backend 0 did not answer an admin request: ")
+            assert error["message"].endswith("; backend 0 stays drained (it takes no new sessions): "
+                                             "POST /backends/0/resume to undo")
+            described = await (await client.get("/backends", headers={ADMIN_TOKEN_HEADER: TOKEN})).json()
+            assert [x["draining"] for x in described["backends"]] == [True, False]
+
+
 async def test_a_session_no_other_backend_takes_stays_on_its_source():
     async with fake_backends(2) as backends:
         async with fronts(backends) as [(_, client)]:
