@@ -101,10 +101,10 @@ class Admission:
                                          tenant=request.tenant)
         else:
             session = self.sessions.get(request.session_id)
-            if request.adapter is not None and request.adapter != session.adapter:
-                bound = f"adapter {session.adapter!r}" if session.adapter else "the base model"
-                raise AdapterMismatch(f"session {session.session_id} was opened with {bound}; its cache cannot "
-                                      f"serve adapter {request.adapter!r}: open a new session for it")
+            wanted = request.adapter if request.adapter is not None or request.base_model else session.adapter
+            if wanted != session.adapter:
+                raise AdapterMismatch(f"session {session.session_id} was opened with {_served(session.adapter)}; "
+                                      f"its cache cannot serve {_served(wanted)}: open a new session for it")
             if self._hold_if_moving(session.session_id, request):
                 return True
             if self.scheduler.is_busy(session.session_id):
@@ -197,3 +197,6 @@ class Admission:
         for later in queued:
             later.stream.put(Failed(SessionNotFound(f"session {request.session_id} was closed")))
 
+
+def _served(adapter: str | None) -> str:
+    return "the base model" if adapter is None else f"adapter {adapter!r}"

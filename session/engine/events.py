@@ -17,6 +17,7 @@ class Started:
     expires_at: float | None
     prompt_tokens: int
     cached_tokens: int
+    adapter: str | None = None  # the adapter that answers (the session's); None: the base model
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class PlanRunner:
         seq.request.stream.put(Started(
             session_id=None if session.ephemeral else session.session_id,
             expires_at=None if session.ephemeral else session.expires_at,
-            prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens))
+            prompt_tokens=seq.prompt_tokens, cached_tokens=seq.cached_tokens, adapter=session.adapter))
         self._emit(seq, [token], ended)
 
     def _fail(self, seq: Sequence, error: Exception, ended: list[Sequence]) -> None:

@@ -41,6 +41,7 @@ class GenerationRequest:
     request_id: str = ""  # also the key ``Engine.cancel`` takes
     token_ids: list[int] | None = None  # raw prompt ids instead of messages (tests, benchmarks)
     adapter: str | None = None  # LoRA adapter name; None: the session's own (or the base model)
+    base_model: bool = False  # the caller named the base model: a session opened with an adapter refuses it
     speculative: bool = True  # False: never speculate for this request
     rendered: RenderedTurn | None = None  # the prompt, rendered by the caller (``Engine.render_turn``); None: here
     grammar: Grammar | None = None  # sampling.constraint compiled by the caller (``Engine.compile_grammar``)

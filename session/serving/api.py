@@ -236,6 +236,7 @@ class ChatService:
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
             images=prepared, image_digests=tuple(digest for digest, _ in encoded),
             image_bytes=tuple(raw for _, raw in encoded), request_id=request_id, adapter=adapter,
+            base_model=adapter is None and request.model in (self.served_name, self.model_name),
             speculative=request.speculative, rendered=rendered, grammar=grammar,
             keep_special=tools is not None and request.tool_choice.mode != "none",
             cache_salt=cache_salt(request.tenant, request.cache_salt), tenant=request.tenant or "")
@@ -249,7 +250,7 @@ class ChatService:
             headers[NEW_SESSION_HEADER] = new_session_header_value(started.session_id, started.expires_at)
         elif started.session_id is not None:
             headers[SESSION_HEADER] = started.session_id
-        ids = answer.ids(request.model or self.served_name)
+        ids = answer.ids(request.model or started.adapter or self.served_name)  # a follow-up: its session's
         kind = "first" if opens else ("followup" if started.session_id else "stateless")
         if request.stream:
             return ApiResponse(status=200, headers=headers, chunks=self._rows.chunks(choices, ids, answer), kind=kind)

@@ -116,8 +116,11 @@ def test_session_keeps_its_adapter_and_blocks_unregister(cluster):
     content(opened)
     mismatch = ask(base, "domain", session=session_id)
     assert mismatch.status_code == 400 and mismatch.json()["error"]["type"] == "adapter_mismatch"
+    named_base = ask(base, session=session_id, model="llava")  # TorchServe's name for the base model
+    assert named_base.status_code == 400 and named_base.json()["error"]["type"] == "adapter_mismatch"
     follow = ask(base, session=session_id, text="And tomorrow?")
     assert follow.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert follow.json()["model"] == "tone"  # the adapter that answered, though the request named none
     busy = requests.delete(f"{base}/adapters/tone", headers=ADMIN, timeout=TIMEOUT)
     assert busy.status_code == 409 and busy.json()["error"]["type"] == "adapter_in_use"
     closed = requests.post(f"{base}/invocations", json={"requestType": "CLOSE"}, headers={SESSION_HEADER: session_id},

@@ -126,8 +126,16 @@ def test_session_is_bound_to_its_adapter(engine):
     refused = run(engine, other)[-1]
     assert isinstance(refused, Failed) and isinstance(refused.error, AdapterMismatch)
     assert refused.error.status == 400 and "opened with adapter 'tone'" in refused.error.message
+    assert refused.error.message == ("session bound-1 was opened with adapter 'tone'; its cache cannot serve "
+                                     "adapter 'domain': open a new session for it")
+    base = GenerationRequest(messages=user(QUESTIONS[1]), sampling=SamplingParams(max_tokens=8),
+                             stream=EventStream(), session_id="bound-1", base_model=True)
+    refused = run(engine, base)[-1]  # the base model named (it used to answer with the session's adapter)
+    assert isinstance(refused, Failed) and isinstance(refused.error, AdapterMismatch)
+    assert refused.error.message == ("session bound-1 was opened with adapter 'tone'; its cache cannot serve "
+                                     "the base model: open a new session for it")
     same = turn(engine, "bound-1", QUESTIONS[1])  # no adapter named: the session's own
-    assert isinstance(same[-1], Finished) and same[0].cached_tokens > 0
+    assert isinstance(same[-1], Finished) and same[0].cached_tokens > 0 and same[0].adapter == "tone"
     assert engine.parts.store.get("bound-1").adapter == "tone"
 
 
