@@ -144,6 +144,9 @@ class ChatService:
             unknown = set(data) - {"adapters", "name", "src", "pinned", "dry_run"}
             if unknown:
                 raise BadRequest(f"unknown admin field(s) {sorted(unknown)}")
+            if data.get("adapters") == "register" and data.get("name") in (self.served_name, self.model_name):
+                raise BadRequest(f"adapter name {data['name']!r} is the base model's: a request naming it gets the "
+                                 "base model, so the adapter could never be chosen; register it under another name")
             self.engine.submit(AdapterRequest(action=data.get("adapters"), stream=stream, name=data.get("name"),
                                               src=data.get("src"), pinned=bool(data.get("pinned", False)),
                                               dry_run=bool(data.get("dry_run", False)), request_id=request_id))

@@ -91,6 +91,10 @@ def test_bad_register_is_400_and_changes_nothing(cluster, served_dir):
     outside = requests.post(f"{base}/adapters", json={"name": "etc", "src": "/etc"}, headers=ADMIN, timeout=TIMEOUT)
     assert outside.status_code == 403 and outside.json()["error"]["type"] == "forbidden"
     assert "not inside RESIDENT_ADAPTERS_DIR" in outside.json()["error"]["message"]
+    named_base = requests.post(f"{base}/adapters", json={"name": "llava", "src": str(served_dir / "domain")},
+                               headers=ADMIN, timeout=TIMEOUT)  # TorchServe's name for the base model
+    assert named_base.status_code == 400 and named_base.json()["error"]["message"].startswith(
+        "adapter name 'llava' is the base model's: a request naming it gets the base model")
     assert requests.get(f"{base}/adapters", headers=ADMIN, timeout=TIMEOUT).json() == before
     assert requests.delete(f"{base}/adapters/never-was", headers=ADMIN, timeout=TIMEOUT).status_code == 404
 
