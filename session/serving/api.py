@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from session.engine import AdapterRequest, CancelRequest, CloseRequest, Engine, GenerationRequest, SessionAdminRequest
 from session.engine.events import AdminResult, Closed, EventStream, Failed
-from session.errors import BadRequest, Forbidden, ModelNotFound
+from session.errors import BadRequest, ConfigError, Forbidden, ModelNotFound
 from session.families.image_decode import decode_data_url
 from session.families.vision import NO_IMAGES
 from session.serving.answers import _ChatAnswer, _TextAnswer, _total_usage
@@ -67,6 +67,10 @@ class ChatService:
         self.engine = engine
         self.model_name = model_name  # TorchServe's name for the model (metrics), also accepted as "model"
         self.served_name = engine.config.model_name  # what answers name and /v1/models lists
+        for name in sorted({self.served_name, model_name}):  # a request naming it gets the base model
+            if engine.knows_adapter(name):
+                raise ConfigError(f"adapter {name!r} has the base model's name, so no request could choose it: "
+                                  "rename its folder in RESIDENT_ADAPTERS_DIR")
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         config = engine.config
         self.limits = PromptLimits(max_chars=config.max_prompt_chars, max_messages=config.max_messages,

@@ -12,7 +12,16 @@ import pytest
 from session.config import EngineConfig
 from session.engine import AdapterRequest, Engine, GenerationRequest
 from session.engine.events import AdminResult, EventStream, Failed, Finished
-from session.errors import AdapterInUse, AdapterMismatch, AdapterNotFound, BadRequest, Forbidden, InvalidAdapter
+from session.errors import (
+    AdapterInUse,
+    AdapterMismatch,
+    AdapterNotFound,
+    BadRequest,
+    ConfigError,
+    Forbidden,
+    InvalidAdapter,
+)
+from session.serving.api import ChatService
 from session.types import SamplingParams
 from tests.conftest import make_image
 from tests.integration.test_engine import QUESTIONS, finished, run, turn, user
@@ -115,6 +124,16 @@ def test_a_second_engine_on_the_same_runner_serves_every_adapter_as_the_first(ti
         assert {name: finished(ask(second, name, PROMPT, 8)).token_ids for name in [None] + ADAPTERS} == alone
     finally:
         second.stop()
+
+
+def test_an_adapter_with_the_base_models_name_stops_the_start(engine):
+    """A folder in RESIDENT_ADAPTERS_DIR named as the model is served (here TorchServe's name): requests
+    naming it get the base model, so it could never be chosen; the worker refuses to start."""
+    with pytest.raises(ConfigError) as refused:
+        ChatService(engine, "tone")
+    assert str(refused.value) == ("adapter 'tone' has the base model's name, so no request could choose it: "
+                                  "rename its folder in RESIDENT_ADAPTERS_DIR")
+    assert ChatService(engine, "llava").model_name == "llava"
 
 
 def test_session_is_bound_to_its_adapter(engine):
