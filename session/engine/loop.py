@@ -91,7 +91,8 @@ class Engine(Preparation):
         self._stats: EngineStats  # published before __init__ returns (_publish_stats)
         self.admission = Admission(
             scheduler=parts.scheduler, sessions=parts.sessions, adapters=parts.adapters,
-            vocab_size=parts.runner.info.vocab_size, session_ttl_s=config.session_ttl_s, clock=clock, end=self.end, on_barrier=self._publish_stats)
+            vocab_size=parts.runner.info.vocab_size, session_ttl_s=config.session_ttl_s, clock=clock, end=self.end,
+            on_barrier=self._publish_stats)
         if self.parts.journal is not None:
             self._compute.call(lambda: self.parts.sessions.restore_journal(self.clock()))
         self._publish_stats()

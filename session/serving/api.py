@@ -67,7 +67,8 @@ class ChatService:
         self.engine = engine
         self.model_name = model_name  # TorchServe's name for the model (metrics), also accepted as "model"
         self.served_name = engine.config.model_name  # what answers name and /v1/models lists
-        for name in sorted({self.served_name, model_name}):  # a request naming it gets the base model
+        self.base_names = frozenset({self.served_name, model_name})  # a "model" naming the base model
+        for name in sorted(self.base_names):
             if engine.knows_adapter(name):
                 raise ConfigError(f"adapter {name!r} has the base model's name, so no request could choose it: "
                                   "rename its folder in RESIDENT_ADAPTERS_DIR")
@@ -148,7 +149,7 @@ class ChatService:
             unknown = set(data) - {"adapters", "name", "src", "pinned", "dry_run"}
             if unknown:
                 raise BadRequest(f"unknown admin field(s) {sorted(unknown)}")
-            if data.get("adapters") == "register" and data.get("name") in (self.served_name, self.model_name):
+            if data.get("adapters") == "register" and data.get("name") in self.base_names:
                 raise BadRequest(f"adapter name {data['name']!r} is the base model's: a request naming it gets the "
                                  "base model, so the adapter could never be chosen; register it under another name")
             self.engine.submit(AdapterRequest(action=data.get("adapters"), stream=stream, name=data.get("name"),
@@ -178,7 +179,7 @@ class ChatService:
         model (by its served name, or TorchServe's); any other name is a 404 model_not_found."""
         if request.adapter:
             return request.adapter
-        if request.model is None or request.model in (self.served_name, self.model_name):
+        if request.model is None or request.model in self.base_names:
             return None
         if not self.engine.knows_adapter(request.model):
             raise ModelNotFound(f"model {request.model!r} is not served here: GET /v1/models lists "
@@ -243,7 +244,7 @@ class ChatService:
             session_id=self.engine.new_session_id() if opens else request.session_id, open_session=opens,
             images=prepared, image_digests=tuple(digest for digest, _ in encoded),
             image_bytes=tuple(raw for _, raw in encoded), request_id=request_id, adapter=adapter,
-            base_model=adapter is None and request.model in (self.served_name, self.model_name),
+            base_model=adapter is None and request.model in self.base_names,
             speculative=request.speculative, rendered=rendered, grammar=grammar,
             keep_special=tools is not None and request.tool_choice.mode != "none",
             cache_salt=cache_salt(request.tenant, request.cache_salt), tenant=request.tenant or "")
